@@ -1,0 +1,38 @@
+"""The reference shop of flask-idem: organisations, orders, and (later) payments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Flask
+
+__all__ = ["create_app"]
+
+
+def create_app(test_config: dict[str, Any] | None = None) -> Flask:
+    """Create the shop.
+
+    Configuration comes from ``FLASK_*`` environment variables (``FLASK_DATABASE_URL`` and so on, see
+    :meth:`flask.Config.from_prefixed_env`), then from ``test_config``. Without a database URL, an embedded
+    PostgreSQL is started with its data in the instance folder.
+    """
+    from . import db, orders, problems
+    from .cli import shop_cli
+    from .extensions import idem
+
+    app = Flask(__name__, instance_relative_config=True)
+    app.config.from_mapping(
+        # Bodies are small JSON documents; anything larger is refused (413) before any database work.
+        MAX_CONTENT_LENGTH=64 * 1024,
+    )
+    app.config.from_prefixed_env()
+    if test_config is not None:
+        app.config.update(test_config)
+    if not app.config.get("IDEM_DATABASE_URL"):
+        app.config["IDEM_DATABASE_URL"] = db.database_url(app)
+
+    idem.init_app(app)
+    problems.register(app)
+    app.register_blueprint(orders.bp)
+    app.cli.add_command(shop_cli)
+    return app

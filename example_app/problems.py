@@ -1,0 +1,60 @@
+"""Every error of the shop is ``application/problem+json`` (RFC 9457)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import psycopg
+from flask import Flask, Response
+from werkzeug.exceptions import HTTPException, UnprocessableEntity
+
+from flask_idem.errors import PROBLEM_JSON, database_error, problem
+
+__all__ = ["KeyAlreadyUsed", "ValidationFailed", "register"]
+
+
+class ValidationFailed(UnprocessableEntity):
+    """422 with the field errors of a request body, as marshmallow reports them."""
+
+    def __init__(self, errors: dict[str, Any]) -> None:
+        super().__init__("The request body is invalid; see 'errors' for each field.")
+        self.errors = errors
+
+    def get_body(self, environ: Any = None, scope: Any = None) -> str:
+        return json.dumps(
+            {
+                "type": "about:blank",
+                "title": "Unprocessable Content",
+                "status": self.code,
+                "detail": self.description,
+                "errors": self.errors,
+            }
+        )
+
+    def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
+        return [("Content-Type", PROBLEM_JSON)]
+
+
+class KeyAlreadyUsed(UnprocessableEntity):
+    """422: an order already exists for this key, created before the key's retention period ended."""
+
+    description = (
+        "An order was already created with this Idempotency-Key. A new order needs a new key."
+    )
+
+
+def _http_error(e: HTTPException) -> Response:
+    if isinstance(e, ValidationFailed):
+        return e.get_response()
+    return problem(e)
+
+
+def _db_error(e: psycopg.Error) -> Response:
+    return problem(database_error(e))
+
+
+def register(app: Flask) -> None:
+    """Render every HTTP error and every database error of ``app`` as problem+json."""
+    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(psycopg.Error, _db_error)

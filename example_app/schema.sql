@@ -1,0 +1,21 @@
+-- The shop's own tables. Applied by `flask --app example_app shop init-db` (safe to run twice).
+
+CREATE TABLE IF NOT EXISTS orgs (
+    id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    name         text        NOT NULL CHECK (length(name) BETWEEN 1 AND 200),
+    -- SHA-256 of the API key; the key itself is shown once, by `shop create-org`, and never stored.
+    api_key_sha  bytea       NOT NULL UNIQUE,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    revoked_at   timestamptz
+);
+
+CREATE TABLE IF NOT EXISTS orders (
+    id               bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    org_id           bigint      NOT NULL REFERENCES orgs (id),
+    idempotency_key  uuid        NOT NULL,
+    amount           bigint      NOT NULL CHECK (amount > 0),
+    currency         text        NOT NULL CHECK (currency ~ '^[A-Z]{3}$'),
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    -- A second line of defence behind flask-idem's key table: one order per key, even past retention.
+    UNIQUE (org_id, idempotency_key)
+);

@@ -1,0 +1,45 @@
+"""Request and response schemas of the shop (marshmallow)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from marshmallow import Schema, ValidationError, fields, validate
+
+__all__ = ["OrderIn", "StrictInteger"]
+
+BIGINT_MAX = 2**63 - 1
+
+
+class StrictInteger(fields.Integer):
+    """An integer that must arrive as a JSON integer: not a string, a float, or ``true``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(strict=True, **kwargs)
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> int:
+        if isinstance(value, bool):
+            raise self.make_error("invalid")
+        result: int = super()._deserialize(value, attr, data, **kwargs)
+        return result
+
+
+class OrderIn(Schema):
+    """``POST /orders``: an amount in minor units (cents) and an ISO 4217 currency code."""
+
+    amount = StrictInteger(required=True, validate=validate.Range(min=1, max=BIGINT_MAX))
+    currency = fields.String(
+        required=True,
+        validate=validate.Regexp(r"[A-Z]{3}\Z", error="Must be three uppercase letters."),
+    )
+
+
+def load(schema: Schema, data: Any) -> dict[str, Any]:
+    """Validate ``data`` with ``schema``; a failure becomes a 422 problem with the field errors."""
+    from .problems import ValidationFailed
+
+    try:
+        result: dict[str, Any] = schema.load(data)
+    except ValidationError as e:
+        raise ValidationFailed(e.normalized_messages()) from None
+    return result

@@ -1,0 +1,230 @@
+"""Errors of the extension, each a Werkzeug HTTP exception rendered as ``application/problem+json``.
+
+Every class here is both an :class:`IdempotencyError` and the matching Werkzeug exception, so Flask renders
+it without help and an application can override the rendering for one case or for all of them::
+
+    @app.errorhandler(flask_idem.errors.KeyInUse)
+    def key_in_use(e):
+        return {"message": "try again shortly"}, 409, {"Retry-After": str(e.retry_after)}
+
+The bodies follow RFC 9457 (Problem Details for HTTP APIs). They never carry the raw header value, the
+request body, SQL text, SQL parameters or connection settings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+from typing import Any, ClassVar
+
+import psycopg
+from flask import Response, has_request_context, request
+from werkzeug.exceptions import (
+    BadRequest,
+    Conflict,
+    HTTPException,
+    InternalServerError,
+    ServiceUnavailable,
+    Unauthorized,
+    UnprocessableEntity,
+)
+from werkzeug.http import HTTP_STATUS_CODES
+
+__all__ = [
+    "PROBLEM_JSON",
+    "ConfigurationError",
+    "database_error",
+    "DatabaseError",
+    "DatabaseUnavailable",
+    "IdempotencyError",
+    "InvalidBody",
+    "InvalidKey",
+    "KeyInUse",
+    "KeyMismatch",
+    "MissingKey",
+    "NoScope",
+    "problem",
+]
+
+#: The media type of every error body (RFC 9457).
+PROBLEM_JSON = "application/problem+json"
+
+_TYPE_PREFIX = "urn:flask-idem:problem:"
+
+
+class ConfigurationError(RuntimeError):
+    """The extension is set up wrongly. Raised at setup time, never while answering a request."""
+
+
+class IdempotencyError(HTTPException):
+    """Base class of the HTTP errors the extension answers.
+
+    :param detail: the human-readable explanation of this occurrence; the class's default when omitted.
+    :param retry_after: seconds for the ``Retry-After`` header, for the errors a client should retry.
+    """
+
+    #: The ``type`` member of the problem body, a stable URI clients may branch on.
+    problem_type: ClassVar[str] = "about:blank"
+    #: The ``title`` member: a short summary that is the same for every occurrence.
+    title: ClassVar[str] = "Idempotency error"
+    #: Default ``detail`` member.
+    default_detail: ClassVar[str] = ""
+
+    def __init__(self, detail: str | None = None, *, retry_after: int | None = None) -> None:
+        super().__init__(description=detail or self.default_detail)
+        self.retry_after = retry_after
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the problem details object of this error."""
+        body: dict[str, Any] = {
+            "type": self.problem_type,
+            "title": self.title,
+            "status": self.code,
+            "detail": self.description,
+        }
+        if self.retry_after is not None:
+            body["retry_after"] = self.retry_after
+        return body
+
+    def get_body(self, environ: Any = None, scope: Any = None) -> str:
+        """The problem details as JSON text (used by Werkzeug to render the exception)."""
+        return json.dumps(self.to_dict())
+
+    def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
+        """``Content-Type: application/problem+json`` and, when set, ``Retry-After``."""
+        headers = [("Content-Type", PROBLEM_JSON)]
+        if self.retry_after is not None:
+            headers.append(("Retry-After", str(self.retry_after)))
+        return headers
+
+
+class MissingKey(IdempotencyError, BadRequest):
+    """400: the route requires an ``Idempotency-Key`` header and the request has none."""
+
+    problem_type = _TYPE_PREFIX + "missing-key"
+    title = "Idempotency-Key header required"
+    default_detail = (
+        "This operation requires an Idempotency-Key header holding a UUID that the client generates "
+        "once per operation and repeats on every retry."
+    )
+
+
+class InvalidKey(IdempotencyError, BadRequest):
+    """400: the ``Idempotency-Key`` header is present but is not exactly one UUID."""
+
+    problem_type = _TYPE_PREFIX + "invalid-key"
+    title = "Invalid Idempotency-Key header"
+    default_detail = "The Idempotency-Key header must be a UUID."
+
+
+class InvalidBody(IdempotencyError, BadRequest):
+    """400: the body claims to be JSON and is not, so it has no fingerprint."""
+
+    problem_type = _TYPE_PREFIX + "invalid-body"
+    title = "Malformed request body"
+    default_detail = "The request body is not valid JSON."
+
+
+class NoScope(IdempotencyError, Unauthorized):
+    """401: the scope callable found no organisation for this request, so the key has no owner."""
+
+    problem_type = _TYPE_PREFIX + "no-scope"
+    title = "Authentication required"
+    default_detail = "Idempotency keys belong to an authenticated client; this request has none."
+
+
+class KeyInUse(IdempotencyError, Conflict):
+    """409: an earlier request with the same key is still being processed. Retry after a moment."""
+
+    problem_type = _TYPE_PREFIX + "key-in-use"
+    title = "A request with this Idempotency-Key is in progress"
+    default_detail = (
+        "An earlier request with the same Idempotency-Key has not finished yet. Retry with the same key "
+        "after the Retry-After delay to receive its result."
+    )
+
+
+class KeyMismatch(IdempotencyError, UnprocessableEntity):
+    """422: the key was already used for a different request (another method, path or body)."""
+
+    problem_type = _TYPE_PREFIX + "key-mismatch"
+    title = "Idempotency-Key reused for a different request"
+    default_detail = (
+        "This Idempotency-Key was already used for a request with a different method, path or body. "
+        "A retry must repeat the original request exactly; a new operation needs a new key."
+    )
+
+
+class DatabaseUnavailable(IdempotencyError, ServiceUnavailable):
+    """503: the key store could not be reached or the transaction could not commit. Safe to retry."""
+
+    problem_type = _TYPE_PREFIX + "store-unavailable"
+    title = "Service temporarily unavailable"
+    default_detail = (
+        "The request could not be processed and nothing was recorded. Retry with the same "
+        "Idempotency-Key after the Retry-After delay."
+    )
+
+
+class DatabaseError(IdempotencyError, InternalServerError):
+    """500: a database error that retrying will not fix; the transaction was rolled back."""
+
+    problem_type = _TYPE_PREFIX + "database-error"
+    title = "Internal server error"
+    default_detail = "The request failed and nothing was recorded."
+
+
+def problem(error: HTTPException) -> Response:
+    """Render any Werkzeug HTTP exception as an ``application/problem+json`` response.
+
+    :class:`IdempotencyError` instances keep their own type, detail and headers; other exceptions get
+    ``"type": "about:blank"`` and the standard reason phrase as title. Register it to make every error of an
+    application a problem document::
+
+        app.register_error_handler(HTTPException, flask_idem.errors.problem)
+    """
+    if isinstance(error, IdempotencyError):
+        body = error.to_dict()
+        headers = error.get_headers()
+    else:
+        code = error.code or 500
+        body = {
+            "type": "about:blank",
+            "title": HTTP_STATUS_CODES.get(code, "Unknown Error"),
+            "status": code,
+            "detail": error.description,
+        }
+        headers = [(k, v) for k, v in error.get_headers() if k.lower() != "content-type"]
+        headers.append(("Content-Type", PROBLEM_JSON))
+    return Response(json.dumps(body), status=body["status"], headers=headers)
+
+
+_logger = logging.getLogger("flask_idem")
+
+
+def database_error(error: psycopg.Error, *, retry_after: int = 1) -> IdempotencyError:
+    """The HTTP error for a driver error: 503 when retrying may help, 500 otherwise.
+
+    The error is logged by class and SQLSTATE only. Its message is never logged or sent, because
+    PostgreSQL quotes row values in it (``DETAIL: Key (...)=(...) already exists``) and libpq quotes
+    connection settings. The 500 case logs the stack frames, which hold code, not values.
+    Applications can route their own database errors through it::
+
+        @app.errorhandler(psycopg.Error)
+        def db_error(e):
+            return flask_idem.errors.problem(flask_idem.errors.database_error(e))
+    """
+    where = (request.endpoint or request.path) if has_request_context() else "a command"
+    if isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError)):
+        _logger.warning(
+            "Database unavailable in %s: %s (SQLSTATE %s); answered 503.",
+            where, type(error).__name__, error.sqlstate or "none",
+        )
+        return DatabaseUnavailable(retry_after=retry_after)
+    _logger.error(
+        "Database error in %s: %s (SQLSTATE %s); rolled back and answered 500.\n%s",
+        where, type(error).__name__, error.sqlstate or "none",
+        "".join(traceback.format_tb(error.__traceback__)),
+    )
+    return DatabaseError()

@@ -1,0 +1,141 @@
+"""The request fingerprint: a SHA-256 over the method, the path, the query and a canonical body.
+
+A retry must repeat its request exactly, but "exactly" is about meaning, not bytes: a client library may
+serialise the same JSON object with its keys in another order or with other whitespace on the second
+attempt. So JSON bodies are parsed and written again in one canonical form before hashing, and so are
+form bodies and query strings (pairs sorted). Other bodies are hashed as they are.
+
+Nothing here knows about Flask or the database; the functions take plain values so they can be tested and
+reused on their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, NoReturn
+from urllib.parse import parse_qsl, urlencode
+
+from .errors import InvalidBody
+
+__all__ = ["canonical_body", "canonical_json", "canonical_query", "fingerprint", "is_json"]
+
+#: Nesting deeper than this is refused (400) rather than parsed: no real API body needs it, and Python's
+#: parser would otherwise recurse until it fails.
+MAX_JSON_DEPTH = 64
+
+
+def is_json(mimetype: str) -> bool:
+    """Whether ``mimetype`` (without parameters) is JSON: ``application/json`` or ``*/*+json``."""
+    mimetype = mimetype.strip().lower()
+    return mimetype == "application/json" or mimetype.endswith("+json")
+
+
+def _invalid(detail: str) -> NoReturn:
+    raise InvalidBody(detail)
+
+
+def _reject_constant(name: str) -> NoReturn:
+    _invalid(f"The JSON body contains {name}, which is not valid JSON.")
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        _invalid("The JSON body has an object with the same member name twice.")
+    return result
+
+
+def _depth(data: bytes) -> int:
+    """The deepest bracket nesting of a JSON text, counted without parsing it (strings skipped)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return deepest
+
+
+def canonical_json(data: bytes) -> bytes:
+    """Parse a JSON body and serialise it canonically: sorted member names, no insignificant whitespace.
+
+    :raises InvalidBody: when the body is not UTF-8 JSON, nests deeper than :data:`MAX_JSON_DEPTH`,
+        contains ``NaN`` or ``Infinity``, or repeats a member name within one object (parsers disagree
+        on which value wins, so such a body has no single meaning to fingerprint).
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        _invalid("The JSON body is not valid UTF-8.")
+    if _depth(data) > MAX_JSON_DEPTH:
+        _invalid(f"The JSON body nests deeper than {MAX_JSON_DEPTH} levels.")
+    try:
+        value = json.loads(
+            text, object_pairs_hook=_unique_pairs, parse_constant=_reject_constant
+        )
+    except json.JSONDecodeError as e:
+        _invalid(f"The request body is not valid JSON (line {e.lineno}, column {e.colno}).")
+    except ValueError:  # e.g. an integer longer than Python's int_max_str_digits
+        _invalid("The JSON body holds a value that cannot be read.")
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def canonical_query(query: bytes) -> bytes:
+    """A query string (or form body) with its pairs sorted, so parameter order does not matter."""
+    pairs = parse_qsl(query, keep_blank_values=True)
+    return urlencode(sorted(pairs)).encode("ascii")
+
+
+def canonical_body(mimetype: str, body: bytes) -> bytes:
+    """The canonical form of a request body, by its media type.
+
+    JSON is re-serialised (:func:`canonical_json`), ``application/x-www-form-urlencoded`` has its pairs
+    sorted, an empty body stays empty, and anything else is taken byte for byte with its media type
+    in front, so the same bytes sent as two different types do not look alike.
+    """
+    if not body:
+        return b""
+    if is_json(mimetype):
+        return b"json:" + canonical_json(body)
+    if mimetype.strip().lower() == "application/x-www-form-urlencoded":
+        return b"form:" + canonical_query(body)
+    return mimetype.strip().lower().encode("latin-1", "replace") + b":" + body
+
+
+def fingerprint(*, method: str, path: str, query: bytes, mimetype: str, body: bytes) -> bytes:
+    """The 32-byte SHA-256 fingerprint of a request.
+
+    Each part is length-prefixed before hashing, so no two different requests can produce the same
+    input by moving bytes from one part into the next.
+
+    :param method: the HTTP method, e.g. ``"POST"``.
+    :param path: the request path as routed, e.g. ``"/orders/7/refunds"``.
+    :param query: the raw query string.
+    :param mimetype: the body's media type without parameters (``""`` when none).
+    :param body: the raw body.
+    :raises InvalidBody: when a JSON body is malformed (see :func:`canonical_json`).
+    """
+    digest = hashlib.sha256()
+    for part in (
+        method.upper().encode("ascii"),
+        path.encode("utf-8", "surrogateescape"),
+        canonical_query(query),
+        canonical_body(mimetype, body),
+    ):
+        digest.update(b"%d:" % len(part))
+        digest.update(part)
+    return digest.digest()

@@ -1,0 +1,61 @@
+"""Parsing and validating the ``Idempotency-Key`` request header.
+
+The IETF draft "The Idempotency-Key HTTP Header Field" defines the value as a structured-field string,
+``Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"``. Most clients send the bare UUID instead, so both
+forms are accepted. Anything else is refused before any database work: the header is the client's promise
+that every attempt of one operation carries the same value, and a value we would have to guess about cannot
+keep that promise.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+
+from .errors import InvalidKey
+
+__all__ = ["HEADER", "MAX_LENGTH", "parse_key"]
+
+#: The request header that carries the key.
+HEADER = "Idempotency-Key"
+
+#: Longest raw header value that is looked at at all. A UUID in quotes is 38 characters; the margin only
+#: exists so that "too long" is reported as such instead of as "not a UUID".
+MAX_LENGTH = 64
+
+_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+
+
+def parse_key(values: Sequence[str]) -> uuid.UUID | None:
+    """Return the idempotency key carried by the header values of one request.
+
+    :param values: every value of the ``Idempotency-Key`` header, as
+        ``request.headers.getlist("Idempotency-Key")`` returns them.
+    :return: the key, or ``None`` when the header is absent.
+    :raises InvalidKey: when the header is present but is not exactly one UUID. The problem detail
+        says what is wrong without echoing the value back.
+    """
+    if not values:
+        return None
+    if len(values) > 1:
+        raise InvalidKey("The Idempotency-Key header must be sent once, not several times.")
+    value = values[0]
+    if len(value) > MAX_LENGTH:
+        raise InvalidKey(f"The Idempotency-Key header is too long (more than {MAX_LENGTH} characters).")
+    if _PRINTABLE_ASCII.fullmatch(value) is None:
+        raise InvalidKey("The Idempotency-Key header must contain printable ASCII characters only.")
+    value = value.strip(" ")
+    if "," in value:
+        raise InvalidKey("The Idempotency-Key header must hold one key, not a list.")
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        value = value[1:-1]
+    if not value:
+        raise InvalidKey("The Idempotency-Key header is empty.")
+    if _UUID.fullmatch(value) is None:
+        raise InvalidKey(
+            "The Idempotency-Key header must be a UUID such as"
+            ' "8e03978e-40d5-43e8-bc93-6894a57f9324".'
+        )
+    return uuid.UUID(value)
