@@ -34,9 +34,7 @@ def authenticate() -> None:
     """
     match = _BEARER.fullmatch(request.headers.get("Authorization", ""))
     if match is None:
-        raise Unauthorized(
-            "Send 'Authorization: Bearer <API key>'.", www_authenticate=_CHALLENGE
-        )
+        raise Unauthorized("Send 'Authorization: Bearer <API key>'.", www_authenticate=_CHALLENGE)
     with idem.pool.connection() as conn:
         row = conn.execute(
             "SELECT id FROM orgs WHERE api_key_sha = %s AND revoked_at IS NULL",

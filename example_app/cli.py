@@ -56,6 +56,6 @@ def serve_command(host: str, port: int) -> None:
         f"Try:\n  curl -i -X POST {base}/orders -H 'Authorization: Bearer {api_key}'"
         " -H 'Content-Type: application/json'"
         f" -H \"Idempotency-Key: $(python3 -c 'import uuid; print(uuid.uuid4())')\""
-        " -d '{\"amount\": 1250, \"currency\": \"EUR\"}'"
+        ' -d \'{"amount": 1250, "currency": "EUR"}\''
     )
     current_app.run(host=host, port=port, threaded=True, use_reloader=False)

@@ -16,7 +16,6 @@ bp = Blueprint("orders", __name__)
 bp.before_request(authenticate)
 
 _order_in = OrderIn()
-_COLUMNS = "id, amount, currency, created_at"
 
 
 def _order(row: tuple[Any, ...]) -> dict[str, Any]:
@@ -38,7 +37,7 @@ def create_order() -> tuple[dict[str, Any], int, dict[str, str]]:
         "INSERT INTO orders (org_id, idempotency_key, amount, currency)"
         " VALUES (%s, %s, %s, %s)"
         " ON CONFLICT (org_id, idempotency_key) DO NOTHING"
-        " RETURNING " + _COLUMNS,
+        " RETURNING id, amount, currency, created_at",
         (g.org_id, idem.key, data["amount"], data["currency"]),
     ).fetchone()
     if row is None:
@@ -52,7 +51,7 @@ def get_order(order_id: int) -> dict[str, Any]:
     """One order of the authenticated organisation; another organisation's order is 404."""
     with idem.pool.connection() as conn:
         row = conn.execute(
-            "SELECT " + _COLUMNS + " FROM orders WHERE id = %s AND org_id = %s",
+            "SELECT id, amount, currency, created_at FROM orders WHERE id = %s AND org_id = %s",
             (order_id, g.org_id),
         ).fetchone()
     if row is None:
@@ -65,6 +64,6 @@ def list_orders() -> dict[str, Any]:
     """The authenticated organisation's orders, oldest first."""
     with idem.pool.connection() as conn:
         rows = conn.execute(
-            "SELECT " + _COLUMNS + " FROM orders WHERE org_id = %s ORDER BY id", (g.org_id,)
+            "SELECT id, amount, currency, created_at FROM orders WHERE org_id = %s ORDER BY id", (g.org_id,)
         ).fetchall()
     return {"orders": [_order(row) for row in rows]}

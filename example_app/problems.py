@@ -39,9 +39,7 @@ class ValidationFailed(UnprocessableEntity):
 class KeyAlreadyUsed(UnprocessableEntity):
     """422: an order already exists for this key, created before the key's retention period ended."""
 
-    description = (
-        "An order was already created with this Idempotency-Key. A new order needs a new key."
-    )
+    description = "An order was already created with this Idempotency-Key. A new order needs a new key."
 
 
 def _http_error(e: HTTPException) -> Response:

@@ -62,7 +62,10 @@ class ViewOptions:
 
 
 def handle(
-    state: _State, view: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
+    state: _State,
+    view: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
     options: ViewOptions,
 ) -> Response:
     """Answer one request to a decorated view."""
@@ -98,9 +101,7 @@ def handle(
             return _answer_existing(settings, options, found.record, request_sha)
         response = _run_view(Current(conn, org_id, key), view, args, kwargs)
         if response.status_code < 500:
-            state.store.complete(
-                conn, org_id=org_id, key=key, response=record_response(response, settings)
-            )
+            state.store.complete(conn, org_id=org_id, key=key, response=record_response(response, settings))
         return response
 
     return _guarded(state, atomic)

@@ -6,13 +6,16 @@ import click
 from flask import current_app
 from flask.cli import AppGroup
 
+from .store import Store
+
 __all__ = ["idem_cli"]
 
 idem_cli = AppGroup("idem", help="Manage the idempotency key table of flask-idem.")
 
 
-def _store():  # type: ignore[no-untyped-def]
-    return current_app.extensions["idem"].store
+def _store() -> Store:
+    store: Store = current_app.extensions["idem"].store
+    return store
 
 
 @idem_cli.command("init-db")
@@ -24,7 +27,10 @@ def init_db() -> None:
 
 @idem_cli.command("purge")
 @click.option(
-    "--batch-size", default=1000, show_default=True, type=click.IntRange(min=1),
+    "--batch-size",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(min=1),
     help="Rows deleted per transaction; smaller batches hold locks for less time.",
 )
 def purge(batch_size: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import traceback
+from datetime import datetime
 from typing import Any, ClassVar
 
 import psycopg
@@ -70,6 +71,8 @@ class IdempotencyError(HTTPException):
     title: ClassVar[str] = "Idempotency error"
     #: Default ``detail`` member.
     default_detail: ClassVar[str] = ""
+    #: Seconds for ``Retry-After`` (typed as Werkzeug's own attribute of the same name).
+    retry_after: datetime | int | None
 
     def __init__(self, detail: str | None = None, *, retry_after: int | None = None) -> None:
         super().__init__(description=detail or self.default_detail)
@@ -83,7 +86,7 @@ class IdempotencyError(HTTPException):
             "status": self.code,
             "detail": self.description,
         }
-        if self.retry_after is not None:
+        if isinstance(self.retry_after, int):
             body["retry_after"] = self.retry_after
         return body
 
@@ -94,7 +97,7 @@ class IdempotencyError(HTTPException):
     def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
         """``Content-Type: application/problem+json`` and, when set, ``Retry-After``."""
         headers = [("Content-Type", PROBLEM_JSON)]
-        if self.retry_after is not None:
+        if isinstance(self.retry_after, int):
             headers.append(("Retry-After", str(self.retry_after)))
         return headers
 
@@ -219,12 +222,16 @@ def database_error(error: psycopg.Error, *, retry_after: int = 1) -> Idempotency
     if isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError)):
         _logger.warning(
             "Database unavailable in %s: %s (SQLSTATE %s); answered 503.",
-            where, type(error).__name__, error.sqlstate or "none",
+            where,
+            type(error).__name__,
+            error.sqlstate or "none",
         )
         return DatabaseUnavailable(retry_after=retry_after)
     _logger.error(
         "Database error in %s: %s (SQLSTATE %s); rolled back and answered 500.\n%s",
-        where, type(error).__name__, error.sqlstate or "none",
+        where,
+        type(error).__name__,
+        error.sqlstate or "none",
         "".join(traceback.format_tb(error.__traceback__)),
     )
     return DatabaseError()

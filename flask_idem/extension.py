@@ -107,13 +107,9 @@ class Settings:
             database_url=url,
             table=table,
             key_ttl=_seconds("IDEM_KEY_TTL", config.get("IDEM_KEY_TTL", defaults.key_ttl)),
-            on_mismatch=_mismatch(
-                "IDEM_ON_MISMATCH", config.get("IDEM_ON_MISMATCH", defaults.on_mismatch)
-            ),
+            on_mismatch=_mismatch("IDEM_ON_MISMATCH", config.get("IDEM_ON_MISMATCH", defaults.on_mismatch)),
             require_key=bool(config.get("IDEM_REQUIRE_KEY", defaults.require_key)),
-            retry_after=max(
-                1, _positive_int("IDEM_RETRY_AFTER", config.get("IDEM_RETRY_AFTER", 1))
-            ),
+            retry_after=max(1, _positive_int("IDEM_RETRY_AFTER", config.get("IDEM_RETRY_AFTER", 1))),
             replay_headers=frozenset(h.lower() for h in headers),
             pool_min_size=min_size,
             pool_max_size=max_size,
@@ -276,8 +272,8 @@ class Idempotency:
     def pool(self) -> ConnectionPool[Connection]:
         """The current application's connection pool, for database work outside idempotent views::
 
-            with idem.pool.connection() as conn:
-                rows = conn.execute("SELECT ...").fetchall()
+        with idem.pool.connection() as conn:
+            rows = conn.execute("SELECT ...").fetchall()
         """
         return _state().store.pool
 

@@ -72,8 +72,8 @@ def canonical_json(data: bytes) -> bytes:
     """Parse a JSON body and serialise it canonically: sorted member names, no insignificant whitespace.
 
     :raises InvalidBody: when the body is not UTF-8 JSON, nests deeper than :data:`MAX_JSON_DEPTH`,
-        contains ``NaN`` or ``Infinity``, or repeats a member name within one object (parsers disagree
-        on which value wins, so such a body has no single meaning to fingerprint).
+        contains ``NaN``, ``Infinity`` or an escaped lone surrogate, or repeats a member name within one
+        object (parsers disagree on which value wins, so such a body has no single meaning to fingerprint).
     """
     try:
         text = data.decode("utf-8")
@@ -82,16 +82,16 @@ def canonical_json(data: bytes) -> bytes:
     if _depth(data) > MAX_JSON_DEPTH:
         _invalid(f"The JSON body nests deeper than {MAX_JSON_DEPTH} levels.")
     try:
-        value = json.loads(
-            text, object_pairs_hook=_unique_pairs, parse_constant=_reject_constant
-        )
+        value = json.loads(text, object_pairs_hook=_unique_pairs, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         _invalid(f"The request body is not valid JSON (line {e.lineno}, column {e.colno}).")
     except ValueError:  # e.g. an integer longer than Python's int_max_str_digits
         _invalid("The JSON body holds a value that cannot be read.")
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # "\ud800": an escaped lone surrogate is no character at all
+        _invalid("The JSON body contains an escaped lone surrogate, which is not text.")
 
 
 def canonical_query(query: bytes) -> bytes:

@@ -55,7 +55,6 @@ def parse_key(values: Sequence[str]) -> uuid.UUID | None:
         raise InvalidKey("The Idempotency-Key header is empty.")
     if _UUID.fullmatch(value) is None:
         raise InvalidKey(
-            "The Idempotency-Key header must be a UUID such as"
-            ' "8e03978e-40d5-43e8-bc93-6894a57f9324".'
+            'The Idempotency-Key header must be a UUID such as "8e03978e-40d5-43e8-bc93-6894a57f9324".'
         )
     return uuid.UUID(value)

@@ -194,13 +194,9 @@ class Store:
             conn.execute(self._sql.delete_expired, params)
         return Reservation(reserved=False)
 
-    def complete(
-        self, conn: Connection, *, org_id: int, key: uuid.UUID, response: dict[str, Any]
-    ) -> None:
+    def complete(self, conn: Connection, *, org_id: int, key: uuid.UUID, response: dict[str, Any]) -> None:
         """Store the response of a reserved key and mark it ``completed``, in the caller's transaction."""
-        conn.execute(
-            self._sql.complete, {"org_id": org_id, "key": key, "response": Jsonb(response)}
-        )
+        conn.execute(self._sql.complete, {"org_id": org_id, "key": key, "response": Jsonb(response)})
 
     # -- retention -------------------------------------------------------------------------------------
 
@@ -232,9 +228,8 @@ class _Statements:
             return sql.SQL(text).format(**fields)
 
         ddl = files(__package__).joinpath("schema.sql").read_text("utf-8")
-        self.schema = sql.SQL(ddl).format(**fields)  # type: ignore[arg-type]  # our own packaged file
+        self.schema = sql.SQL(ddl).format(**fields)
 
-        record = "request_sha, status, response, expires_at <= now() AS expired"
         self.reserve = q(
             "WITH reserved AS ("
             " INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, expires_at)"
@@ -246,11 +241,11 @@ class _Statements:
             ")"
             " SELECT true, NULL::bytea, NULL::text, NULL::jsonb, NULL::boolean FROM reserved"
             " UNION ALL"
-            " SELECT false, " + record + " FROM {table}"
+            " SELECT false, request_sha, status, response, expires_at <= now() FROM {table}"
             " WHERE org_id = %(org_id)s AND idem_key = %(key)s AND NOT EXISTS (SELECT FROM reserved)"
         )
         self.lookup = q(
-            "SELECT false, " + record + " FROM {table}"
+            "SELECT false, request_sha, status, response, expires_at <= now() FROM {table}"
             " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
         )
         self.delete_expired = q(

