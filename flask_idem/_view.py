@@ -1,14 +1,12 @@
 """What runs around a decorated view: parse, fingerprint, reserve, run, store, commit, or short-circuit.
 
 This module is also the one boundary where driver errors become HTTP errors: a :class:`psycopg.Error`
-leaving the transaction goes through :func:`.errors.database_error`.
+leaving a request goes through :func:`.errors.database_error`.
 """
 
 from __future__ import annotations
 
-import base64
 import hmac
-import logging
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -16,26 +14,22 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from flask import Response, current_app, g, request
-from psycopg import pq
-from werkzeug.exceptions import HTTPException
 
-from .errors import DatabaseError, KeyInUse, KeyMismatch, MissingKey, NoScope, database_error
+from . import _engine
+from ._run import in_transaction, record_response, render, replay_response
+from .errors import KeyInUse, KeyMismatch, MissingKey, NoScope, database_error
 from .fingerprint import fingerprint
+from .flow import INTENT, Flow, Run, run_from_record
 from .keys import HEADER, parse_key
 
 if TYPE_CHECKING:
     from .extension import Settings, _State
     from .store import Connection, KeyRecord
 
-__all__ = ["REPLAYED_HEADER", "SAFE_METHODS", "ViewOptions", "handle"]
-
-logger = logging.getLogger("flask_idem")
+__all__ = ["SAFE_METHODS", "Current", "ViewOptions", "current", "handle"]
 
 #: Methods that are passed through untouched: they must not change state, so retrying them is harmless.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
-
-#: Response header that marks a replayed response.
-REPLAYED_HEADER = "Idempotent-Replayed"
 
 _CURRENT_ATTR = "_flask_idem_current"
 
@@ -59,6 +53,7 @@ class ViewOptions:
     required: bool | None
     on_mismatch: str | None
     ttl: float | None
+    flow: Flow | None = None
 
 
 def handle(
@@ -69,84 +64,150 @@ def handle(
     options: ViewOptions,
 ) -> Response:
     """Answer one request to a decorated view."""
-    settings = state.settings
     if request.method in SAFE_METHODS:
         return current_app.make_response(view(*args, **kwargs))
     key = parse_key(request.headers.getlist(HEADER))
-    if key is None:
-        required = settings.require_key if options.required is None else options.required
-        if required:
-            raise MissingKey()
-        return _guarded(state, lambda conn: _run_view(Current(conn, None, None), view, args, kwargs))
-    request_sha = fingerprint(
-        method=request.method,
-        path=request.path,
-        query=request.query_string,
-        mimetype=request.mimetype,
-        body=request.get_data(cache=True),
-    )
-    org_id = _org_id(options.scope)
-
-    def atomic(conn: Connection) -> Response:
-        found = state.store.reserve(
-            conn,
-            org_id=org_id,
-            key=key,
-            request_sha=request_sha,
+    try:
+        if key is None:
+            required = state.settings.require_key if options.required is None else options.required
+            if required or options.flow is not None:
+                raise MissingKey()
+            return in_transaction(
+                state.store, lambda conn: _view_response(conn, None, None, view, args, kwargs)
+            )
+        request_sha = fingerprint(
             method=request.method,
             path=request.path,
-            ttl=settings.key_ttl if options.ttl is None else options.ttl,
+            query=request.query_string,
+            mimetype=request.mimetype,
+            body=request.get_data(cache=True),
         )
-        if not found.reserved:
-            return _answer_existing(settings, options, found.record, request_sha)
-        response = _run_view(Current(conn, org_id, key), view, args, kwargs)
-        if response.status_code < 500:
-            state.store.complete(conn, org_id=org_id, key=key, response=record_response(response, settings))
-        return response
-
-    return _guarded(state, atomic)
-
-
-def _guarded(state: _State, body: Callable[[Connection], Response]) -> Response:
-    """Run ``body`` in one transaction on a pooled connection; commit unless it fails or answers 5xx.
-
-    The response is returned only after COMMIT succeeded: a client never hears "created" for writes that
-    were rolled back.
-    """
-    try:
-        with state.store.connection() as conn:
-            with conn.transaction() as tx:
-                response = body(conn)
-                if conn.info.transaction_status == pq.TransactionStatus.INERROR:
-                    logger.error(
-                        "The view %r returned a response after a database error inside its"
-                        " transaction; the transaction was rolled back.",
-                        request.endpoint,
-                    )
-                    raise DatabaseError()
-                if response.status_code >= 500:
-                    raise psycopg.Rollback(tx)
-            return response
+        org_id = _org_id(options.scope)
+        if options.flow is None:
+            return _atomic(state, options, view, args, kwargs, org_id, key, request_sha)
+        return _multistep(state, options, options.flow, view, args, kwargs, org_id, key, request_sha)
     except psycopg.Error as e:
         raise database_error(e, retry_after=state.settings.retry_after) from None
 
 
-def _run_view(
-    running: Current, view: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+def _atomic(
+    state: _State,
+    options: ViewOptions,
+    view: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    org_id: int,
+    key: uuid.UUID,
+    request_sha: bytes,
 ) -> Response:
-    """Call the view with its connection and key published on ``g``; 4xx exceptions become responses.
+    """Reserve, run the view and store its response in one transaction."""
 
-    ``abort(404)`` and other client-error exceptions are a view's normal way of answering, so they are
-    rendered by the application's error handlers and stored like a returned 4xx. Server errors propagate
-    and roll the transaction back.
+    def body(conn: Connection) -> Response:
+        found = state.store.reserve(conn, **_reservation(state.settings, options, org_id, key, request_sha))
+        if not found.reserved:
+            return _answer_existing(state.settings, options, found.record, request_sha)
+        response = _view_response(conn, org_id, key, view, args, kwargs)
+        if response.status_code < 500:
+            state.store.complete(
+                conn, org_id=org_id, key=key, response=record_response(response, state.settings)
+            )
+        return response
+
+    return in_transaction(state.store, body)
+
+
+def _multistep(
+    state: _State,
+    options: ViewOptions,
+    flow: Flow,
+    view: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    org_id: int,
+    key: uuid.UUID,
+    request_sha: bytes,
+) -> Response:
+    """Reserve under a lease and record the intent in one short transaction, then advance step by step.
+
+    A retry finding the request processing under an expired lease takes it over (one winner) and
+    resumes it after its last finished step.
     """
-    setattr(g, _CURRENT_ATTR, running)
+    settings = state.settings
+    lease = flow.lease_timeout or settings.lease_timeout
+    token = uuid.uuid4()
+
+    def begin(conn: Connection) -> Response | Run:
+        found = state.store.reserve(
+            conn,
+            **_reservation(settings, options, org_id, key, request_sha),
+            flow=flow.name,
+            lease_token=token,
+            lease=lease,
+        )
+        if found.reserved:
+            setattr(g, _CURRENT_ATTR, Current(conn, org_id, key))
+            try:
+                intent = render(lambda: view(*args, **kwargs))
+            finally:
+                delattr(g, _CURRENT_ATTR)
+            if not isinstance(intent, dict):  # the view answered at once, e.g. abort(404)
+                response = current_app.make_response(intent)
+                if response.status_code < 500:
+                    state.store.finish(
+                        conn,
+                        org_id=org_id,
+                        key=key,
+                        token=token,
+                        response=record_response(response, settings),
+                    )
+                return response
+            state.store.record_step(
+                conn, org_id=org_id, key=key, token=token, step=INTENT, result=intent, lease=lease
+            )
+            return Run(flow=flow.name, org_id=org_id, key=key, results={INTENT: intent}, last_step=INTENT)
+        record = found.record
+        if (
+            record is not None
+            and record.status == "processing"
+            and record.flow == flow.name
+            and not record.lease_live
+            and hmac.compare_digest(record.request_sha, request_sha)
+            and state.store.take_over(conn, org_id=org_id, key=key, token=token, lease=lease)
+        ):
+            return run_from_record(flow, org_id=org_id, key=key, step=record.step, state=record.state)
+        return _answer_existing(settings, options, record, request_sha)
+
+    started = in_transaction(state.store, begin)
+    if isinstance(started, Response):
+        return started
+    return _engine.advance(state, flow, started, token, retry_in=lease)
+
+
+def _reservation(
+    settings: Settings, options: ViewOptions, org_id: int, key: uuid.UUID, request_sha: bytes
+) -> dict[str, Any]:
+    return {
+        "org_id": org_id,
+        "key": key,
+        "request_sha": request_sha,
+        "method": request.method,
+        "path": request.path,
+        "ttl": settings.key_ttl if options.ttl is None else options.ttl,
+    }
+
+
+def _view_response(
+    conn: Connection,
+    org_id: int | None,
+    key: uuid.UUID | None,
+    view: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> Response:
+    """Call the view with its connection and key published on ``g`` and make its response."""
+    setattr(g, _CURRENT_ATTR, Current(conn, org_id, key))
     try:
-        rv = view(*args, **kwargs)
-    except HTTPException as e:
-        if e.code is None or e.code >= 500:
-            raise
-        rv = current_app.handle_user_exception(e)
+        rv = render(lambda: view(*args, **kwargs))
     finally:
         delattr(g, _CURRENT_ATTR)
     return current_app.make_response(rv)
@@ -177,48 +238,12 @@ def _answer_existing(
     settings: Settings, options: ViewOptions, record: KeyRecord | None, request_sha: bytes
 ) -> Response:
     """The answer to a request whose key is already taken: 409, 422 or the stored response."""
-    if record is None or record.response is None:
+    if record is None:
         raise KeyInUse(retry_after=settings.retry_after)
     if not hmac.compare_digest(record.request_sha, request_sha):
         on_mismatch = settings.on_mismatch if options.on_mismatch is None else options.on_mismatch
         if on_mismatch != "replay":
             raise KeyMismatch()
+    if record.response is None:
+        raise KeyInUse(retry_after=settings.retry_after)
     return replay_response(record.response)
-
-
-def record_response(response: Response, settings: Settings) -> dict[str, Any]:
-    """The JSON document stored for a response: status, the headers worth replaying, and the body.
-
-    The body is kept as text when it is UTF-8 without NUL characters (which ``jsonb`` cannot hold), and
-    as base64 otherwise, so a replay is byte for byte the original.
-    """
-    data = response.get_data()
-    record: dict[str, Any] = {
-        "status": response.status_code,
-        "headers": [
-            [name, value]
-            for name, value in response.headers.items()
-            if name.lower() in settings.replay_headers
-        ],
-    }
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    if text is None or "\x00" in text:
-        record["body_b64"] = base64.b64encode(data).decode("ascii")
-    else:
-        record["body"] = text
-    return record
-
-
-def replay_response(record: Mapping[str, Any]) -> Response:
-    """Rebuild a stored response, marked with ``Idempotent-Replayed: true``.
-
-    A stored 201 is replayed as 200: the resource was created by the first request, not by this one.
-    """
-    body = record["body"].encode("utf-8") if "body" in record else base64.b64decode(record["body_b64"])
-    status = 200 if record["status"] == 201 else record["status"]
-    response = Response(body, status=status, headers=[tuple(h) for h in record["headers"]])
-    response.headers[REPLAYED_HEADER] = "true"
-    return response

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import click
+import psycopg
 from flask import current_app
 from flask.cli import AppGroup
 
+from .recovery import recover, run_forever
 from .store import Store
 
 __all__ = ["idem_cli"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 idem_cli = AppGroup("idem", help="Manage the idempotency key table of flask-idem.")
 
@@ -18,9 +28,25 @@ def _store() -> Store:
     return store
 
 
+def _database_errors(command: F) -> F:
+    """Report a database error as one line without its message, which may quote settings or values."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except psycopg.Error as e:
+            raise click.ClickException(
+                f"database error: {type(e).__name__} (SQLSTATE {e.sqlstate or 'none'})"
+            ) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
 @idem_cli.command("init-db")
+@_database_errors
 def init_db() -> None:
-    """Create the key table and its index if they do not exist (safe to run again)."""
+    """Create the key table and its indexes if they do not exist (safe to run again)."""
     _store().init_schema()
     click.echo(f"Key table {current_app.extensions['idem'].settings.table} is ready.")
 
@@ -33,10 +59,68 @@ def init_db() -> None:
     type=click.IntRange(min=1),
     help="Rows deleted per transaction; smaller batches hold locks for less time.",
 )
+@_database_errors
 def purge(batch_size: int) -> None:
     """Delete finished keys whose retention period (IDEM_KEY_TTL) has passed.
 
-    Rows still processing are never deleted. Prints how many rows were removed.
+    Rows still processing and rows flagged for a person are never deleted. Prints how many rows were
+    removed.
     """
     removed = _store().purge(batch_size=batch_size)
     click.echo(f"Purged {removed} expired key(s).")
+
+
+@idem_cli.command("recover")
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(min=1), help="Rows per pass.")
+@click.option("--loop", is_flag=True, help="Keep running, one pass every --interval seconds, until stopped.")
+@click.option(
+    "--interval",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds between passes.",
+)
+@_database_errors
+def recover_command(limit: int, loop: bool, interval: float) -> None:
+    """Finish multi-step requests stranded by a crash (their lease has expired).
+
+    Each is resumed after its last finished step; an outside call is first looked up through the step's
+    resolver. Requests past IDEM_RECOVERY_DEADLINE are marked failed and flagged for a person.
+    """
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    if loop:
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        click.echo(f"Recovering every {interval} s; stop with SIGTERM or Ctrl-C.")
+        run_forever(app, interval=interval, limit=limit, stop=stop)
+        return
+    report = recover(app, limit=limit)
+    for outcome in ("completed", "pending", "failed", "lost"):
+        for org_id, key, detail in getattr(report, outcome):
+            click.echo(f"{outcome:9} org={org_id} key={key} {detail}")
+    click.echo(
+        f"Claimed {report.claimed}: {len(report.completed)} completed, {len(report.pending)} pending,"
+        f" {len(report.failed)} failed, {len(report.lost)} lost."
+    )
+
+
+@idem_cli.command("stuck")
+@click.option(
+    "--older-than",
+    default=None,
+    type=click.FloatRange(min=0),
+    help="Report processing rows older than this many seconds. Default: twice IDEM_LEASE_TIMEOUT.",
+)
+@_database_errors
+def stuck(older_than: float | None) -> None:
+    """List requests that need a person, and requests processing for longer than expected."""
+    settings = current_app.extensions["idem"].settings
+    rows = _store().stuck(older_than=2 * settings.lease_timeout if older_than is None else older_than)
+    for row in rows:
+        flag = "NEEDS ATTENTION" if row.needs_attention else "slow"
+        click.echo(
+            f"{flag:15} org={row.org_id} key={row.key} status={row.status} flow={row.flow} step={row.step}"
+            f" attempts={row.attempts} age={row.age_seconds:.0f}s last_error={row.last_error}"
+        )
+    click.echo(f"{len(rows)} row(s).")

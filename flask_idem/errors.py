@@ -45,6 +45,8 @@ __all__ = [
     "KeyMismatch",
     "MissingKey",
     "NoScope",
+    "OperationFailed",
+    "OutcomePending",
     "problem",
 ]
 
@@ -167,6 +169,36 @@ class DatabaseUnavailable(IdempotencyError, ServiceUnavailable):
     default_detail = (
         "The request could not be processed and nothing was recorded. Retry with the same "
         "Idempotency-Key after the Retry-After delay."
+    )
+
+
+class OutcomePending(IdempotencyError, ServiceUnavailable):
+    """503: a call to an outside party ended without a known outcome. Retry with the same key.
+
+    Nothing will be done twice: the request stays recorded as in progress, and a retry with the same
+    key, or the recovery job, finds out what happened and finishes it.
+    """
+
+    problem_type = _TYPE_PREFIX + "outcome-pending"
+    title = "Outcome not known yet"
+    default_detail = (
+        "The request was accepted, but a call it depends on ended without a known outcome. Retry with "
+        "the same Idempotency-Key after the Retry-After delay; it will not be carried out twice."
+    )
+
+
+class OperationFailed(IdempotencyError, InternalServerError):
+    """500, stored: the request could not be completed within the recovery deadline.
+
+    A person has been asked to look at it (``flask idem stuck``). Retrying with the same key replays
+    this answer; it does not start the operation again.
+    """
+
+    problem_type = _TYPE_PREFIX + "operation-failed"
+    title = "Operation failed"
+    default_detail = (
+        "The request could not be completed and has been referred to a person. Retrying with the same "
+        "Idempotency-Key returns this answer again."
     )
 
 

@@ -14,6 +14,7 @@ from flask import Flask, Response, current_app
 
 from . import _view
 from .errors import ConfigurationError
+from .flow import Flow
 from .store import Store
 
 if TYPE_CHECKING:
@@ -77,6 +78,10 @@ class Settings:
     pool_min_size: int = 1
     pool_max_size: int = 10
     pool_timeout: float = 5.0
+    lease_timeout: float = 30.0
+    recovery_deadline: float = 3600.0
+    recovery_backoff: float = 2.0
+    recovery_backoff_cap: float = 300.0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Settings:
@@ -114,6 +119,12 @@ class Settings:
             pool_min_size=min_size,
             pool_max_size=max_size,
             pool_timeout=_seconds("IDEM_POOL_TIMEOUT", config.get("IDEM_POOL_TIMEOUT", 5.0)),
+            **{
+                name: _seconds(
+                    f"IDEM_{name.upper()}", config.get(f"IDEM_{name.upper()}", getattr(defaults, name))
+                )
+                for name in ("lease_timeout", "recovery_deadline", "recovery_backoff", "recovery_backoff_cap")
+            },
         )
 
 
@@ -123,6 +134,8 @@ class _State:
 
     settings: Settings
     store: Store
+    #: The flows of multi-step routes by name, for the recovery job (shared with the extension object).
+    flows: Mapping[str, Flow]
 
 
 class Idempotency:
@@ -149,6 +162,7 @@ class Idempotency:
 
     def __init__(self, app: Flask | None = None, *, scope: _view.ScopeFunc | None = None) -> None:
         self.scope = scope
+        self._flows: dict[str, Flow] = {}
         if app is not None:
             self.init_app(app)
 
@@ -174,7 +188,7 @@ class Idempotency:
             max_size=settings.pool_max_size,
             timeout=settings.pool_timeout,
         )
-        app.extensions["idem"] = _State(settings=settings, store=store)
+        app.extensions["idem"] = _State(settings=settings, store=store, flows=self._flows)
 
         from .cli import idem_cli
 
@@ -188,6 +202,7 @@ class Idempotency:
         required: bool | None = None,
         on_mismatch: str | None = None,
         ttl: float | timedelta | None = None,
+        flow: Flow | None = None,
     ) -> Callable[[F], F]:
         """Decorate a view so that retried write requests are answered once.
 
@@ -211,6 +226,10 @@ class Idempotency:
             whose request differs. Default: ``IDEM_ON_MISMATCH``.
         :param ttl: how long the key is kept, in seconds or as a ``timedelta``. Default:
             ``IDEM_KEY_TTL``.
+        :param flow: makes the route multi-step (:mod:`flask_idem.flow`): the view records the intent in
+            a short transaction and returns it as a ``dict``, and the flow's steps do the rest, each in
+            its own short transaction or, for calls outside, with no transaction at all. A key is
+            always required.
         :raises ConfigurationError: at decoration time, when there is no scope or an option is invalid.
         """
         scope = scope or self.scope
@@ -220,11 +239,19 @@ class Idempotency:
                 " idempotent(scope=...), a function returning the authenticated organisation's id."
                 " Keys are never shared globally."
             )
+        if flow is not None:
+            flow.check()
+            if required is False:
+                raise ConfigurationError("A multi-step route always requires an Idempotency-Key.")
+            known = self._flows.setdefault(flow.name, flow)
+            if known is not flow:
+                raise ConfigurationError(f"Two flows are named {flow.name!r}; flow names must be unique.")
         options = _view.ViewOptions(
             scope=scope,
             required=required,
             on_mismatch=None if on_mismatch is None else _mismatch("on_mismatch", on_mismatch),
             ttl=None if ttl is None else _seconds("ttl", ttl),
+            flow=flow,
         )
 
         def decorator(view: F) -> F:

@@ -16,9 +16,30 @@ CREATE TABLE IF NOT EXISTS {table} (
     created_at   timestamptz NOT NULL DEFAULT now(),
     -- After this moment the key is treated as new and `flask idem purge` may delete the row.
     expires_at   timestamptz NOT NULL,
+
+    -- Multi-step requests only (flask_idem.flow); NULL or defaults for atomic ones, whose rows are
+    -- never seen by others before they are completed.
+    flow             text,
+    -- The last finished step and what each finished step returned, by step name.
+    step             text,
+    state            jsonb       NOT NULL DEFAULT '{{}}',
+    -- Who may advance the request, and until when (database clock). Every step checks the token.
+    lease_token      uuid,
+    lease_expires_at timestamptz,
+    -- Resumptions so far, when the recovery job may try next, the class of the last failure, and
+    -- whether a person must look at the row.
+    attempts         integer     NOT NULL DEFAULT 0,
+    next_attempt_at  timestamptz,
+    last_error       text,
+    needs_attention  boolean     NOT NULL DEFAULT false,
+
     PRIMARY KEY (org_id, idem_key),
-    CHECK (status = 'processing' OR response IS NOT NULL)
+    CHECK (status = 'processing' OR response IS NOT NULL),
+    CHECK (status <> 'processing' OR flow IS NULL OR lease_token IS NOT NULL)
 );
 
 -- Purge walks finished rows by expiry; processing rows are never purged, so they stay out of the index.
 CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at) WHERE status <> 'processing';
+
+-- The recovery job looks for multi-step requests whose lease has expired.
+CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (lease_expires_at) WHERE status = 'processing';

@@ -22,7 +22,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources import files
 from typing import Any, LiteralString
 
@@ -32,7 +32,7 @@ from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-__all__ = ["KeyRecord", "Reservation", "Store"]
+__all__ = ["KeyRecord", "Reservation", "Store", "Stranded", "StuckRow"]
 
 Connection = psycopg.Connection[TupleRow]
 
@@ -49,6 +49,41 @@ class KeyRecord:
     status: str
     response: dict[str, Any] | None
     expired: bool
+    #: Multi-step rows: whether a worker holds the request now, the flow, and what it recorded.
+    lease_live: bool = False
+    flow: str | None = None
+    step: str | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Stranded:
+    """A multi-step request the recovery job claimed: its lease had expired."""
+
+    org_id: int
+    key: uuid.UUID
+    flow: str
+    step: str | None
+    state: dict[str, Any]
+    method: str
+    path: str
+    attempts: int
+    overdue: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StuckRow:
+    """A row ``flask idem stuck`` reports."""
+
+    org_id: int
+    key: uuid.UUID
+    status: str
+    flow: str | None
+    step: str | None
+    attempts: int
+    age_seconds: float
+    needs_attention: bool
+    last_error: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,12 +197,16 @@ class Store:
         method: str,
         path: str,
         ttl: float,
+        flow: str | None = None,
+        lease_token: uuid.UUID | None = None,
+        lease: float | None = None,
     ) -> Reservation:
         """Reserve ``key`` for ``org_id`` inside the transaction open on ``conn``, or report who has it.
 
         An expired finished row is deleted and the key reserved anew: past its retention period a key
         is treated as never seen. The caller must run this in a transaction; the reservation lasts until
-        that transaction ends.
+        that transaction ends. A multi-step request passes its ``flow`` name and a lease (a token and
+        its length in seconds), which outlive the transaction.
         """
         params = {
             "org_id": org_id,
@@ -177,6 +216,9 @@ class Store:
             "path": path,
             "ttl": ttl,
             "lock": lock_id(org_id, key),
+            "flow": flow,
+            "token": lease_token,
+            "lease": lease,
         }
         for _ in range(2):
             row = conn.execute(self._sql.reserve, params).fetchone()
@@ -188,7 +230,7 @@ class Store:
                     return Reservation(reserved=False)
             if row[0]:
                 return Reservation(reserved=True)
-            record = KeyRecord(request_sha=row[1], status=row[2], response=row[3], expired=row[4])
+            record = KeyRecord(*row[1:])
             if not (record.expired and record.status != "processing"):
                 return Reservation(reserved=False, record=record)
             conn.execute(self._sql.delete_expired, params)
@@ -198,12 +240,109 @@ class Store:
         """Store the response of a reserved key and mark it ``completed``, in the caller's transaction."""
         conn.execute(self._sql.complete, {"org_id": org_id, "key": key, "response": Jsonb(response)})
 
+    # -- multi-step mode: every write is guarded by the lease token -----------------------------------
+
+    def take_over(
+        self, conn: Connection, *, org_id: int, key: uuid.UUID, token: uuid.UUID, lease: float
+    ) -> bool:
+        """Take a processing request whose lease has expired; of concurrent callers one wins."""
+        params = {"org_id": org_id, "key": key, "token": token, "lease": lease}
+        return conn.execute(self._sql.take_over, params).rowcount == 1
+
+    def hold(self, conn: Connection, *, org_id: int, key: uuid.UUID, token: uuid.UUID, lease: float) -> bool:
+        """Renew our lease and lock the row for the caller's transaction; false if the lease is lost."""
+        params = {"org_id": org_id, "key": key, "token": token, "lease": lease}
+        return conn.execute(self._sql.hold, params).rowcount == 1
+
+    def record_step(
+        self,
+        conn: Connection,
+        *,
+        org_id: int,
+        key: uuid.UUID,
+        token: uuid.UUID,
+        step: str,
+        result: Any,
+        lease: float,
+    ) -> bool:
+        """Record that ``step`` finished with ``result`` and renew the lease; false if the lease is lost."""
+        params = {
+            "org_id": org_id,
+            "key": key,
+            "token": token,
+            "lease": lease,
+            "step": step,
+            "result": Jsonb(result),
+        }
+        return conn.execute(self._sql.record_step, params).rowcount == 1
+
+    def finish(
+        self,
+        conn: Connection,
+        *,
+        org_id: int,
+        key: uuid.UUID,
+        token: uuid.UUID,
+        response: dict[str, Any],
+        status: str = "completed",
+        error: str | None = None,
+    ) -> bool:
+        """Store the final response and end the lease; false (and nothing written) if the lease is lost.
+
+        ``status`` is ``"failed"`` when the recovery job gives up; such rows are flagged for a person.
+        """
+        params = {
+            "org_id": org_id,
+            "key": key,
+            "token": token,
+            "response": Jsonb(response),
+            "status": status,
+            "error": error,
+        }
+        return conn.execute(self._sql.finish, params).rowcount == 1
+
+    def release(
+        self,
+        conn: Connection,
+        *,
+        org_id: int,
+        key: uuid.UUID,
+        token: uuid.UUID,
+        error: str,
+        retry_in: float,
+    ) -> bool:
+        """Give the lease up after a failure so that a retry may take over at once.
+
+        The recovery job waits ``retry_in`` seconds before it tries the request itself.
+        """
+        params = {"org_id": org_id, "key": key, "token": token, "error": error, "retry_in": retry_in}
+        return conn.execute(self._sql.release, params).rowcount == 1
+
+    def claim_stranded(
+        self, conn: Connection, *, token: uuid.UUID, lease: float, limit: int, deadline: float
+    ) -> list[Stranded]:
+        """Claim up to ``limit`` processing requests whose lease expired and whose next attempt is due.
+
+        Rows locked by another claimer are skipped (``FOR UPDATE SKIP LOCKED``), and each claimed row
+        gets the lease ``token``, so two recovery processes never work on one row under one lease.
+        ``overdue`` tells whether the request is older than ``deadline`` seconds.
+        """
+        params = {"token": token, "lease": lease, "limit": limit, "deadline": deadline}
+        return [Stranded(*row) for row in conn.execute(self._sql.claim, params).fetchall()]
+
+    def stuck(self, *, older_than: float) -> list[StuckRow]:
+        """Rows flagged for a person, and processing rows older than ``older_than`` seconds."""
+        with self.connection() as conn:
+            rows = conn.execute(self._sql.stuck, {"older_than": older_than}).fetchall()
+        return [StuckRow(*row) for row in rows]
+
     # -- retention -------------------------------------------------------------------------------------
 
     def purge(self, *, batch_size: int = 1000) -> int:
         """Delete expired finished rows in batches of ``batch_size``, each its own short transaction.
 
-        ``processing`` rows are never deleted, whatever their age. Returns how many rows were removed.
+        ``processing`` rows and rows flagged for a person are never deleted, whatever their age.
+        Returns how many rows were removed.
         """
         removed = 0
         while True:
@@ -222,31 +361,48 @@ class _Statements:
         if not 1 <= len(parts) <= 2 or not all(parts):
             raise ValueError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}")
         name = sql.Identifier(*parts)
-        fields = {"table": name, "expires_index": sql.Identifier(parts[-1] + "_expires_at_idx")}
+        fields = {
+            "table": name,
+            "expires_index": sql.Identifier(parts[-1] + "_expires_at_idx"),
+            "lease_index": sql.Identifier(parts[-1] + "_lease_idx"),
+        }
+
+        # The columns a later request reads, and the guard of every write under a lease.
+        record = sql.SQL(
+            "request_sha, status, response, expires_at <= now(),"
+            " coalesce(lease_expires_at > now(), false), flow, step, state"
+        )
+        mine = sql.SQL(
+            " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
+            " AND status = 'processing' AND lease_token = %(token)s"
+        )
 
         def q(text: LiteralString) -> sql.Composed:
-            return sql.SQL(text).format(**fields)
+            return sql.SQL(text).format(**fields, record=record, mine=mine)
 
         ddl = files(__package__).joinpath("schema.sql").read_text("utf-8")
         self.schema = sql.SQL(ddl).format(**fields)
 
         self.reserve = q(
             "WITH reserved AS ("
-            " INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, expires_at)"
+            " INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, expires_at,"
+            "                      flow, lease_token, lease_expires_at)"
             " SELECT %(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, 'processing',"
-            "        now() + make_interval(secs => %(ttl)s)"
+            "        now() + make_interval(secs => %(ttl)s),"
+            "        %(flow)s, %(token)s, now() + make_interval(secs => %(lease)s)"
             " WHERE pg_try_advisory_xact_lock(%(lock)s)"
             " ON CONFLICT (org_id, idem_key) DO NOTHING"
             " RETURNING 1"
             ")"
-            " SELECT true, NULL::bytea, NULL::text, NULL::jsonb, NULL::boolean FROM reserved"
+            " SELECT true, NULL::bytea, NULL::text, NULL::jsonb, NULL::boolean,"
+            "        NULL::boolean, NULL::text, NULL::text, NULL::jsonb"
+            " FROM reserved"
             " UNION ALL"
-            " SELECT false, request_sha, status, response, expires_at <= now() FROM {table}"
+            " SELECT false, {record} FROM {table}"
             " WHERE org_id = %(org_id)s AND idem_key = %(key)s AND NOT EXISTS (SELECT FROM reserved)"
         )
         self.lookup = q(
-            "SELECT false, request_sha, status, response, expires_at <= now() FROM {table}"
-            " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
+            "SELECT false, {record} FROM {table} WHERE org_id = %(org_id)s AND idem_key = %(key)s"
         )
         self.delete_expired = q(
             "DELETE FROM {table}"
@@ -257,10 +413,54 @@ class _Statements:
             "UPDATE {table} SET status = 'completed', response = %(response)s"
             " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
         )
+        self.take_over = q(
+            "UPDATE {table} SET lease_token = %(token)s,"
+            " lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = attempts + 1"
+            " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
+            " AND status = 'processing' AND lease_expires_at <= now()"
+        )
+        self.hold = q("UPDATE {table} SET lease_expires_at = now() + make_interval(secs => %(lease)s){mine}")
+        self.record_step = q(
+            "UPDATE {table} SET step = %(step)s,"
+            " state = state || jsonb_build_object(%(step)s::text, %(result)s::jsonb),"
+            " lease_expires_at = now() + make_interval(secs => %(lease)s){mine}"
+        )
+        self.finish = q(
+            "UPDATE {table} SET status = %(status)s, response = %(response)s,"
+            " lease_token = NULL, lease_expires_at = NULL, next_attempt_at = NULL,"
+            " last_error = coalesce(%(error)s, last_error),"
+            " needs_attention = (%(status)s = 'failed'){mine}"
+        )
+        self.release = q(
+            "UPDATE {table} SET lease_expires_at = now(), last_error = %(error)s,"
+            " next_attempt_at = now() + make_interval(secs => %(retry_in)s){mine}"
+        )
+        self.claim = q(
+            "WITH due AS ("
+            " SELECT org_id, idem_key FROM {table}"
+            " WHERE status = 'processing' AND flow IS NOT NULL AND lease_expires_at <= now()"
+            " AND (next_attempt_at IS NULL OR next_attempt_at <= now())"
+            " ORDER BY lease_expires_at LIMIT %(limit)s"
+            " FOR UPDATE SKIP LOCKED"
+            ")"
+            " UPDATE {table} AS k SET lease_token = %(token)s,"
+            " lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = k.attempts + 1"
+            " FROM due WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key"
+            " RETURNING k.org_id, k.idem_key, k.flow, k.step, k.state, k.method, k.path, k.attempts,"
+            " k.created_at <= now() - make_interval(secs => %(deadline)s)"
+        )
+        self.stuck = q(
+            "SELECT org_id, idem_key, status, flow, step, attempts,"
+            " extract(epoch FROM now() - created_at)::float8, needs_attention, last_error"
+            " FROM {table}"
+            " WHERE needs_attention"
+            " OR (status = 'processing' AND created_at <= now() - make_interval(secs => %(older_than)s))"
+            " ORDER BY created_at"
+        )
         self.purge = q(
             "DELETE FROM {table} WHERE (org_id, idem_key) IN ("
             " SELECT org_id, idem_key FROM {table}"
-            " WHERE expires_at <= now() AND status <> 'processing'"
+            " WHERE expires_at <= now() AND status <> 'processing' AND NOT needs_attention"
             " ORDER BY expires_at LIMIT %(limit)s"
             " FOR UPDATE SKIP LOCKED)"
         )

@@ -1,0 +1,159 @@
+"""Advancing a multi-step request: the steps after the intent, each guarded by the lease.
+
+Used by the view (right after the intent is recorded, or when a retry takes a request over) and by the
+recovery job. Every transaction here is short and no connection is held during a call step.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+import uuid
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from flask import Response, current_app
+from werkzeug.exceptions import HTTPException
+
+from ._run import in_transaction, record_response, render
+from .errors import KeyInUse, OutcomePending
+from .flow import Flow, OutcomeUnknown, Run, Step
+
+if TYPE_CHECKING:
+    from .extension import _State
+    from .store import Connection
+
+__all__ = ["advance"]
+
+logger = logging.getLogger("flask_idem")
+
+
+class _LeaseLost(Exception):
+    """Another attempt or the recovery job took the request over; this worker must stop."""
+
+
+class _Unknown(Exception):
+    """A call step ended without a known outcome."""
+
+
+def advance(state: _State, flow: Flow, run: Run, token: uuid.UUID, *, retry_in: float) -> Response:
+    """Run the steps of ``run`` that have not finished, then its finish step; return the response.
+
+    :param token: the lease this worker holds on the request.
+    :param retry_in: when the outcome of a call stays unknown, seconds before the recovery job may try.
+    :raises KeyInUse: the lease was lost to another attempt, which will finish the request.
+    :raises OutcomePending: a call step ended without a known outcome; the lease is given up.
+    """
+    store = state.store
+    lease = flow.lease_timeout or state.settings.lease_timeout
+    ids: dict[str, Any] = {"org_id": run.org_id, "key": run.key, "token": token}
+    try:
+        for step in flow.remaining(run.last_step):
+            if step.outside:
+                result = _call_outside(step, run)
+                in_transaction(store, partial(_record, state, ids, step.name, result, lease))
+            else:
+                early = in_transaction(store, partial(_db_step, state, step, run, ids, lease))
+                if early is not None:
+                    return early
+            if step.outside:
+                run.results[step.name] = result
+            run.last_step = step.name
+        response = in_transaction(store, partial(_finish, state, flow, run, ids, lease))
+    except _LeaseLost:
+        raise KeyInUse(retry_after=state.settings.retry_after) from None
+    except _Unknown:
+        _release(state, ids, "OutcomeUnknown", retry_in)
+        raise OutcomePending(retry_after=state.settings.retry_after) from None
+    except BaseException as e:
+        _release(state, ids, type(e).__name__, retry_in)
+        raise
+    if response.status_code >= 500:  # rolled back: let a retry or the recovery job finish it
+        _release(state, ids, f"HTTP {response.status_code}", retry_in)
+    return response
+
+
+def _record(
+    state: _State, ids: dict[str, Any], step: str, result: Any, lease: float, conn: Connection
+) -> None:
+    """Record the result of a call step, if this worker still holds the lease."""
+    if not state.store.record_step(conn, **ids, step=step, result=result, lease=lease):
+        raise _LeaseLost()
+
+
+def _db_step(
+    state: _State, step: Step, run: Run, ids: dict[str, Any], lease: float, conn: Connection
+) -> Response | None:
+    """One database step in the caller's transaction; a 4xx it raises ends the request with that answer."""
+    if not state.store.hold(conn, **ids, lease=lease):
+        raise _LeaseLost()
+    run._connection = conn
+    try:
+        result = step.func(run)
+    except HTTPException as e:
+        if e.code is None or e.code >= 500:
+            raise
+        response = current_app.make_response(current_app.handle_user_exception(e))
+        _store_final(state, conn, ids, response)
+        return response
+    finally:
+        run._connection = None
+    if not state.store.record_step(conn, **ids, step=step.name, result=result, lease=lease):
+        raise _LeaseLost()
+    run.results[step.name] = result
+    return None
+
+
+def _finish(
+    state: _State, flow: Flow, run: Run, ids: dict[str, Any], lease: float, conn: Connection
+) -> Response:
+    if not state.store.hold(conn, **ids, lease=lease):
+        raise _LeaseLost()
+    assert flow.finisher is not None
+    finisher = flow.finisher
+    run._connection = conn
+    try:
+        response: Response = current_app.make_response(render(lambda: finisher(run)))
+    finally:
+        run._connection = None
+    if response.status_code < 500:
+        _store_final(state, conn, ids, response)
+    return response
+
+
+def _store_final(state: _State, conn: Connection, ids: dict[str, Any], response: Response) -> None:
+    if not state.store.finish(conn, **ids, response=record_response(response, state.settings)):
+        raise _LeaseLost()
+
+
+def _call_outside(step: Step, run: Run) -> Any:
+    """Run a call step (asking its resolver first when resuming); any failure means "outcome unknown"."""
+    try:
+        if run.resumed and step.resolve is not None:
+            found = step.resolve(run)
+            if found is not None:
+                return found
+        return step.func(run)
+    except Exception as e:
+        if isinstance(e, OutcomeUnknown):
+            logger.warning("Outcome of step %r of %s unknown: %s.", step.name, run.flow, type(e).__name__)
+        else:
+            logger.error(
+                "Step %r of %s raised %s; treated as outcome unknown.\n%s",
+                step.name,
+                run.flow,
+                type(e).__name__,
+                "".join(traceback.format_tb(e.__traceback__)),
+            )
+        raise _Unknown() from e
+
+
+def _release(state: _State, ids: dict[str, Any], error: str, retry_in: float) -> None:
+    """Give the lease up so a retry can take over at once; best effort (the lease expires anyway)."""
+    try:
+        in_transaction(
+            state.store, lambda conn: state.store.release(conn, **ids, error=error, retry_in=retry_in)
+        )
+    except psycopg.Error as e:
+        logger.warning("Could not release a lease: %s (SQLSTATE %s).", type(e).__name__, e.sqlstate)

@@ -1,0 +1,207 @@
+"""Multi-step routes: requests that call something outside the database.
+
+A payment cannot be charged inside a database transaction: holding the transaction (and its pooled
+connection) open while a gateway answers blocks locks and starves the pool, and a crash between the charge
+and the COMMIT forgets a charge that happened. So such a route works in steps, each recorded in the key
+row as it finishes:
+
+1. the view itself, in a short transaction that reserves the key under a lease and records the *intent*
+   (what the later steps need) together with the view's own writes;
+2. zero or more steps: :meth:`Flow.call` steps run with no transaction open and no connection held (the
+   outside call), :meth:`Flow.step` steps run in a short transaction of their own;
+3. the :meth:`Flow.finish` step, in a short transaction that writes the outcome and stores the response.
+
+Every step after the first checks the lease first, so a worker that lost its lease (it took too long and
+another attempt or the recovery job took the request over) changes nothing. A finished step is never run
+again: a resumed request continues after the last recorded step. An outside call is made with a key
+derived from the organisation and the idempotency key (:meth:`Run.derived_key`), so that the outside party
+deduplicates our own retries of it::
+
+    pay = Flow("payments.create")
+
+    @pay.call(resolve=lambda run: gateway.find(run.derived_key()))
+    def charge(run):
+        return gateway.charge(run.derived_key(), run.intent["amount"])
+
+    @pay.finish
+    def record(run):
+        run.connection.execute("UPDATE payments SET charge = %s ...", (run.results["charge"]["id"],))
+        return {"id": run.intent["payment_id"]}, 201
+
+    @app.post("/payments")
+    @idem.idempotent(flow=pay)
+    def create_payment():
+        ...  # validate, insert a pending payment with idem.connection
+        return {"payment_id": payment_id, "amount": amount}  # the intent
+
+Steps after the first see no request: a request may be finished by the recovery job, long after its
+client left. They get everything from the :class:`Run`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from .store import Connection
+
+__all__ = ["Flow", "OutcomeUnknown", "Run"]
+
+#: Name under which the intent (the value the view returns) is recorded.
+INTENT = "intent"
+
+_DERIVED_NAMESPACE = uuid.UUID("6b0e6f4e-55a4-4a9c-9f34-1f0c2d6b5a10")
+
+
+class OutcomeUnknown(Exception):
+    """Raised by a :meth:`Flow.call` step that cannot tell whether the outside party acted.
+
+    A timeout, a cut connection or a 5xx answer from the outside party all mean "maybe". The request
+    answers 503 with ``Retry-After``; the key stays ``processing`` until a retry with the same key or
+    the recovery job resolves it. Any other exception from a call step is treated the same way.
+    """
+
+
+@dataclass
+class Run:
+    """What a step of a multi-step request sees: who, which key, and what earlier steps recorded.
+
+    ``results`` maps step names to the values they returned; the view's return value is under
+    ``"intent"`` (also :attr:`intent`). ``resumed`` is true when this run continues a request that an
+    earlier worker started: the outside call may have happened already.
+    """
+
+    flow: str
+    org_id: int
+    key: uuid.UUID
+    results: dict[str, Any] = field(default_factory=dict)
+    last_step: str | None = None
+    resumed: bool = False
+    _connection: Connection | None = field(default=None, repr=False)
+
+    @property
+    def intent(self) -> Any:
+        """The value the view returned: what the request set out to do."""
+        return self.results[INTENT]
+
+    @property
+    def connection(self) -> Connection:
+        """The connection of the running :meth:`Flow.step` or :meth:`Flow.finish` step, in its transaction.
+
+        :raises RuntimeError: in a :meth:`Flow.call` step, which must not hold a connection.
+        """
+        if self._connection is None:
+            raise RuntimeError("Call steps run without a database connection; use a Flow.step.")
+        return self._connection
+
+    def derived_key(self, step: str | None = None) -> str:
+        """A key for the outside party, the same for every attempt of this request and step.
+
+        It is a UUID derived from the organisation, the idempotency key, the flow and the step name,
+        so two organisations using the same key never share one at the outside party.
+        """
+        name = f"{self.org_id}:{self.key}:{self.flow}:{step or ''}"
+        return str(uuid.uuid5(_DERIVED_NAMESPACE, name))
+
+
+StepFunc = Callable[[Run], Any]
+ResolveFunc = Callable[[Run], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step of a :class:`Flow` after the view."""
+
+    name: str
+    func: StepFunc
+    outside: bool
+    resolve: ResolveFunc | None = None
+
+
+class Flow:
+    """The steps of a multi-step route, in the order they are declared.
+
+    :param name: a stable name, stored in the key row so the recovery job can find the flow again after
+        a restart. Changing it strands requests in flight.
+    :param lease_timeout: seconds a worker may hold a request between two steps before another attempt
+        may take it over; longer than the slowest outside call. Default: ``IDEM_LEASE_TIMEOUT``.
+    """
+
+    def __init__(self, name: str, *, lease_timeout: float | None = None) -> None:
+        if not name:
+            raise ConfigurationError("A Flow needs a name.")
+        if lease_timeout is not None and lease_timeout <= 0:
+            raise ConfigurationError("lease_timeout must be a positive number of seconds.")
+        self.name = name
+        self.lease_timeout = lease_timeout
+        self.steps: list[Step] = []
+        self.finisher: StepFunc | None = None
+
+    def _add(self, step: Step) -> None:
+        if self.finisher is not None:
+            raise ConfigurationError(f"Flow {self.name!r}: declare {step.name!r} before its finish step.")
+        if step.name == INTENT or any(s.name == step.name for s in self.steps):
+            raise ConfigurationError(f"Flow {self.name!r} already has a step named {step.name!r}.")
+        self.steps.append(step)
+
+    def step(self, func: StepFunc) -> StepFunc:
+        """Declare a database step: it runs in a short transaction of its own (:attr:`Run.connection`).
+
+        Its return value (JSON-serialisable) is recorded in that transaction.
+        """
+        self._add(Step(func.__name__, func, outside=False))
+        return func
+
+    def call(self, func: StepFunc | None = None, *, resolve: ResolveFunc | None = None) -> Any:
+        """Declare a step that calls outside: it runs with no transaction and no connection.
+
+        Its return value (JSON-serialisable) is recorded in a short transaction afterwards. Raise
+        :class:`OutcomeUnknown` when the outcome cannot be known.
+
+        :param resolve: asked first when the step is resumed (the call may have happened before a
+            crash): returns the outcome the outside party has on record, in the same form as the step,
+            or ``None`` when it has none, in which case the call is made again with the same key.
+        """
+
+        def add(f: StepFunc) -> StepFunc:
+            self._add(Step(f.__name__, f, outside=True, resolve=resolve))
+            return f
+
+        return add if func is None else add(func)
+
+    def finish(self, func: StepFunc) -> StepFunc:
+        """Declare the last step: a short transaction that writes the outcome and returns the response.
+
+        It returns what a Flask view returns. A response under 500 is stored and the key completed; a
+        5xx rolls the step back and leaves the request to be resumed.
+        """
+        if self.finisher is not None:
+            raise ConfigurationError(f"Flow {self.name!r} already has a finish step.")
+        self.finisher = func
+        return func
+
+    def remaining(self, last_step: str | None) -> list[Step]:
+        """The steps after ``last_step`` (all of them after the intent)."""
+        if last_step in (None, INTENT):
+            return list(self.steps)
+        names = [s.name for s in self.steps]
+        if last_step not in names:
+            raise LookupError(f"Flow {self.name!r} has no step {last_step!r}; was it renamed?")
+        return self.steps[names.index(last_step) + 1 :]
+
+    def check(self) -> None:
+        """Raise :class:`ConfigurationError` unless the flow has a finish step."""
+        if self.finisher is None:
+            raise ConfigurationError(f"Flow {self.name!r} has no finish step (@flow.finish).")
+
+
+def run_from_record(
+    flow: Flow, *, org_id: int, key: uuid.UUID, step: str | None, state: Mapping[str, Any]
+) -> Run:
+    """A :class:`Run` resuming a request from what its key row recorded."""
+    return Run(flow=flow.name, org_id=org_id, key=key, results=dict(state), last_step=step, resumed=True)

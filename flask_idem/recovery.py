@@ -1,0 +1,154 @@
+"""Finishing multi-step requests that were stranded by a crash, and giving up on them in time.
+
+A worker that dies between two steps of a multi-step request leaves its key row ``processing`` under a
+lease that nobody renews. Once the lease has expired, :func:`recover` claims such rows
+(``FOR UPDATE SKIP LOCKED``, a new lease, COMMIT: no row lock is held while it works), resumes each one
+after its last finished step, and for a call step asks the outside party first through the step's
+resolver. A request whose outcome stays unknown is tried again later, after a capped exponential backoff
+with full jitter; one older than ``IDEM_RECOVERY_DEADLINE`` is marked ``failed`` and flagged for a person
+(``flask idem stuck``) instead of being retried forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import psycopg
+from flask import Flask
+
+from . import _engine
+from ._run import in_transaction
+from .errors import KeyInUse, OperationFailed, OutcomePending
+from .flow import run_from_record
+
+if TYPE_CHECKING:
+    from .extension import _State
+    from .store import Stranded
+
+__all__ = ["RecoveryReport", "backoff", "recover", "run_forever"]
+
+logger = logging.getLogger("flask_idem")
+
+
+@dataclass
+class RecoveryReport:
+    """What one :func:`recover` pass did, by outcome. Each entry is ``(org_id, key, detail)``."""
+
+    completed: list[tuple[int, uuid.UUID, str]] = field(default_factory=list)
+    pending: list[tuple[int, uuid.UUID, str]] = field(default_factory=list)
+    failed: list[tuple[int, uuid.UUID, str]] = field(default_factory=list)
+    lost: list[tuple[int, uuid.UUID, str]] = field(default_factory=list)
+
+    @property
+    def claimed(self) -> int:
+        """How many stranded requests this pass claimed."""
+        return len(self.completed) + len(self.pending) + len(self.failed) + len(self.lost)
+
+
+def backoff(attempt: int, *, base: float, cap: float, rng: random.Random) -> float:
+    """Seconds to wait before attempt ``attempt + 1``, with full jitter.
+
+    ``uniform(0, min(cap, base * 2**attempt))``: the waits of many stranded requests spread over the whole
+    interval instead of arriving at the outside party together.
+    """
+    return rng.uniform(0, min(cap, base * 2 ** min(attempt, 62)))
+
+
+def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -> RecoveryReport:
+    """Claim up to ``limit`` stranded multi-step requests of ``app`` and try to finish each one.
+
+    Safe to run in several processes at once: each row is claimed by one of them under a fresh lease.
+    """
+    state: _State = app.extensions["idem"]
+    settings = state.settings
+    rng = rng or random.Random()
+    token = uuid.uuid4()
+    with app.app_context():
+        claimed = in_transaction(
+            state.store,
+            lambda conn: state.store.claim_stranded(
+                conn,
+                token=token,
+                lease=settings.lease_timeout,
+                limit=limit,
+                deadline=settings.recovery_deadline,
+            ),
+        )
+    report = RecoveryReport()
+    for row in claimed:
+        with app.test_request_context(row.path, method=row.method):
+            _recover_one(state, row, token, report, rng)
+    return report
+
+
+def _recover_one(
+    state: _State, row: Stranded, token: uuid.UUID, report: RecoveryReport, rng: random.Random
+) -> None:
+    settings = state.settings
+    entry = (row.org_id, row.key)
+    flow = state.flows.get(row.flow)
+    if flow is None or row.overdue:
+        reason = "unknown flow" if flow is None else "recovery deadline passed"
+        _give_up(state, row, token, reason)
+        report.failed.append((*entry, reason))
+        return
+    run = run_from_record(flow, org_id=row.org_id, key=row.key, step=row.step, state=row.state)
+    retry_in = backoff(
+        row.attempts, base=settings.recovery_backoff, cap=settings.recovery_backoff_cap, rng=rng
+    )
+    try:
+        response = _engine.advance(state, flow, run, token, retry_in=retry_in)
+    except OutcomePending:
+        report.pending.append((*entry, f"outcome unknown; next try within {retry_in:.1f} s"))
+    except KeyInUse:
+        report.lost.append((*entry, "taken over by another attempt"))
+    except Exception as e:  # one bad row must not stop the pass
+        logger.error("Recovery of a %s request failed: %s.", row.flow, type(e).__name__)
+        report.pending.append((*entry, f"{type(e).__name__}; will be retried"))
+    else:
+        report.completed.append((*entry, f"answered {response.status_code}"))
+
+
+def _give_up(state: _State, row: Stranded, token: uuid.UUID, reason: str) -> None:
+    """Mark the request failed, store the answer a retry will get, and flag it for a person."""
+    error = OperationFailed()
+    record = {
+        "status": error.code,
+        "headers": [["Content-Type", "application/problem+json"]],
+        "body": error.get_body(),
+    }
+    logger.error("Gave up on a %s request after %d attempts: %s.", row.flow, row.attempts, reason)
+    in_transaction(
+        state.store,
+        lambda conn: state.store.finish(
+            conn, org_id=row.org_id, key=row.key, token=token, response=record, status="failed", error=reason
+        ),
+    )
+
+
+def run_forever(
+    app: Flask, *, interval: float, limit: int = 100, stop: threading.Event | None = None
+) -> None:
+    """Run :func:`recover` every ``interval`` seconds until ``stop`` is set (a worker process)."""
+    stop = stop or threading.Event()
+    rng = random.Random()
+    while not stop.is_set():
+        try:
+            report = recover(app, limit=limit, rng=rng)
+        except psycopg.Error as e:
+            logger.warning("Recovery pass failed: %s (SQLSTATE %s).", type(e).__name__, e.sqlstate)
+        else:
+            if report.claimed:
+                logger.info(
+                    "Recovery: %d completed, %d pending, %d failed, %d lost.",
+                    len(report.completed),
+                    len(report.pending),
+                    len(report.failed),
+                    len(report.lost),
+                )
+        stop.wait(interval)
