@@ -1,0 +1,54 @@
+"""A payment gateway simulator: the outside party that the shop's payments call.
+
+It is its own Flask application, run as its own process::
+
+    flask --app example_app.gateway run --port 5001
+    gunicorn -w 2 -b 127.0.0.1:5001 'example_app.gateway:create_app()'
+
+Configuration, from ``FLASK_*`` environment variables or ``test_config``:
+
+``DATABASE_URL``
+    the PostgreSQL database of the gateway's tables (``gateway_charges``, ``gateway_faults``),
+    which it creates when it starts. Without it, the embedded PostgreSQL of the instance folder,
+    as for the shop.
+``FAULTS_ENABLED``
+    ``true`` enables fault injection at ``/_faults`` (see :mod:`example_app.gateway.faults`).
+    Default false.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flask import Flask
+
+__all__ = ["create_app"]
+
+
+def create_app(test_config: dict[str, Any] | None = None) -> Flask:
+    """Create the gateway and its tables.
+
+    Configuration comes from ``FLASK_*`` environment variables (see
+    :meth:`flask.Config.from_prefixed_env`), then from ``test_config``.
+    """
+    from .. import problems
+    from ..db import embedded_url
+    from . import charges, faults
+    from .store import Store
+
+    app = Flask(__name__, instance_relative_config=True)
+    app.config.from_mapping(FAULTS_ENABLED=False, MAX_CONTENT_LENGTH=64 * 1024)
+    app.config.from_prefixed_env()
+    if test_config is not None:
+        app.config.update(test_config)
+    if not app.config.get("DATABASE_URL"):
+        app.config["DATABASE_URL"] = embedded_url(Path(app.instance_path) / "pgdata")
+
+    store = app.extensions["gateway"] = Store(app.config["DATABASE_URL"])
+    store.init_schema()
+    problems.register(app)
+    app.register_blueprint(charges.bp)
+    if app.config["FAULTS_ENABLED"]:
+        app.register_blueprint(faults.bp)
+    return app
