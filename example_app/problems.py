@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from flask import Flask, Response
@@ -11,7 +11,7 @@ from werkzeug.exceptions import HTTPException, UnprocessableEntity
 
 from flask_idem.errors import PROBLEM_JSON, database_error, problem
 
-__all__ = ["KeyAlreadyUsed", "ValidationFailed", "register"]
+__all__ = ["KeyAlreadyUsed", "ValidationFailed", "problem_exception", "register"]
 
 
 class ValidationFailed(UnprocessableEntity):
@@ -42,10 +42,23 @@ class KeyAlreadyUsed(UnprocessableEntity):
     description = "An order was already created with this Idempotency-Key. A new order needs a new key."
 
 
+E = TypeVar("E", bound=HTTPException)
+
+
+def problem_exception(error: E, **members: Any) -> E:
+    """Attach extension members (RFC 9457 section 3.2) to ``error``'s problem document."""
+    error.problem_members = members  # type: ignore[attr-defined]
+    return error
+
+
 def _http_error(e: HTTPException) -> Response:
     if isinstance(e, ValidationFailed):
-        return e.get_response()
-    return problem(e)
+        return Response(e.get_body(), e.code, e.get_headers())
+    response = problem(e)
+    members = getattr(e, "problem_members", None)
+    if members:
+        response.set_data(json.dumps({**json.loads(response.get_data()), **members}))
+    return response
 
 
 def _db_error(e: psycopg.Error) -> Response:

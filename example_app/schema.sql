@@ -19,3 +19,23 @@ CREATE TABLE IF NOT EXISTS orders (
     -- A second line of defence behind flask-idem's key table: one order per key, even past retention.
     UNIQUE (org_id, idempotency_key)
 );
+
+CREATE TABLE IF NOT EXISTS payments (
+    id                 bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    org_id             bigint      NOT NULL REFERENCES orgs (id),
+    order_id           bigint      NOT NULL REFERENCES orders (id),
+    idempotency_key    uuid        NOT NULL,
+    amount             bigint      NOT NULL CHECK (amount > 0),
+    currency           text        NOT NULL,
+    -- pending from the intent until the gateway's answer is recorded.
+    status             text        NOT NULL DEFAULT 'pending'
+                                   CHECK (status IN ('pending', 'succeeded', 'declined', 'failed')),
+    gateway_charge_id  text,
+    created_at         timestamptz NOT NULL DEFAULT now(),
+    updated_at         timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (org_id, idempotency_key)
+);
+
+-- An order is paid at most once, whatever the keys: one pending or succeeded payment per order.
+CREATE UNIQUE INDEX IF NOT EXISTS payments_one_live_per_order
+    ON payments (order_id) WHERE status IN ('pending', 'succeeded');

@@ -41,5 +41,5 @@ def load(schema: Schema, data: Any) -> dict[str, Any]:
     try:
         result: dict[str, Any] = schema.load(data)
     except ValidationError as e:
-        raise ValidationFailed(e.normalized_messages()) from None
+        raise ValidationFailed(e.normalized_messages()) from None  # type: ignore[no-untyped-call]
     return result

@@ -132,6 +132,7 @@ def _multistep(
     A retry finding the request processing under an expired lease takes it over (one winner) and
     resumes it after its last finished step.
     """
+    flow.check()
     settings = state.settings
     lease = flow.lease_timeout or settings.lease_timeout
     token = uuid.uuid4()

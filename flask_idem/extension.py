@@ -240,7 +240,6 @@ class Idempotency:
                 " Keys are never shared globally."
             )
         if flow is not None:
-            flow.check()
             if required is False:
                 raise ConfigurationError("A multi-step route always requires an Idempotency-Key.")
             known = self._flows.setdefault(flow.name, flow)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from .errors import ConfigurationError
 
@@ -111,6 +111,7 @@ class Run:
 
 StepFunc = Callable[[Run], Any]
 ResolveFunc = Callable[[Run], Any]
+F = TypeVar("F", bound=StepFunc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +150,7 @@ class Flow:
             raise ConfigurationError(f"Flow {self.name!r} already has a step named {step.name!r}.")
         self.steps.append(step)
 
-    def step(self, func: StepFunc) -> StepFunc:
+    def step(self, func: F) -> F:
         """Declare a database step: it runs in a short transaction of its own (:attr:`Run.connection`).
 
         Its return value (JSON-serialisable) is recorded in that transaction.
@@ -157,7 +158,13 @@ class Flow:
         self._add(Step(func.__name__, func, outside=False))
         return func
 
-    def call(self, func: StepFunc | None = None, *, resolve: ResolveFunc | None = None) -> Any:
+    @overload
+    def call(self, func: F, *, resolve: ResolveFunc | None = None) -> F: ...
+
+    @overload
+    def call(self, func: None = None, *, resolve: ResolveFunc | None = None) -> Callable[[F], F]: ...
+
+    def call(self, func: F | None = None, *, resolve: ResolveFunc | None = None) -> F | Callable[[F], F]:
         """Declare a step that calls outside: it runs with no transaction and no connection.
 
         Its return value (JSON-serialisable) is recorded in a short transaction afterwards. Raise
@@ -168,13 +175,13 @@ class Flow:
             or ``None`` when it has none, in which case the call is made again with the same key.
         """
 
-        def add(f: StepFunc) -> StepFunc:
+        def add(f: F) -> F:
             self._add(Step(f.__name__, f, outside=True, resolve=resolve))
             return f
 
         return add if func is None else add(func)
 
-    def finish(self, func: StepFunc) -> StepFunc:
+    def finish(self, func: F) -> F:
         """Declare the last step: a short transaction that writes the outcome and returns the response.
 
         It returns what a Flask view returns. A response under 500 is stored and the key completed; a

@@ -11,9 +11,11 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +25,12 @@ from flask import Flask
 from flask.testing import FlaskClient, FlaskCliRunner
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
+from werkzeug.serving import make_server
 
 from example_app import create_app
 from example_app.cli import create_org
 from example_app.db import embedded_url
+from example_app.gateway import create_app as gateway_create_app
 
 from .notes_app import build_app
 
@@ -34,7 +38,7 @@ DB_ENV = "FLASK_IDEM_TEST_DATABASE_URL"
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Tables emptied after each test that used the database.
-_TABLES = ("orders", "orgs", "idempotency_keys", "notes")
+_TABLES = ("payments", "orders", "orgs", "idempotency_keys", "notes", "gateway_charges", "gateway_faults")
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +67,7 @@ def database_url(server_url: str, worker_id: str) -> Iterator[str]:
 
         init_db()
     app.extensions["idem"].store.close()
+    gateway_create_app({"TESTING": True, "DATABASE_URL": url}).extensions["gateway"].close()
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CREATE TABLE notes (id bigserial PRIMARY KEY, org_id bigint, body text UNIQUE)")
     yield url
@@ -110,6 +115,33 @@ def app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
     app = create_app({"TESTING": True, "DATABASE_URL": database_url, "IDEM_POOL_TIMEOUT": 5.0})
     yield app
     app.extensions["idem"].store.close()
+
+
+@pytest.fixture
+def gateway_url(database_url: str, db: psycopg.Connection[Any]) -> Iterator[str]:
+    """The payment gateway simulator, faults enabled, served by Werkzeug in a thread; its base URL."""
+    gateway = gateway_create_app({"TESTING": True, "DATABASE_URL": database_url, "FAULTS_ENABLED": True})
+    server = make_server("127.0.0.1", 0, gateway, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.port}"
+    server.shutdown()
+    thread.join()
+    server.server_close()
+    gateway.extensions["gateway"].close()
+
+
+@pytest.fixture
+def shop_config(database_url: str, gateway_url: str) -> dict[str, Any]:
+    """Configuration of a shop that pays through the test gateway, with short timeouts and leases."""
+    return {
+        "TESTING": True,
+        "DATABASE_URL": database_url,
+        "GATEWAY_URL": gateway_url,
+        "GATEWAY_TIMEOUT": 1.0,
+        "IDEM_LEASE_TIMEOUT": 3.0,
+        "IDEM_POOL_TIMEOUT": 5.0,
+    }
 
 
 @pytest.fixture
@@ -173,36 +205,42 @@ def wait_for_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0
     raise RuntimeError(f"{url} did not answer within {timeout} s")
 
 
-@pytest.fixture
-def gunicorn_shop(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> Iterator[str]:
-    """The shop served by gunicorn with four worker processes; yields its base URL."""
+@contextmanager
+def gunicorn(
+    log_path: Path,
+    *,
+    env: dict[str, str],
+    workers: int = 4,
+    threads: int = 4,
+    app: str = "example_app:create_app()",
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Serve ``app`` with gunicorn on a free port; yields its base URL and the master process."""
     port = free_port()
-    log = (tmp_path / "gunicorn.log").open("wb")
-    env = {**os.environ, "FLASK_DATABASE_URL": database_url, "FLASK_IDEM_POOL_MAX_SIZE": "4"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "--workers",
-            "4",
-            "--threads",
-            "4",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--graceful-timeout",
-            "5",
-            "example_app:create_app()",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=log,
-    )
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "--workers",
+                str(workers),
+                "--threads",
+                str(threads),
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--graceful-timeout",
+                "5",
+                app,
+            ],
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=log,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for_http(base + "/orders", proc)
-        yield base
+        yield base, proc
     finally:
         proc.terminate()
         try:
@@ -210,4 +248,11 @@ def gunicorn_shop(database_url: str, db: psycopg.Connection[Any], tmp_path: Path
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
+
+
+@pytest.fixture
+def gunicorn_shop(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> Iterator[str]:
+    """The shop served by gunicorn with four worker processes; yields its base URL."""
+    env = {"FLASK_DATABASE_URL": database_url, "FLASK_IDEM_POOL_MAX_SIZE": "4"}
+    with gunicorn(tmp_path / "gunicorn.log", env=env) as (base, _):
+        yield base

@@ -3,16 +3,17 @@
 The blueprint is registered only when ``FAULTS_ENABLED`` is true; otherwise ``/_faults`` is 404 and
 charge requests never look at the queue. Each entry affects the next ``count`` well-formed
 ``POST /charges`` requests, whichever process serves them, and entries apply in the order they were
-posted. An entry first sleeps ``delay`` seconds, then acts by its mode:
+posted. Each mode answers late by the entry's ``delay`` seconds:
 
 ``delay``
-    nothing more: the charge is processed normally, late.
+    charge, wait, then answer normally: a slow gateway whose charge is made before its caller may
+    have given up.
 ``fail_before``
-    answer 500 without charging.
+    wait, then answer 500 without charging.
 ``fail_after``
-    charge (or find the key's charge), then answer 500.
+    charge (or find the key's charge), wait, then answer 500.
 ``drop_after``
-    charge, then close the connection without any answer.
+    charge, wait, then close the connection without any answer.
 """
 
 from __future__ import annotations
@@ -80,26 +81,28 @@ def clear_faults() -> tuple[str, int]:
 
 
 def before_charge() -> Fault | None:
-    """Take the next fault (if enabled), sleep its delay, and fail at once for ``fail_before``."""
+    """Take the next fault (if enabled); for ``fail_before``, sleep its delay and fail without charging."""
     if not current_app.config["FAULTS_ENABLED"]:
         return None
     fault = current_store().take_fault()
     if fault is None:
         return None
     current_app.logger.warning("Injecting fault %r (delay %ss).", fault.mode, fault.delay)
-    if fault.delay:
-        time.sleep(fault.delay)
     if fault.mode == "fail_before":
+        time.sleep(fault.delay)
         raise InjectedFault(fault.mode)
     return fault
 
 
 def after_charge(fault: Fault | None) -> Response | None:
-    """Act on a fault once the charge is committed: fail, or drop the connection.
+    """Act on a fault once the charge is committed: sleep its delay, then fail or drop the connection.
 
     Returns the (unsendable) response to end the request with after a drop, else ``None``.
     """
-    if fault is None or fault.mode == "delay":
+    if fault is None:
+        return None
+    time.sleep(fault.delay)
+    if fault.mode == "delay":
         return None
     if fault.mode == "fail_after":
         raise InjectedFault(fault.mode)

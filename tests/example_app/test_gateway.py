@@ -302,7 +302,7 @@ def test_invalid_fault_is_422(gateway: FlaskClient, fault: dict[str, Any]) -> No
 
 
 def test_delay_fault(gateway: FlaskClient) -> None:
-    """A ``delay`` fault answers late, then charges normally, and is used up."""
+    """A ``delay`` fault charges normally but answers late, and is used up."""
     gateway.post("/_faults", json={"mode": "delay", "count": 1, "delay": 0.3})
     started = time.monotonic()
     answer = post_charge(gateway, new_key())

@@ -1,0 +1,157 @@
+"""The payments API: ``POST /payments`` (multi-step, idempotent) and ``GET /payments/<id>``.
+
+Paying calls the gateway, so the route is a :class:`flask_idem.flow.Flow` of three steps:
+
+1. the view (one short transaction with the key reservation): check the order, insert a ``pending``
+   payment, return the intent;
+2. ``charge``: call the gateway with no transaction open, under a key derived from the organisation and
+   the idempotency key, so the gateway charges once however often we ask; when resumed after a crash,
+   look the charge up first;
+3. ``record``: one short transaction that records the outcome and answers 201, or 402 for a decline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, g, request, url_for
+from marshmallow import Schema, fields, validate
+from werkzeug.exceptions import HTTPException, NotFound, UnprocessableEntity
+
+from flask_idem.flow import Flow, Run
+
+from . import gateway_client
+from .auth import authenticate
+from .extensions import idem
+from .problems import problem_exception
+from .schemas import BIGINT_MAX, StrictInteger, load
+
+bp = Blueprint("payments", __name__)
+bp.before_request(authenticate)
+
+pay = Flow("shop.payments.create")
+
+
+class PaymentIn(Schema):
+    """``POST /payments``: which order to pay, with which payment token."""
+
+    order_id = StrictInteger(required=True, validate=validate.Range(min=1, max=BIGINT_MAX))
+    source = fields.String(
+        required=True,
+        validate=validate.Regexp(
+            r"tok_[A-Za-z0-9_]{1,60}\Z", error="Must be a payment token such as tok_visa."
+        ),
+    )
+
+
+class OrderAlreadyPaid(UnprocessableEntity):
+    """422: the order has a payment that succeeded or is still in progress."""
+
+    description = "This order is already paid, or a payment for it is in progress."
+
+
+class PaymentDeclined(HTTPException):
+    """402: the gateway declined the charge. Stored and replayed like any client error."""
+
+    code = 402
+    description = "The payment was declined. Paying again needs another source and a new key."
+
+
+class PaymentFailed(UnprocessableEntity):
+    """422: the gateway refused the charge request itself."""
+
+    description = "The payment gateway refused this payment."
+
+
+_payment_in = PaymentIn()
+
+
+def _payment(row: tuple[Any, ...]) -> dict[str, Any]:
+    payment_id, order_id, amount, currency, status, charge_id = row
+    return {
+        "id": payment_id,
+        "order_id": order_id,
+        "amount": amount,
+        "currency": currency,
+        "status": status,
+        "gateway_charge_id": charge_id,
+    }
+
+
+@bp.post("/payments")
+@idem.idempotent(flow=pay)
+def create_payment() -> dict[str, Any]:
+    """Pay an order: 201 with the payment, 402 if declined, 404 for an order of another organisation."""
+    data = load(_payment_in, request.get_json())
+    conn = idem.connection
+    order = conn.execute(
+        "SELECT amount, currency FROM orders WHERE id = %s AND org_id = %s FOR UPDATE",
+        (data["order_id"], g.org_id),
+    ).fetchone()
+    if order is None:
+        raise NotFound("There is no such order.")
+    row = conn.execute(
+        "INSERT INTO payments (org_id, order_id, idempotency_key, amount, currency)"
+        " SELECT %s, %s, %s, %s, %s"
+        " WHERE NOT EXISTS (SELECT FROM payments WHERE order_id = %s AND status IN ('pending', 'succeeded'))"
+        " RETURNING id",
+        (g.org_id, data["order_id"], idem.key, *order, data["order_id"]),
+    ).fetchone()
+    if row is None:
+        raise OrderAlreadyPaid()
+    amount, currency = order
+    return {
+        "payment_id": row[0],
+        "order_id": data["order_id"],
+        "amount": amount,
+        "currency": currency,
+        "source": data["source"],
+    }
+
+
+def _find_charge(run: Run) -> dict[str, Any] | None:
+    return gateway_client.find_charge(run.derived_key("charge"))
+
+
+@pay.call(resolve=_find_charge)
+def charge(run: Run) -> dict[str, Any]:
+    """Charge the order's amount at the gateway, once per request whatever happens."""
+    intent = run.intent
+    return gateway_client.charge(
+        key=run.derived_key("charge"),
+        amount=intent["amount"],
+        currency=intent["currency"],
+        source=intent["source"],
+    )
+
+
+@pay.finish
+def record(run: Run) -> tuple[dict[str, Any], int, dict[str, str]]:
+    """Record the gateway's answer on the payment and answer the client."""
+    outcome = run.results["charge"]
+    row = run.connection.execute(
+        "UPDATE payments SET status = %s, gateway_charge_id = %s, updated_at = now() WHERE id = %s"
+        " RETURNING id, order_id, amount, currency, status, gateway_charge_id",
+        (outcome["status"], outcome["charge_id"], run.intent["payment_id"]),
+    ).fetchone()
+    assert row is not None
+    if outcome["status"] == "declined":
+        raise problem_exception(PaymentDeclined(), payment_id=row[0])
+    if outcome["status"] != "succeeded":
+        raise problem_exception(PaymentFailed(), payment_id=row[0])
+    payment = _payment(row)
+    return payment, 201, {"Location": url_for("payments.get_payment", payment_id=row[0])}
+
+
+@bp.get("/payments/<int:payment_id>")
+def get_payment(payment_id: int) -> dict[str, Any]:
+    """One payment of the authenticated organisation; another organisation's payment is 404."""
+    with idem.pool.connection() as conn:
+        row = conn.execute(
+            "SELECT id, order_id, amount, currency, status, gateway_charge_id FROM payments"
+            " WHERE id = %s AND org_id = %s",
+            (payment_id, g.org_id),
+        ).fetchone()
+    if row is None:
+        raise NotFound("There is no such payment.")
+    return _payment(row)

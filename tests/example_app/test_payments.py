@@ -1,0 +1,367 @@
+"""Payments: a multi-step flow through a real gateway process, with every fault the gateway can inject."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import requests
+from flask import Flask
+from flask.testing import FlaskClient
+
+from example_app import create_app
+from example_app.cli import create_org
+from flask_idem.errors import PROBLEM_JSON
+
+from ..conftest import count, headers
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def make_shop(shop_config: dict[str, Any]) -> Iterator[Callable[..., Flask]]:
+    """Build the shop against the test gateway, with configuration overrides; pools closed afterwards."""
+    apps: list[Flask] = []
+
+    def make(**overrides: Any) -> Flask:
+        app = create_app({**shop_config, **overrides})
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        app.extensions["idem"].store.close()
+
+
+@pytest.fixture
+def shop(make_shop: Callable[..., Flask]) -> Flask:
+    """The shop, paying through the test gateway."""
+    return make_shop()
+
+
+@pytest.fixture
+def org(shop: Flask) -> tuple[int, str]:
+    """An organisation of the shop: its id and API key."""
+    with shop.app_context():
+        return create_org("payer")
+
+
+def place_order(client: FlaskClient, api_key: str, amount: int = 1250) -> int:
+    response = client.post(
+        "/orders", json={"amount": amount, "currency": "EUR"}, headers=headers(api_key, uuid.uuid4())
+    )
+    assert response.status_code == 201
+    order_id: int = response.json["id"]  # type: ignore[index]
+    return order_id
+
+
+def pay(client: FlaskClient, api_key: str, order_id: int, key: uuid.UUID, source: str = "tok_visa") -> Any:
+    return client.post(
+        "/payments", json={"order_id": order_id, "source": source}, headers=headers(api_key, key)
+    )
+
+
+def charges(gateway_url: str) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = requests.get(gateway_url + "/charges", timeout=5).json()["charges"]
+    return result
+
+
+def add_fault(gateway_url: str, mode: str, count: int = 1, delay: float = 0.0) -> None:
+    requests.post(
+        gateway_url + "/_faults", json={"mode": mode, "count": count, "delay": delay}, timeout=5
+    ).raise_for_status()
+
+
+def payment_statuses(db: psycopg.Connection[Any]) -> list[str]:
+    return [row[0] for row in db.execute("SELECT status FROM payments ORDER BY id").fetchall()]
+
+
+def test_pay_an_order(
+    shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """A payment charges the order's amount once: 201, and a retry replays it as 200."""
+    client = shop.test_client()
+    order_id = place_order(client, org[1], 4321)
+    key = uuid.uuid4()
+    first = pay(client, org[1], order_id, key)
+    assert first.status_code == 201, first.json
+    body = first.json
+    assert set(body) == {"id", "order_id", "amount", "currency", "status", "gateway_charge_id"}
+    assert (body["order_id"], body["amount"], body["currency"], body["status"]) == (
+        order_id,
+        4321,
+        "EUR",
+        "succeeded",
+    )
+    assert first.headers["Location"] == f"/payments/{body['id']}"
+    assert client.get(first.headers["Location"], headers=headers(org[1])).json == body
+    retry = pay(client, org[1], order_id, key)
+    assert retry.status_code == 200
+    assert retry.data == first.data
+    made = charges(gateway_url)
+    assert [(c["id"], c["amount"]) for c in made] == [(body["gateway_charge_id"], 4321)]
+    assert "tok_visa" not in first.get_data(as_text=True)
+    row = db.execute(
+        "SELECT status, step, lease_token FROM idempotency_keys WHERE path = '/payments'"
+    ).fetchone()
+    assert row == ("completed", "charge", None)
+
+
+def test_decline_is_402_and_replayed(
+    shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """A declined charge answers 402, stored and replayed; the order can then be paid with a new key."""
+    client = shop.test_client()
+    order_id = place_order(client, org[1])
+    key = uuid.uuid4()
+    first = pay(client, org[1], order_id, key, source="tok_chargedecline")
+    assert first.status_code == 402
+    assert first.mimetype == PROBLEM_JSON
+    assert first.json["payment_id"] > 0
+    again = pay(client, org[1], order_id, key, source="tok_chargedecline")
+    assert (again.status_code, again.data) == (402, first.data)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert pay(client, org[1], order_id, uuid.uuid4()).status_code == 201
+    assert payment_statuses(db) == ["declined", "succeeded"]
+    assert len(charges(gateway_url)) == 2
+
+
+def test_other_orgs_order_is_404(
+    shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """Paying another organisation's order is 404 and charges nothing."""
+    client = shop.test_client()
+    order_id = place_order(client, org[1])
+    with shop.app_context():
+        _, other = create_org("other")
+    response = pay(client, other, order_id, uuid.uuid4())
+    assert response.status_code == 404
+    assert response.mimetype == PROBLEM_JSON
+    assert (count(db, "payments"), len(charges(gateway_url))) == (0, 0)
+
+
+def test_order_is_paid_at_most_once(
+    shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """A second payment of a paid order, with a new key, is refused without a charge."""
+    client = shop.test_client()
+    order_id = place_order(client, org[1])
+    assert pay(client, org[1], order_id, uuid.uuid4()).status_code == 201
+    second = pay(client, org[1], order_id, uuid.uuid4())
+    assert second.status_code == 422
+    assert second.mimetype == PROBLEM_JSON
+    assert len(charges(gateway_url)) == 1
+    assert payment_statuses(db) == ["succeeded"]
+
+
+def test_changed_request_with_same_key_is_422(shop: Flask, org: tuple[int, str], gateway_url: str) -> None:
+    """The same key for another order is a mismatch, not a second payment."""
+    client = shop.test_client()
+    first_order, second_order = place_order(client, org[1]), place_order(client, org[1])
+    key = uuid.uuid4()
+    assert pay(client, org[1], first_order, key).status_code == 201
+    assert pay(client, org[1], second_order, key).status_code == 422
+    assert len(charges(gateway_url)) == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"order_id": 1}, {"order_id": "1", "source": "tok_visa"}, {"order_id": 1, "source": "4242424242424242"}],
+    ids=["no-source", "string-id", "card-number"],
+)
+def test_invalid_payment_is_422(
+    shop: Flask, org: tuple[int, str], gateway_url: str, body: dict[str, Any]
+) -> None:
+    """An invalid payment request is a 422 problem and charges nothing; a card number is never echoed."""
+    response = shop.test_client().post("/payments", json=body, headers=headers(org[1], uuid.uuid4()))
+    assert response.status_code == 422
+    assert response.mimetype == PROBLEM_JSON
+    assert "4242424242424242" not in response.get_data(as_text=True)
+    assert charges(gateway_url) == []
+
+
+def test_slow_gateway_in_time(shop: Flask, org: tuple[int, str], gateway_url: str) -> None:
+    """A gateway answering late but within the timeout: 201, one charge."""
+    client = shop.test_client()
+    order_id = place_order(client, org[1])
+    add_fault(gateway_url, "delay", delay=0.3)
+    assert pay(client, org[1], order_id, uuid.uuid4()).status_code == 201
+    assert len(charges(gateway_url)) == 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "delay", "charged"),
+    [("delay", 2.0, 1), ("fail_before", 0.0, 0), ("fail_after", 0.0, 1), ("drop_after", 0.0, 1)],
+    ids=["timeout", "fail-before", "fail-after", "drop-after"],
+)
+def test_unknown_outcome_then_retry(
+    shop: Flask,
+    org: tuple[int, str],
+    gateway_url: str,
+    db: psycopg.Connection[Any],
+    mode: str,
+    delay: float,
+    charged: int,
+) -> None:
+    """An unknown outcome answers 503 and keeps the key processing; the retry finishes with one charge."""
+    client = shop.test_client()
+    order_id = place_order(client, org[1])
+    add_fault(gateway_url, mode, delay=delay)
+    key = uuid.uuid4()
+    first = pay(client, org[1], order_id, key)
+    assert first.status_code == 503
+    assert first.headers["Retry-After"] == "1"
+    assert first.json["type"] == "urn:flask-idem:problem:outcome-pending"
+    assert len(charges(gateway_url)) == charged
+    row = db.execute(
+        "SELECT status, step, last_error FROM idempotency_keys WHERE path = '/payments'"
+    ).fetchone()
+    assert row == ("processing", "intent", "OutcomeUnknown")
+    assert payment_statuses(db) == ["pending"]
+    if mode == "delay":
+        time.sleep(delay)  # let the gateway's late answer go nowhere before counting again
+    retry = pay(client, org[1], order_id, key)
+    assert retry.status_code == 201, retry.json
+    made = charges(gateway_url)
+    assert len(made) == 1
+    assert retry.json["gateway_charge_id"] == made[0]["id"]
+    assert payment_statuses(db) == ["succeeded"]
+    assert pay(client, org[1], order_id, key).status_code == 200
+
+
+def test_recover_finishes_a_stranded_payment(
+    shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """After a fail_after, `flask idem recover` looks the charge up and records it; a retry replays it."""
+    client = shop.test_client()
+    order_id = place_order(client, org[1])
+    add_fault(gateway_url, "fail_after")
+    key = uuid.uuid4()
+    assert pay(client, org[1], order_id, key).status_code == 503
+    runner = shop.test_cli_runner()
+    assert "Claimed 0" in runner.invoke(args=["idem", "recover"]).output  # not due yet: backoff
+    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
+    result = runner.invoke(args=["idem", "recover"])
+    assert result.exit_code == 0, result.output
+    assert "Claimed 1: 1 completed" in result.output
+    assert payment_statuses(db) == ["succeeded"]
+    retry = pay(client, org[1], order_id, key)
+    assert retry.status_code == 200
+    assert retry.json["status"] == "succeeded"
+    assert len(charges(gateway_url)) == 1
+
+
+def test_duplicate_while_processing_gets_409(
+    make_shop: Callable[..., Flask], org: tuple[int, str], gateway_url: str
+) -> None:
+    """While the first attempt waits on the gateway under its lease, a duplicate gets 409 at once."""
+    shop = make_shop(GATEWAY_TIMEOUT=5.0)
+    client = shop.test_client()
+    order_id = place_order(client, org[1])
+    add_fault(gateway_url, "delay", delay=1.5)
+    key = uuid.uuid4()
+    results: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: results.setdefault("first", pay(client, org[1], order_id, key)))
+    thread.start()
+    _wait_for(lambda: len(charges(gateway_url)) == 1)
+    duplicate = pay(client, org[1], order_id, key)
+    first_running = thread.is_alive()
+    thread.join(10)
+    assert first_running
+    assert duplicate.status_code == 409
+    assert duplicate.headers["Retry-After"] == "1"
+    assert results["first"].status_code == 201
+    assert len(charges(gateway_url)) == 1
+
+
+def test_lease_takeover_by_a_retry(
+    make_shop: Callable[..., Flask], org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """A retry after the lease expired takes the request over; the slow first worker then changes nothing."""
+    shop = make_shop(GATEWAY_TIMEOUT=5.0, IDEM_LEASE_TIMEOUT=1.0)
+    client = shop.test_client()
+    order_id = place_order(client, org[1])
+    add_fault(gateway_url, "delay", delay=2.5)
+    key = uuid.uuid4()
+    results: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: results.setdefault("first", pay(client, org[1], order_id, key)))
+    thread.start()
+    _wait_for(lambda: len(charges(gateway_url)) == 1)
+    _wait_for(
+        lambda: (
+            db.execute(
+                "SELECT lease_expires_at < now() FROM idempotency_keys WHERE path = '/payments'"
+            ).fetchone()
+            == (True,)
+        )
+    )
+    retry = pay(client, org[1], order_id, key)
+    thread.join(10)
+    assert retry.status_code == 201, retry.json
+    assert results["first"].status_code == 409  # its lease was gone when its answer came back
+    assert len(charges(gateway_url)) == 1
+    assert payment_statuses(db) == ["succeeded"]
+    assert db.execute("SELECT attempts FROM idempotency_keys WHERE path = '/payments'").fetchone() == (1,)
+
+
+def test_slow_gateway_does_not_exhaust_the_pool(
+    make_shop: Callable[..., Flask], org: tuple[int, str], gateway_url: str
+) -> None:
+    """Four payments waiting on a slow gateway hold no connection: orders are served meanwhile."""
+    shop = make_shop(GATEWAY_TIMEOUT=5.0, IDEM_POOL_MAX_SIZE=2, IDEM_POOL_TIMEOUT=1.0)
+    client = shop.test_client()
+    order_ids = [place_order(client, org[1]) for _ in range(4)]
+    add_fault(gateway_url, "delay", count=4, delay=2.0)
+    statuses: list[int] = []
+    threads = [
+        threading.Thread(target=lambda o=o: statuses.append(pay(client, org[1], o, uuid.uuid4()).status_code))
+        for o in order_ids
+    ]
+    for t in threads:
+        t.start()
+    _wait_for(lambda: len(charges(gateway_url)) == 4)
+    during = [place_order(client, org[1]) for _ in range(5)]
+    still_waiting = sum(t.is_alive() for t in threads)
+    for t in threads:
+        t.join(15)
+    assert len(during) == 5
+    assert still_waiting == 4
+    assert statuses == [201] * 4
+
+
+def test_recovery_gives_up_after_the_deadline(
+    shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """Stranded past IDEM_RECOVERY_DEADLINE: failed, flagged, listed by `stuck`, replayed as 500."""
+    client = shop.test_client()
+    order_id = place_order(client, org[1])
+    add_fault(gateway_url, "fail_before")
+    key = uuid.uuid4()
+    assert pay(client, org[1], order_id, key).status_code == 503
+    db.execute(
+        "UPDATE idempotency_keys SET created_at = now() - interval '2 hours', next_attempt_at = now()"
+        " WHERE path = '/payments'"
+    )
+    runner = shop.test_cli_runner()
+    assert "1 failed" in runner.invoke(args=["idem", "recover"]).output
+    stuck = runner.invoke(args=["idem", "stuck"]).output
+    assert "NEEDS ATTENTION" in stuck and str(key) in stuck
+    replay = pay(client, org[1], order_id, key)
+    assert replay.status_code == 500
+    assert replay.json["type"] == "urn:flask-idem:problem:operation-failed"
+    assert charges(gateway_url) == []
+    db.execute("UPDATE idempotency_keys SET expires_at = now()")
+    assert "Purged 1" in runner.invoke(args=["idem", "purge"]).output  # the order's key, not the flagged one
+    assert db.execute("SELECT path FROM idempotency_keys").fetchall() == [("/payments",)]
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)

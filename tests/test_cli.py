@@ -1,0 +1,50 @@
+"""The ``flask idem`` commands."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from flask import Flask
+
+from flask_idem import Idempotency
+
+
+def test_init_db_is_idempotent(app: Flask) -> None:
+    """`flask idem init-db` can run twice."""
+    runner = app.test_cli_runner()
+    for _ in range(2):
+        result = runner.invoke(args=["idem", "init-db"])
+        assert result.exit_code == 0
+        assert "idempotency_keys is ready" in result.output
+
+
+def test_purge_reports_its_count(app: Flask, db: psycopg.Connection[Any]) -> None:
+    """`flask idem purge` prints how many keys it removed."""
+    result = app.test_cli_runner().invoke(args=["idem", "purge", "--batch-size", "10"])
+    assert result.exit_code == 0
+    assert result.output.strip() == "Purged 0 expired key(s)."
+
+
+def test_recover_and_stuck_with_nothing_to_do(app: Flask) -> None:
+    """With no stranded requests, recover and stuck say so."""
+    runner = app.test_cli_runner()
+    assert "Claimed 0" in runner.invoke(args=["idem", "recover"]).output
+    assert runner.invoke(args=["idem", "stuck"]).output.strip() == "0 row(s)."
+
+
+def test_database_errors_are_one_clean_line() -> None:
+    """A command that cannot reach the database fails with the error class only, no settings."""
+    app = Flask(__name__)
+    app.config.update(
+        IDEM_DATABASE_URL="postgresql://idem:s3cr3t-pw@127.0.0.1:1/secretdb?connect_timeout=1",
+        IDEM_POOL_TIMEOUT=0.5,
+    )
+    Idempotency(app, scope=lambda: 1)
+    try:
+        result = app.test_cli_runner().invoke(args=["idem", "init-db"])
+    finally:
+        app.extensions["idem"].store.close()
+    assert result.exit_code == 1
+    assert "database error: PoolTimeout" in result.output
+    assert "s3cr3t" not in result.output and "secretdb" not in result.output

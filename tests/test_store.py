@@ -1,0 +1,186 @@
+"""The key store on its own: schema, reservation races, leases, claiming, purge."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from flask_idem.store import Store, lock_id
+
+SHA = b"\x01" * 32
+
+
+@pytest.fixture
+def store(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Store]:
+    store = Store(database_url, max_size=20)
+    yield store
+    store.close()
+
+
+def reserve(store: Store, conn: Any, key: uuid.UUID, **extra: Any) -> Any:
+    args = {"org_id": 1, "key": key, "request_sha": SHA, "method": "POST", "path": "/x", "ttl": 60.0}
+    return store.reserve(conn, **{**args, **extra})
+
+
+def test_init_schema_twice_and_custom_table(database_url: str, db: psycopg.Connection[Any]) -> None:
+    """The DDL is idempotent and honours a schema-qualified table name."""
+    db.execute("CREATE SCHEMA IF NOT EXISTS idem_custom")
+    custom = Store(database_url, table="idem_custom.keys")
+    try:
+        custom.init_schema()
+        custom.init_schema()
+        with custom.connection() as conn, conn.transaction():
+            assert reserve(custom, conn, uuid.uuid4()).reserved
+        assert db.execute("SELECT count(*) FROM idem_custom.keys").fetchone() == (1,)
+    finally:
+        custom.close()
+        db.execute("DROP SCHEMA idem_custom CASCADE")
+
+
+@pytest.mark.parametrize("table", ["", "a.b.c", ".x"], ids=["empty", "three-parts", "empty-schema"])
+def test_bad_table_names(table: str) -> None:
+    """A table name that is not 'table' or 'schema.table' is refused."""
+    with pytest.raises(ValueError):
+        Store("postgresql://unused", table=table)
+
+
+def test_concurrent_reservations_have_one_winner(store: Store) -> None:
+    """Ten transactions reserving one key at once: one wins, the others see it in flight, none waits."""
+    key = uuid.uuid4()
+    barrier = threading.Barrier(10)
+    release = threading.Event()
+    outcomes: list[str] = []
+
+    def attempt() -> None:
+        with store.connection() as conn, conn.transaction():
+            barrier.wait(10)
+            found = reserve(store, conn, key)
+            outcomes.append("won" if found.reserved else "in flight" if found.record is None else "seen")
+            if found.reserved:
+                release.wait(10)  # hold the reservation until every loser has answered
+
+    threads = [threading.Thread(target=attempt) for _ in range(10)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(outcomes) < 10 and time.monotonic() < deadline:  # the losers must not wait for the winner
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert sorted(outcomes) == ["in flight"] * 9 + ["won"]
+
+
+def test_lock_ids_differ_by_org_and_key() -> None:
+    """The advisory lock id mixes organisation and key."""
+    key = uuid.uuid4()
+    assert lock_id(1, key) != lock_id(2, key)
+    assert lock_id(1, key) != lock_id(1, uuid.uuid4())
+    assert -(2**63) <= lock_id(-5, key) < 2**63
+
+
+def test_purge_removes_only_expired_finished_rows(store: Store, db: psycopg.Connection[Any]) -> None:
+    """Purge deletes expired completed and failed rows, never processing or flagged ones, in batches."""
+    rows = [
+        ("completed", "-1 hour", False),
+        ("completed", "-1 hour", False),
+        ("failed", "-1 hour", False),
+        ("completed", "+1 hour", False),
+        ("processing", "-1 hour", False),
+        ("failed", "-1 hour", True),
+    ]
+    for status, offset, flagged in rows:
+        db.execute(
+            "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, status, response,"
+            " expires_at, needs_attention, flow, lease_token)"
+            " VALUES (1, %s, %s, 'POST', '/x', %s, CASE WHEN %s <> 'processing' THEN '{}'::jsonb END,"
+            " now() + %s::interval, %s, 'f', gen_random_uuid())",
+            (uuid.uuid4(), SHA, status, status, offset, flagged),
+        )
+    assert store.purge(batch_size=2) == 3
+    left = db.execute(
+        "SELECT status, expires_at > now(), needs_attention FROM idempotency_keys ORDER BY 1, 2"
+    ).fetchall()
+    assert left == [("completed", True, False), ("failed", False, True), ("processing", False, False)]
+
+
+def test_claims_are_disjoint(store: Store, db: psycopg.Connection[Any]) -> None:
+    """Two claimers at once never get the same stranded row."""
+    for _ in range(6):
+        db.execute(
+            "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, expires_at, flow,"
+            " lease_token, lease_expires_at)"
+            " VALUES (1, gen_random_uuid(), %s, 'POST', '/x', now() + interval '1 hour', 'f',"
+            " gen_random_uuid(), now() - interval '1 second')",
+            (SHA,),
+        )
+    first_claimed = threading.Event()
+    results: dict[str, list[Any]] = {}
+
+    def claim(name: str, hold: bool) -> None:
+        with store.connection() as conn, conn.transaction():
+            results[name] = store.claim_stranded(conn, token=uuid.uuid4(), lease=60, limit=4, deadline=3600)
+            if hold:
+                first_claimed.set()
+                conn.execute("SELECT pg_sleep(0.3)")  # keep the claimed rows locked a moment
+
+    holder = threading.Thread(target=claim, args=("a", True))
+    holder.start()
+    assert first_claimed.wait(10)
+    claim("b", False)  # runs while "a" still holds its rows: SKIP LOCKED passes them by
+    holder.join(10)
+    a = {r.key for r in results["a"]}
+    b = {r.key for r in results["b"]}
+    assert (len(a), len(b)) == (4, 2)
+    assert not a & b
+
+
+def test_lease_guard(store: Store, db: psycopg.Connection[Any]) -> None:
+    """Only the holder of the current lease token can record, finish or release."""
+    key = uuid.uuid4()
+    mine, theirs = uuid.uuid4(), uuid.uuid4()
+    with store.connection() as conn, conn.transaction():
+        assert reserve(store, conn, key, flow="f", lease_token=mine, lease=60).reserved
+    ids = {"org_id": 1, "key": key}
+    with store.connection() as conn, conn.transaction():
+        assert not store.take_over(conn, **ids, token=theirs, lease=60)  # lease still live
+        assert store.record_step(conn, **ids, token=mine, step="s", result={"n": 1}, lease=60)
+        assert not store.record_step(conn, **ids, token=theirs, step="s", result={"n": 2}, lease=60)
+    db.execute("UPDATE idempotency_keys SET lease_expires_at = now() - interval '1 second'")
+    with store.connection() as conn, conn.transaction():
+        assert store.take_over(conn, **ids, token=theirs, lease=60)
+        assert not store.finish(conn, **ids, token=mine, response={"status": 200})
+        assert not store.release(conn, **ids, token=mine, error="late", retry_in=1)
+        assert store.finish(conn, **ids, token=theirs, response={"status": 200, "headers": [], "body": ""})
+    assert db.execute("SELECT status, state, attempts FROM idempotency_keys").fetchone() == (
+        "completed",
+        {"s": {"n": 1}},
+        1,
+    )
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_pool_is_per_process(store: Store) -> None:
+    """A forked child gets a pool of its own instead of the parent's connections."""
+    parent_pool = store.pool
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports whether it got a new pool that works, then exits at once
+        try:
+            ok = store.pool is not parent_pool
+            with store.connection() as conn:
+                ok = ok and conn.execute("SELECT 1").fetchone() == (1,)
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    with store.connection() as conn:  # the parent's pool still works after the child exited
+        assert conn.execute("SELECT 2").fetchone() == (2,)
