@@ -96,3 +96,56 @@ def serve_command(host: str, port: int, gateway_port: int) -> None:
         stop.set()
         gateway.terminate()
         gateway.wait(10)
+
+
+@shop_cli.command("buy")
+@click.option("--amount", required=True, type=click.IntRange(min=1), help="Amount in minor units (cents).")
+@click.option("--currency", required=True, help="ISO 4217 code, e.g. EUR.")
+@click.option("--api-key", required=True, help="The organisation's API key.")
+@click.option("--url", default="http://127.0.0.1:5000", show_default=True, help="The shop's base URL.")
+@click.option("--source", default="tok_visa", show_default=True, help="Payment token.")
+@click.option(
+    "--attempts", default=10, show_default=True, type=click.IntRange(min=1), help="Most attempts per step."
+)
+@click.option(
+    "--deadline",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds allowed per step.",
+)
+def buy_command(
+    amount: int, currency: str, api_key: str, url: str, source: str, attempts: int, deadline: float
+) -> None:
+    """Place an order and pay it through the retry helper, printing every attempt.
+
+    Each operation keeps one Idempotency-Key across its attempts, so retries after timeouts, dropped
+    connections or 503s can never make a second order or a second charge. Exits non-zero when either
+    operation fails for good.
+    """
+    from flask_idem.client import AttemptInfo, CallFailed, IdempotentClient, RequestsTransport, RetryPolicy
+
+    def report(info: AttemptInfo) -> None:
+        outcome = str(info.status) if info.error is None else type(info.error).__name__
+        wait = "-" if info.wait is None else f"{info.wait:.2f}s"
+        click.echo(f"  attempt {info.number}: key={info.key} -> {outcome}, wait {wait}")
+
+    policy = RetryPolicy(attempts=attempts, deadline=deadline, base=0.5, cap=5.0, attempt_timeout=15.0)
+    client = IdempotentClient(RequestsTransport(), policy=policy, on_attempt=report)
+    auth = {"Authorization": f"Bearer {api_key}"}
+    base = url.rstrip("/")
+    try:
+        click.echo(f"POST {base}/orders")
+        order = client.post(
+            base + "/orders", json={"amount": amount, "currency": currency}, headers=auth
+        ).json()
+        click.echo(f"order {order['id']}: {order['amount']} {order['currency']}")
+        click.echo(f"POST {base}/payments")
+        payment = client.post(
+            base + "/payments", json={"order_id": order["id"], "source": source}, headers=auth
+        ).json()
+    except CallFailed as e:
+        detail = e.response.text if e.response is not None and hasattr(e.response, "text") else repr(e.error)
+        click.echo(f"failed after {e.attempts} attempt(s) with key {e.key}: {e}\n{detail}", err=True)
+        raise SystemExit(1) from None
+    click.echo(f"payment {payment['id']}: {payment['status']}, gateway charge {payment['gateway_charge_id']}")
