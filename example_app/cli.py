@@ -10,6 +10,7 @@ import threading
 import click
 from flask import current_app
 from flask.cli import AppGroup
+from werkzeug.serving import run_simple
 
 from flask_idem.recovery import run_forever
 
@@ -91,7 +92,7 @@ def serve_command(host: str, port: int, gateway_port: int) -> None:
         ' -d \'{"amount": 1250, "currency": "EUR"}\''
     )
     try:
-        app.run(host=host, port=port, threaded=True, use_reloader=False)
+        run_simple(host, port, app, threaded=True)
     finally:
         stop.set()
         gateway.terminate()

@@ -6,7 +6,7 @@ import json
 from typing import Any, TypeVar
 
 import psycopg
-from flask import Flask, Response
+from flask import Flask, Response, current_app
 from werkzeug.exceptions import HTTPException, UnprocessableEntity
 
 from flask_idem.errors import PROBLEM_JSON, database_error, problem
@@ -62,7 +62,7 @@ def _http_error(e: HTTPException) -> Response:
 
 
 def _db_error(e: psycopg.Error) -> Response:
-    return problem(database_error(e))
+    return problem(database_error(e, retry_after=current_app.extensions["idem"].settings.retry_after))
 
 
 def register(app: Flask) -> None:

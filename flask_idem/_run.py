@@ -71,8 +71,10 @@ def record_response(response: Response, settings: Settings) -> dict[str, Any]:
     """The JSON document stored for a response: status, the headers worth replaying, and the body.
 
     The body is kept as text when it is UTF-8 without NUL characters (which ``jsonb`` cannot hold), and
-    as base64 otherwise, so a replay is byte for byte the original.
+    as base64 otherwise, so a replay is byte for byte the original. Streamed and file responses are
+    read into memory first: an idempotent view's answer must fit in the key table.
     """
+    response.direct_passthrough = False  # a file response (send_file) is read into memory to be kept
     data = response.get_data()
     record: dict[str, Any] = {
         "status": response.status_code,

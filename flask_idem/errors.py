@@ -57,7 +57,9 @@ _TYPE_PREFIX = "urn:flask-idem:problem:"
 
 
 class ConfigurationError(RuntimeError):
-    """The extension is set up wrongly. Raised at setup time, never while answering a request."""
+    """The extension is set up wrongly: raised by ``init_app`` and the decorators, never because of
+    anything a client sent. (A :class:`~flask_idem.flow.Flow` without a finish step is found at its
+    first request, since its steps may be declared after the route.)"""
 
 
 class IdempotencyError(HTTPException):
@@ -132,11 +134,22 @@ class InvalidBody(IdempotencyError, BadRequest):
 
 
 class NoScope(IdempotencyError, Unauthorized):
-    """401: the scope callable found no organisation for this request, so the key has no owner."""
+    """401: the scope callable found no organisation for this request, so the key has no owner.
+
+    The ``WWW-Authenticate`` challenge is :attr:`challenge`; set it on the class (or handle the error
+    with ``errorhandler``) for an application that authenticates otherwise.
+    """
+
+    #: The ``WWW-Authenticate`` header value a 401 must carry (RFC 9110, section 11.6.1).
+    challenge: ClassVar[str] = "Bearer"
 
     problem_type = _TYPE_PREFIX + "no-scope"
     title = "Authentication required"
     default_detail = "Idempotency keys belong to an authenticated client; this request has none."
+
+    def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
+        """The problem's headers and the ``WWW-Authenticate`` challenge."""
+        return [*super().get_headers(environ, scope), ("WWW-Authenticate", self.challenge)]
 
 
 class KeyInUse(IdempotencyError, Conflict):
@@ -151,12 +164,12 @@ class KeyInUse(IdempotencyError, Conflict):
 
 
 class KeyMismatch(IdempotencyError, UnprocessableEntity):
-    """422: the key was already used for a different request (another method, path or body)."""
+    """422: the key was already used for a different request (another method, path, query or body)."""
 
     problem_type = _TYPE_PREFIX + "key-mismatch"
     title = "Idempotency-Key reused for a different request"
     default_detail = (
-        "This Idempotency-Key was already used for a request with a different method, path or body. "
+        "This Idempotency-Key was already used for a request with a different method, path, query or body. "
         "A retry must repeat the original request exactly; a new operation needs a new key."
     )
 
@@ -167,8 +180,8 @@ class DatabaseUnavailable(IdempotencyError, ServiceUnavailable):
     problem_type = _TYPE_PREFIX + "store-unavailable"
     title = "Service temporarily unavailable"
     default_detail = (
-        "The request could not be processed and nothing was recorded. Retry with the same "
-        "Idempotency-Key after the Retry-After delay."
+        "The request could not be completed now. Retry with the same Idempotency-Key after the "
+        "Retry-After delay: the operation will not be carried out twice."
     )
 
 

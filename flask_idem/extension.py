@@ -78,6 +78,7 @@ class Settings:
     pool_min_size: int = 1
     pool_max_size: int = 10
     pool_timeout: float = 5.0
+    prepare_threshold: int | None = 5
     lease_timeout: float = 30.0
     recovery_deadline: float = 3600.0
     recovery_backoff: float = 2.0
@@ -98,7 +99,9 @@ class Settings:
         if max_size < max(min_size, 1):
             raise ConfigurationError("IDEM_POOL_MAX_SIZE must be at least 1 and IDEM_POOL_MIN_SIZE.")
         headers = config.get("IDEM_REPLAY_HEADERS", DEFAULT_REPLAY_HEADERS)
-        if isinstance(headers, str) or not all(isinstance(h, str) for h in headers):
+        if not isinstance(headers, (list, tuple, set, frozenset)) or not all(
+            isinstance(h, str) for h in headers
+        ):
             raise ConfigurationError("IDEM_REPLAY_HEADERS must be a list of header names.")
         if "set-cookie" in (h.lower() for h in headers):
             raise ConfigurationError(
@@ -106,14 +109,22 @@ class Settings:
                 " cookies to whoever retries."
             )
         table = config.get("IDEM_TABLE", defaults.table)
-        if not isinstance(table, str):
-            raise ConfigurationError("IDEM_TABLE must be a table name.")
+        parts = table.split(".") if isinstance(table, str) else []
+        if not 1 <= len(parts) <= 2 or not all(parts):
+            raise ConfigurationError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}.")
+        require_key = config.get("IDEM_REQUIRE_KEY", defaults.require_key)
+        if not isinstance(require_key, bool):
+            raise ConfigurationError(f"IDEM_REQUIRE_KEY must be true or false, not {require_key!r}.")
+        threshold = config.get("IDEM_PREPARE_THRESHOLD", defaults.prepare_threshold)
+        if threshold is not None:
+            threshold = _positive_int("IDEM_PREPARE_THRESHOLD", threshold)
         return cls(
             database_url=url,
             table=table,
             key_ttl=_seconds("IDEM_KEY_TTL", config.get("IDEM_KEY_TTL", defaults.key_ttl)),
             on_mismatch=_mismatch("IDEM_ON_MISMATCH", config.get("IDEM_ON_MISMATCH", defaults.on_mismatch)),
-            require_key=bool(config.get("IDEM_REQUIRE_KEY", defaults.require_key)),
+            require_key=require_key,
+            prepare_threshold=threshold,
             retry_after=max(1, _positive_int("IDEM_RETRY_AFTER", config.get("IDEM_RETRY_AFTER", 1))),
             replay_headers=frozenset(h.lower() for h in headers),
             pool_min_size=min_size,
@@ -187,6 +198,7 @@ class Idempotency:
             min_size=settings.pool_min_size,
             max_size=settings.pool_max_size,
             timeout=settings.pool_timeout,
+            prepare_threshold=settings.prepare_threshold,
         )
         app.extensions["idem"] = _State(settings=settings, store=store, flows=self._flows)
 

@@ -48,6 +48,7 @@ class KeyRecord:
     request_sha: bytes
     status: str
     response: dict[str, Any] | None
+    #: Past its retention period, finished, and not flagged for a person: the key may be used anew.
     expired: bool
     #: Multi-step rows: whether a worker holds the request now, the flow, and what it recorded.
     lease_live: bool = False
@@ -120,6 +121,8 @@ class Store:
     :param min_size: connections the pool keeps open.
     :param max_size: most connections the pool opens.
     :param timeout: seconds a request waits for a free connection before the pool gives up.
+    :param prepare_threshold: psycopg's server-side prepared statements after this many runs of a
+        statement; ``None`` turns them off (PgBouncer in transaction mode before 1.21).
     """
 
     def __init__(
@@ -130,8 +133,10 @@ class Store:
         min_size: int = 1,
         max_size: int = 10,
         timeout: float = 5.0,
+        prepare_threshold: int | None = 5,
     ) -> None:
         self._conninfo = conninfo
+        self._prepare_threshold = prepare_threshold
         self._pool_args: dict[str, Any] = {
             "min_size": min_size,
             "max_size": max_size,
@@ -155,7 +160,7 @@ class Store:
                 # the parent, and closing them here would cut the parent's connections.
                 self._pool = ConnectionPool(
                     self._conninfo,
-                    kwargs={"autocommit": True},
+                    kwargs={"autocommit": True, "prepare_threshold": self._prepare_threshold},
                     open=False,
                     name="flask-idem",
                     **self._pool_args,
@@ -228,11 +233,14 @@ class Store:
                 row = conn.execute(self._sql.lookup, params).fetchone()
                 if row is None:
                     return Reservation(reserved=False)
-            if row[0]:
+            fresh, locked, *columns = row
+            if fresh:
                 return Reservation(reserved=True)
-            record = KeyRecord(*row[1:])
-            if not (record.expired and record.status != "processing"):
+            record = KeyRecord(*columns)
+            if not record.expired:
                 return Reservation(reserved=False, record=record)
+            if not locked:  # another request is renewing the expired key right now
+                return Reservation(reserved=False)
             conn.execute(self._sql.delete_expired, params)
         return Reservation(reserved=False)
 
@@ -368,8 +376,12 @@ class _Statements:
         }
 
         # The columns a later request reads, and the guard of every write under a lease.
+        # Whether the key's lock is ours matters only for an expired row, which may be renewed only by
+        # the one request that holds it; CASE makes sure no other lock is taken.
+        expired = "expires_at <= now() AND status <> 'processing' AND NOT needs_attention"
         record = sql.SQL(
-            "request_sha, status, response, expires_at <= now(),"
+            "CASE WHEN " + expired + " THEN pg_try_advisory_xact_lock(%(lock)s) END,"
+            " request_sha, status, response, " + expired + ","
             " coalesce(lease_expires_at > now(), false), flow, step, state"
         )
         mine = sql.SQL(
@@ -394,7 +406,7 @@ class _Statements:
             " ON CONFLICT (org_id, idem_key) DO NOTHING"
             " RETURNING 1"
             ")"
-            " SELECT true, NULL::bytea, NULL::text, NULL::jsonb, NULL::boolean,"
+            " SELECT true, NULL::boolean, NULL::bytea, NULL::text, NULL::jsonb, NULL::boolean,"
             "        NULL::boolean, NULL::text, NULL::text, NULL::jsonb"
             " FROM reserved"
             " UNION ALL"
@@ -407,7 +419,7 @@ class _Statements:
         self.delete_expired = q(
             "DELETE FROM {table}"
             " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
-            " AND expires_at <= now() AND status <> 'processing'"
+            " AND expires_at <= now() AND status <> 'processing' AND NOT needs_attention"
         )
         self.complete = q(
             "UPDATE {table} SET status = 'completed', response = %(response)s"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import threading
 import uuid
 from typing import Any
 
 import psycopg
-from flask import Flask, abort, current_app, request
+from flask import Flask, abort, current_app, request, send_file
 
 from flask_idem import Idempotency
 
@@ -102,6 +103,11 @@ def build_app(database_url: str, **config: Any) -> tuple[Flask, Idempotency]:
         return current_app.response_class(
             b"\x00\xff\xfe" + uuid.uuid4().bytes, status=201, mimetype="application/octet-stream"
         )
+
+    @app.post("/notes/file")
+    @idem.idempotent()
+    def file() -> Any:
+        return send_file(io.BytesIO(b"%PDF-\x00\xff receipt"), mimetype="application/pdf")
 
     @app.post("/notes/optional")
     @idem.idempotent(required=False)

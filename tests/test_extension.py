@@ -59,6 +59,10 @@ BAD = {
     "set-cookie": {"IDEM_REPLAY_HEADERS": ["Location", "Set-Cookie"]},
     "lease-negative": {"IDEM_LEASE_TIMEOUT": -1},
     "table-type": {"IDEM_TABLE": 3},
+    "table-shape": {"IDEM_TABLE": "a.b.c"},
+    "headers-number": {"IDEM_REPLAY_HEADERS": 5},
+    "require-key-string": {"IDEM_REQUIRE_KEY": "no"},
+    "prepare-threshold": {"IDEM_PREPARE_THRESHOLD": -1},
 }
 
 

@@ -184,3 +184,25 @@ def test_pool_is_per_process(store: Store) -> None:
     assert os.read(read, 1) == b"1"
     with store.connection() as conn:  # the parent's pool still works after the child exited
         assert conn.execute("SELECT 2").fetchone() == (2,)
+
+
+def test_expired_key_flagged_for_a_person_is_kept(store: Store, db: psycopg.Connection[Any]) -> None:
+    """An expired row flagged for a person is not renewed: its stored answer stands."""
+    key = uuid.uuid4()
+    db.execute(
+        "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, status, response,"
+        " expires_at, needs_attention)"
+        " VALUES (1, %s, %s, 'POST', '/x', 'failed', '{\"status\": 500}', now() - interval '1 hour', true)",
+        (key, SHA),
+    )
+    with store.connection() as conn, conn.transaction():
+        found = reserve(store, conn, key)
+    assert not found.reserved
+    assert found.record is not None and found.record.status == "failed"
+    assert count_rows(db) == 1
+
+
+def count_rows(db: psycopg.Connection[Any]) -> int:
+    row = db.execute("SELECT count(*) FROM idempotency_keys").fetchone()
+    assert row is not None
+    return int(row[0])

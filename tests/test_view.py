@@ -300,3 +300,60 @@ def test_concurrent_duplicates_in_threads(
     assert set(statuses) <= {200, 201, 409}
     assert statuses.count(201) == 1
     assert count(db, "notes") == 1
+
+
+def test_expired_key_being_renewed_is_in_flight(app: Flask, db: psycopg.Connection[Any]) -> None:
+    """While one request renews an expired key, a duplicate gets 409 at once, not a wait or a stale replay."""
+    key = uuid.uuid4()
+    entered, release = threading.Event(), threading.Event()
+    app.config.update(ENTERED=entered, RELEASE=release)
+    release.set()
+    assert post(app, "/notes/block", key).status_code == 201
+    db.execute("UPDATE idempotency_keys SET expires_at = now() - interval '1 second'")
+    db.execute("DELETE FROM notes")
+    entered.clear()
+    release.clear()
+    results: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: results.setdefault("renewal", post(app, "/notes/block", key)))
+    thread.start()
+    try:
+        assert entered.wait(10)
+        duplicate = post(app, "/notes/block", key)
+        still_running = thread.is_alive()
+    finally:
+        release.set()
+        thread.join(15)
+    assert still_running
+    assert duplicate.status_code == 409
+    assert results["renewal"].status_code == 201
+    assert count(db, "notes") == 1
+
+
+def test_file_responses_are_stored(app: Flask) -> None:
+    """A send_file answer is read into the key row and replayed byte for byte."""
+    key = uuid.uuid4()
+    first = post(app, "/notes/file", key)
+    second = post(app, "/notes/file", key)
+    assert first.status_code == second.status_code == 200
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert second.data == first.data == b"%PDF-\x00\xff receipt"
+    assert second.mimetype == "application/pdf"
+
+
+def test_no_scope_carries_a_challenge(app: Flask) -> None:
+    """The 401 for a request without an organisation names an authentication scheme."""
+    response = app.test_client().post(
+        "/notes", json={"body": "x"}, headers={"Idempotency-Key": str(uuid.uuid4())}
+    )
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_prepared_statements_can_be_turned_off(
+    make_app: Callable[..., Flask], db: psycopg.Connection[Any]
+) -> None:
+    """With IDEM_PREPARE_THRESHOLD None (PgBouncer before 1.21) requests work the same."""
+    app = make_app(IDEM_PREPARE_THRESHOLD=None)
+    for i in range(8):
+        assert post(app, "/notes", uuid.uuid4(), {"body": f"n{i}"}).status_code == 201
+    assert count(db, "notes") == 8
