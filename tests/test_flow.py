@@ -6,6 +6,7 @@ fail; the database is the real one.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -286,3 +287,62 @@ def _named(name: str) -> Callable[[Run], None]:
 
     step.__name__ = name
     return step
+
+
+def test_backoff_is_full_jitter_within_the_cap() -> None:
+    """Recovery waits are drawn from [0, min(cap, base * 2**attempt)]."""
+    import random
+
+    from flask_idem.recovery import backoff
+
+    rng = random.Random(7)
+    for attempt in range(12):
+        waits = [backoff(attempt, base=2.0, cap=60.0, rng=rng) for _ in range(200)]
+        ceiling = min(60.0, 2.0 * 2**attempt)
+        assert all(0 <= w <= ceiling for w in waits)
+        assert max(waits) > ceiling * 0.8  # spread over the whole interval, not bunched
+    assert backoff(10_000, base=2.0, cap=60.0, rng=rng) <= 60.0
+
+
+def test_recovery_loop_finishes_stranded_requests(
+    flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]
+) -> None:
+    """`recover --loop` (run_forever) finishes a stranded request and stops when told to."""
+    import threading
+
+    from flask_idem.recovery import run_forever
+
+    key = uuid.uuid4()
+    ledger.lose_answer = True
+    assert post(flow_app, "/transfers", key, {"amount": 3}).status_code == 503
+    assert db.execute("SELECT next_attempt_at > now() FROM idempotency_keys").fetchone() == (True,)
+    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
+    stop = threading.Event()
+    worker = threading.Thread(target=run_forever, args=(flow_app,), kwargs={"interval": 0.05, "stop": stop})
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while row(db)[0] != "completed":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        worker.join(10)
+    assert not worker.is_alive()
+    assert ledger.calls == ["record", "find"]
+    assert post(flow_app, "/transfers", key, {"amount": 3}).status_code == 200
+
+
+def test_stuck_lists_slow_processing_rows(
+    flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]
+) -> None:
+    """`flask idem stuck` reports a request processing for longer than expected."""
+    ledger.fail_next = OutcomeUnknown
+    key = uuid.uuid4()
+    assert post(flow_app, "/transfers", key, {"amount": 3}).status_code == 503
+    runner = flow_app.test_cli_runner()
+    assert runner.invoke(args=["idem", "stuck"]).output.strip() == "0 row(s)."
+    db.execute("UPDATE idempotency_keys SET created_at = now() - interval '10 minutes'")
+    output = runner.invoke(args=["idem", "stuck", "--older-than", "60"]).output
+    assert f"slow            org=1 key={key} status=processing" in output
+    assert "last_error=OutcomeUnknown" in output
