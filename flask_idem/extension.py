@@ -310,8 +310,10 @@ class Idempotency:
     def pool(self) -> ConnectionPool[Connection]:
         """The current application's connection pool, for database work outside idempotent views::
 
-        with idem.pool.connection() as conn:
-            rows = conn.execute("SELECT ...").fetchall()
+            with idem.pool.connection() as conn:
+                rows = conn.execute("SELECT ...").fetchall()
+
+        It is opened on first use in each process, so it is safe in a pre-fork server's master.
         """
         return _state().store.pool
 
