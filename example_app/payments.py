@@ -23,7 +23,7 @@ from flask_idem.flow import Flow, Run
 from . import gateway_client
 from .auth import authenticate
 from .extensions import idem
-from .problems import problem_exception
+from .problems import KeyAlreadyUsed, problem_exception
 from .schemas import BIGINT_MAX, StrictInteger, load
 
 bp = Blueprint("payments", __name__)
@@ -94,11 +94,19 @@ def create_payment() -> dict[str, Any]:
         "INSERT INTO payments (org_id, order_id, idempotency_key, amount, currency)"
         " SELECT %s, %s, %s, %s, %s"
         " WHERE NOT EXISTS (SELECT FROM payments WHERE order_id = %s AND status IN ('pending', 'succeeded'))"
+        " ON CONFLICT (org_id, idempotency_key) DO NOTHING"
         " RETURNING id",
         (g.org_id, data["order_id"], idem.key, *order, data["order_id"]),
     ).fetchone()
     if row is None:
-        raise OrderAlreadyPaid()
+        used = conn.execute(
+            "SELECT 1 FROM payments WHERE org_id = %s AND idempotency_key = %s", (g.org_id, idem.key)
+        ).fetchone()
+        raise (
+            KeyAlreadyUsed("A payment was already made with this Idempotency-Key.")
+            if used
+            else OrderAlreadyPaid()
+        )
     amount, currency = order
     return {
         "payment_id": row[0],

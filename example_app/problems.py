@@ -37,7 +37,7 @@ class ValidationFailed(UnprocessableEntity):
 
 
 class KeyAlreadyUsed(UnprocessableEntity):
-    """422: an order already exists for this key, created before the key's retention period ended."""
+    """422: an order (or payment) already exists for this key, made before the key's retention ended."""
 
     description = "An order was already created with this Idempotency-Key. A new order needs a new key."
 
@@ -62,7 +62,10 @@ def _http_error(e: HTTPException) -> Response:
 
 
 def _db_error(e: psycopg.Error) -> Response:
-    return problem(database_error(e, retry_after=current_app.extensions["idem"].settings.retry_after))
+    idem = current_app.extensions.get(
+        "idem"
+    )  # the gateway simulator shares these handlers, not the extension
+    return problem(database_error(e, retry_after=idem.settings.retry_after if idem else 1))
 
 
 def register(app: Flask) -> None:

@@ -13,7 +13,7 @@ import psycopg
 from flask import current_app
 from flask.cli import AppGroup
 
-from .recovery import recover, run_forever
+from .recovery import RecoveryReport, recover, run_forever
 from .store import Store
 
 __all__ = ["idem_cli"]
@@ -85,7 +85,8 @@ def recover_command(limit: int, loop: bool, interval: float) -> None:
     """Finish multi-step requests stranded by a crash (their lease has expired).
 
     Each is resumed after its last finished step; an outside call is first looked up through the step's
-    resolver. Requests past IDEM_RECOVERY_DEADLINE are marked failed and flagged for a person.
+    resolver. Requests past IDEM_RECOVERY_DEADLINE are marked failed and flagged for a person. Only
+    requests of flows this application declares are touched.
     """
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     if loop:
@@ -93,9 +94,12 @@ def recover_command(limit: int, loop: bool, interval: float) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         click.echo(f"Recovering every {interval} s; stop with SIGTERM or Ctrl-C.")
-        run_forever(app, interval=interval, limit=limit, stop=stop)
+        run_forever(app, interval=interval, limit=limit, stop=stop, on_pass=_print_report)
         return
-    report = recover(app, limit=limit)
+    _print_report(recover(app, limit=limit))
+
+
+def _print_report(report: RecoveryReport) -> None:
     for outcome in ("completed", "pending", "failed", "lost"):
         for org_id, key, detail in getattr(report, outcome):
             click.echo(f"{outcome:9} org={org_id} key={key} {detail}")

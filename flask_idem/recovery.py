@@ -15,6 +15,7 @@ import logging
 import random
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,29 +61,38 @@ def backoff(attempt: int, *, base: float, cap: float, rng: random.Random) -> flo
 
 
 def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -> RecoveryReport:
-    """Claim up to ``limit`` stranded multi-step requests of ``app`` and try to finish each one.
+    """Claim and finish up to ``limit`` stranded multi-step requests of ``app``, one at a time.
 
-    Safe to run in several processes at once: each row is claimed by one of them under a fresh lease.
+    Each request is claimed just before it is worked on (a short transaction of its own), so no lease
+    runs out while earlier requests are being finished. Only requests of flows this application knows
+    are claimed: running the job with the wrong application leaves them alone. Safe to run in several
+    processes at once: each row is claimed by one of them under a fresh lease.
     """
     state: _State = app.extensions["idem"]
     settings = state.settings
     rng = rng or random.Random()
-    token = uuid.uuid4()
-    with app.app_context():
-        claimed = in_transaction(
-            state.store,
-            lambda conn: state.store.claim_stranded(
-                conn,
-                token=token,
-                lease=settings.lease_timeout,
-                limit=limit,
-                deadline=settings.recovery_deadline,
-            ),
-        )
+    # The longest lease of any flow: a claimed request must not lapse in the middle of a slow call.
+    lease = max([settings.lease_timeout] + [f.lease_timeout or 0 for f in state.flows.values()])
     report = RecoveryReport()
-    for row in claimed:
-        with app.test_request_context(row.path, method=row.method):
-            _recover_one(state, row, token, report, rng)
+    with app.app_context():
+        for _ in range(limit):
+            token = uuid.uuid4()
+            claimed = in_transaction(
+                state.store,
+                lambda conn, token=token: state.store.claim_stranded(  # type: ignore[misc]
+                    conn,
+                    token=token,
+                    lease=lease,
+                    limit=1,
+                    deadline=settings.recovery_deadline,
+                    flows=list(state.flows),
+                ),
+            )
+            if not claimed:
+                break
+            row = claimed[0]
+            with app.test_request_context(row.path, method=row.method):
+                _recover_one(state, row, token, report, rng)
     return report
 
 
@@ -91,9 +101,9 @@ def _recover_one(
 ) -> None:
     settings = state.settings
     entry = (row.org_id, row.key)
-    flow = state.flows.get(row.flow)
-    if flow is None or row.overdue:
-        reason = "unknown flow" if flow is None else "recovery deadline passed"
+    flow = state.flows[row.flow]
+    if row.overdue:
+        reason = "recovery deadline passed"
         _give_up(state, row, token, reason)
         report.failed.append((*entry, reason))
         return
@@ -111,7 +121,10 @@ def _recover_one(
         logger.error("Recovery of a %s request failed: %s.", row.flow, type(e).__name__)
         report.pending.append((*entry, f"{type(e).__name__}; will be retried"))
     else:
-        report.completed.append((*entry, f"answered {response.status_code}"))
+        if response.status_code >= 500:  # rolled back and released by the engine: still to be done
+            report.pending.append((*entry, f"finish step answered {response.status_code}; will be retried"))
+        else:
+            report.completed.append((*entry, f"answered {response.status_code}"))
 
 
 def _give_up(state: _State, row: Stranded, token: uuid.UUID, reason: str) -> None:
@@ -132,9 +145,17 @@ def _give_up(state: _State, row: Stranded, token: uuid.UUID, reason: str) -> Non
 
 
 def run_forever(
-    app: Flask, *, interval: float, limit: int = 100, stop: threading.Event | None = None
+    app: Flask,
+    *,
+    interval: float,
+    limit: int = 100,
+    stop: threading.Event | None = None,
+    on_pass: Callable[[RecoveryReport], None] | None = None,
 ) -> None:
-    """Run :func:`recover` every ``interval`` seconds until ``stop`` is set (a worker process)."""
+    """Run :func:`recover` every ``interval`` seconds until ``stop`` is set (a worker process).
+
+    :param on_pass: called with the report of every pass that claimed something.
+    """
     stop = stop or threading.Event()
     rng = random.Random()
     while not stop.is_set():
@@ -143,6 +164,8 @@ def run_forever(
         except psycopg.Error as e:
             logger.warning("Recovery pass failed: %s (SQLSTATE %s).", type(e).__name__, e.sqlstate)
         else:
+            if report.claimed and on_pass is not None:
+                on_pass(report)
             if report.claimed:
                 logger.info(
                     "Recovery: %d completed, %d pending, %d failed, %d lost.",

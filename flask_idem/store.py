@@ -327,15 +327,23 @@ class Store:
         return conn.execute(self._sql.release, params).rowcount == 1
 
     def claim_stranded(
-        self, conn: Connection, *, token: uuid.UUID, lease: float, limit: int, deadline: float
+        self,
+        conn: Connection,
+        *,
+        token: uuid.UUID,
+        lease: float,
+        limit: int,
+        deadline: float,
+        flows: list[str],
     ) -> list[Stranded]:
         """Claim up to ``limit`` processing requests whose lease expired and whose next attempt is due.
 
         Rows locked by another claimer are skipped (``FOR UPDATE SKIP LOCKED``), and each claimed row
         gets the lease ``token``, so two recovery processes never work on one row under one lease.
-        ``overdue`` tells whether the request is older than ``deadline`` seconds.
+        ``overdue`` tells whether the request is older than ``deadline`` seconds. Only requests of
+        ``flows`` are claimed.
         """
-        params = {"token": token, "lease": lease, "limit": limit, "deadline": deadline}
+        params = {"token": token, "lease": lease, "limit": limit, "deadline": deadline, "flows": flows}
         return [Stranded(*row) for row in conn.execute(self._sql.claim, params).fetchall()]
 
     def stuck(self, *, older_than: float) -> list[StuckRow]:
@@ -450,7 +458,7 @@ class _Statements:
         self.claim = q(
             "WITH due AS ("
             " SELECT org_id, idem_key FROM {table}"
-            " WHERE status = 'processing' AND flow IS NOT NULL AND lease_expires_at <= now()"
+            " WHERE status = 'processing' AND flow = ANY(%(flows)s) AND lease_expires_at <= now()"
             " AND (next_attempt_at IS NULL OR next_attempt_at <= now())"
             " ORDER BY lease_expires_at LIMIT %(limit)s"
             " FOR UPDATE SKIP LOCKED"

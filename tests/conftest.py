@@ -8,14 +8,9 @@ want of a database: if none can be had, the session fails.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +28,11 @@ from example_app.db import embedded_url
 from example_app.gateway import create_app as gateway_create_app
 
 from .notes_app import build_app
+from .servers import ROOT, free_port, gunicorn, wait_for_http
+
+__all__ = ["ROOT", "count", "free_port", "gunicorn", "headers", "wait_for_http"]
 
 DB_ENV = "FLASK_IDEM_TEST_DATABASE_URL"
-ROOT = Path(__file__).resolve().parent.parent
 
 #: Tables emptied after each test that used the database.
 _TABLES = ("payments", "orders", "orgs", "idempotency_keys", "notes", "gateway_charges", "gateway_faults")
@@ -179,75 +176,6 @@ def headers(api_key: str, key: uuid.UUID | str | None = None, **extra: str) -> d
     if key is not None:
         result["Idempotency-Key"] = str(key)
     return result
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_for_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    """Poll ``url`` until it answers anything, failing early if ``proc`` exits."""
-    import requests
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before answering")
-        try:
-            requests.get(url, timeout=2)
-            return
-        except requests.RequestException:  # refused while binding, or a worker still booting
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer within {timeout} s")
-
-
-@contextmanager
-def gunicorn(
-    log_path: Path,
-    *,
-    env: dict[str, str],
-    workers: int = 4,
-    threads: int = 4,
-    app: str = "example_app:create_app()",
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Serve ``app`` with gunicorn on a free port; yields its base URL and the master process."""
-    port = free_port()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gunicorn",
-                "--workers",
-                str(workers),
-                "--threads",
-                str(threads),
-                "--bind",
-                f"127.0.0.1:{port}",
-                "--graceful-timeout",
-                "5",
-                app,
-            ],
-            cwd=ROOT,
-            env={**os.environ, **env},
-            stdout=log,
-            stderr=log,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_http(base + "/orders", proc)
-        yield base, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture

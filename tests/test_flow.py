@@ -346,3 +346,41 @@ def test_stuck_lists_slow_processing_rows(
     output = runner.invoke(args=["idem", "stuck", "--older-than", "60"]).output
     assert f"slow            org=1 key={key} status=processing" in output
     assert "last_error=OutcomeUnknown" in output
+
+
+def test_recovery_leaves_unknown_flows_alone(
+    flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any], database_url: str
+) -> None:
+    """A recovery job of an application without the flow claims nothing, and flags nothing."""
+    from flask_idem.recovery import recover
+
+    ledger.fail_next = OutcomeUnknown
+    assert post(flow_app, "/transfers", uuid.uuid4(), {"amount": 3}).status_code == 503
+    db.execute("UPDATE idempotency_keys SET next_attempt_at = now(), created_at = now() - interval '1 day'")
+    other = Flask("other")
+    other.config["IDEM_DATABASE_URL"] = database_url
+    Idempotency(other, scope=lambda: 1)
+    try:
+        assert recover(other).claimed == 0
+    finally:
+        other.extensions["idem"].store.close()
+    assert row(db)[0] == "processing"
+    assert db.execute("SELECT needs_attention FROM idempotency_keys").fetchone() == (False,)
+
+
+def test_recovery_reports_a_failed_finish_as_pending(
+    flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]
+) -> None:
+    """When the finish step answers 5xx during recovery, the request is reported pending, not completed."""
+    from flask_idem.recovery import recover
+
+    ledger.fail_next = OutcomeUnknown
+    assert post(flow_app, "/transfers", uuid.uuid4(), {"amount": 3}).status_code == 503
+    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
+    flow_app.config["FINISH_500"] = True
+    report = recover(flow_app)
+    assert (len(report.completed), len(report.pending)) == (0, 1)
+    assert row(db)[0] == "processing"
+    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
+    assert len(recover(flow_app).completed) == 1
+    assert row(db)[0] == "completed"

@@ -126,7 +126,9 @@ def test_claims_are_disjoint(store: Store, db: psycopg.Connection[Any]) -> None:
 
     def claim(name: str, hold: bool) -> None:
         with store.connection() as conn, conn.transaction():
-            results[name] = store.claim_stranded(conn, token=uuid.uuid4(), lease=60, limit=4, deadline=3600)
+            results[name] = store.claim_stranded(
+                conn, token=uuid.uuid4(), lease=60, limit=4, deadline=3600, flows=["f"]
+            )
             if hold:
                 first_claimed.set()
                 conn.execute("SELECT pg_sleep(0.3)")  # keep the claimed rows locked a moment

@@ -365,3 +365,19 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def test_key_reused_after_retention_is_422(
+    shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """After its key row is purged, a payment key used again is refused by the payments table, not a 500."""
+    client = shop.test_client()
+    order_id = place_order(client, org[1])
+    key = uuid.uuid4()
+    assert pay(client, org[1], order_id, key, source="tok_chargedecline").status_code == 402
+    db.execute("DELETE FROM idempotency_keys WHERE path = '/payments'")
+    again = pay(client, org[1], order_id, key)
+    assert again.status_code == 422
+    assert again.mimetype == PROBLEM_JSON
+    assert "Idempotency-Key" in again.json["detail"]
+    assert len(charges(gateway_url)) == 1

@@ -1,0 +1,35 @@
+"""``uv run python -m tests.history [--duration S] [--clients N] [--seed N]``: a long history check."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from . import run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.history", description=__doc__)
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of load with faults")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent client threads")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the workload and the nemesis")
+    parser.add_argument("--fault-interval", type=float, default=3.0, help="mean seconds between faults")
+    parser.add_argument("--max-faults", type=int, default=1000, help="most faults to inject")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="flask-idem-history-") as workdir:
+        report = run(
+            Path(workdir),
+            duration=args.duration,
+            clients=args.clients,
+            seed=args.seed,
+            fault_interval=args.fault_interval,
+            max_faults=args.max_faults,
+        )
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""After the run: heal, recover, resolve the unknown, then check the history against the database.
+
+The promises checked:
+
+- no (org, key) produced two orders or two charges, and no order was charged twice;
+- every acknowledged order and payment exists exactly once, with the amount of its first request;
+- every operation left unknown has at most one effect once retried with its key and recovered;
+- no key row is left ``processing`` and no payment ``pending``;
+- a replay of every acknowledged operation is byte for byte the answer first received;
+- no client ever saw a status outside the expected ones (a 500, say).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import requests
+
+from example_app import create_app
+from example_app.payments import pay
+from flask_idem.client import IdempotentClient, RequestsTransport, RetryPolicy
+from flask_idem.flow import Run
+from flask_idem.recovery import recover
+
+from .cluster import LEASE_TIMEOUT, Cluster, wait_until_postgres_answers
+from .workload import EXPECTED, Op, perform
+
+#: The helper's policy when resolving unknown operations after the faults stopped.
+RESOLVE_POLICY = RetryPolicy(attempts=20, deadline=60.0, base=0.2, cap=2.0, attempt_timeout=10.0)
+
+
+@dataclass
+class Report:
+    """What the checker found."""
+
+    operations: Counter[str] = field(default_factory=Counter)
+    faults: dict[str, int] = field(default_factory=dict)
+    recovered: int = 0
+    anomalies: dict[str, list[str]] = field(default_factory=dict)
+
+    def anomaly(self, kind: str, detail: str) -> None:
+        self.anomalies.setdefault(kind, []).append(detail)
+
+    @property
+    def ok(self) -> bool:
+        return not self.anomalies
+
+    def summary(self) -> str:
+        lines = ["history check"]
+        lines.append("  operations: " + ", ".join(f"{k} {v}" for k, v in sorted(self.operations.items())))
+        lines.append(
+            "  faults injected: " + (", ".join(f"{k} x{v}" for k, v in sorted(self.faults.items())) or "none")
+        )
+        lines.append(f"  requests finished by the recovery job: {self.recovered}")
+        for kind in ("duplicates", "lost", "unexpected"):
+            found = self.anomalies.get(kind, [])
+            lines.append(f"  {kind}: {len(found)}")
+            lines.extend(f"    - {detail}" for detail in found[:20])
+        return "\n".join(lines)
+
+
+def settle(cluster: Cluster, history: list[Op], report: Report) -> None:
+    """Stop the faults, let leases lapse, run recovery until nothing is processing, resolve unknowns."""
+    wait_until_postgres_answers(cluster.database_url)
+    cluster.heal()
+    time.sleep(LEASE_TIMEOUT + 0.5)
+    app = create_app(cluster.app_config())
+    try:
+        with psycopg.connect(cluster.database_url, autocommit=True) as db:
+            for _ in range(10):
+                db.execute("UPDATE idempotency_keys SET next_attempt_at = now() WHERE status = 'processing'")
+                report.recovered += len(recover(app).completed)
+                if _one(db, "SELECT count(*) FROM idempotency_keys WHERE status = 'processing'") == 0:
+                    break
+                time.sleep(LEASE_TIMEOUT + 0.2)
+    finally:
+        app.extensions["idem"].store.close()
+    with requests.Session() as session:
+        client = IdempotentClient(RequestsTransport(session), policy=RESOLVE_POLICY, rng=random.Random(0))
+        for op in history:
+            if op.outcome == "unknown":
+                perform(client, cluster.shop_url, op)
+                op.outcome = "resolved " + op.outcome
+
+
+def check(cluster: Cluster, history: list[Op], report: Report) -> None:
+    """Compare the history with the database, the gateway, and fresh replays."""
+    report.faults = dict(cluster.faults)
+    for op in history:
+        report.operations[f"{op.kind} {op.outcome}"] += 1
+        for status in op.statuses:
+            if status is not None and status not in EXPECTED:
+                report.anomaly("unexpected", f"{op.kind} {op.key} saw HTTP {status}")
+    with psycopg.connect(cluster.database_url, autocommit=True) as db:
+        _check_tables(db, history, report)
+    _check_replays(cluster, history, report)
+
+
+def _check_tables(db: psycopg.Connection[Any], history: list[Op], report: Report) -> None:
+    orgs = {r[1]: r[0] for r in db.execute("SELECT id, api_key_sha FROM orgs").fetchall()}
+    orders = db.execute("SELECT org_id, idempotency_key, id, amount FROM orders").fetchall()
+    payments = db.execute(
+        "SELECT org_id, idempotency_key, id, order_id, amount, status, gateway_charge_id FROM payments"
+    ).fetchall()
+    charges = {
+        r[0]: r for r in db.execute("SELECT idem_key, id, amount, status FROM gateway_charges").fetchall()
+    }
+
+    for (org, key), n in Counter((o[0], o[1]) for o in orders).items():
+        if n > 1:
+            report.anomaly("duplicates", f"{n} orders for org {org} key {key}")
+    live = Counter(p[3] for p in payments if p[5] in ("succeeded", "pending"))
+    for order_id, n in live.items():
+        if n > 1:
+            report.anomaly("duplicates", f"order {order_id} has {n} live payments")
+    expected_charge_keys = {
+        Run(flow=pay.name, org_id=p[0], key=p[1]).derived_key("charge"): p for p in payments
+    }
+    for charge_key, charge in charges.items():
+        if charge_key not in expected_charge_keys:
+            report.anomaly("duplicates", f"charge {charge[1]} matches no payment")
+    for payment in payments:
+        charge = charges.get(Run(flow=pay.name, org_id=payment[0], key=payment[1]).derived_key("charge"))
+        if payment[5] == "pending":
+            report.anomaly("lost", f"payment {payment[2]} is still pending")
+        elif payment[5] in ("succeeded", "declined") and (charge is None or charge[1] != payment[6]):
+            report.anomaly("lost", f"payment {payment[2]} ({payment[5]}) has no matching charge")
+        elif charge is not None and charge[2] != payment[4]:
+            report.anomaly("unexpected", f"payment {payment[2]} charged {charge[2]}, not {payment[4]}")
+    if (n := _one(db, "SELECT count(*) FROM idempotency_keys WHERE status = 'processing'")) > 0:
+        report.anomaly("lost", f"{n} key rows still processing after recovery")
+
+    from example_app.auth import hash_api_key
+
+    by_key = {(o[0], o[1]): o for o in orders}
+    pays_by_key = {(p[0], p[1]): p for p in payments}
+    for op in history:
+        org = orgs[hash_api_key(op.api_key)]
+        if op.kind == "order":
+            row = by_key.get((org, op.key))
+            if op.outcome.endswith("ok"):
+                body = json.loads(op.response or b"{}")
+                if row is None:
+                    report.anomaly("lost", f"acknowledged order {op.key} does not exist")
+                elif (row[2], row[3]) != (body["id"], op.body["amount"]):
+                    report.anomaly(
+                        "unexpected", f"order {op.key} is {row[2:]} not {body['id']}/{op.body['amount']}"
+                    )
+            elif op.outcome.endswith("failed") and row is not None:
+                report.anomaly("unexpected", f"refused order {op.key} exists")
+        else:
+            row = pays_by_key.get((org, op.key))
+            if op.outcome.endswith("ok"):
+                body = json.loads(op.response or b"{}")
+                if row is None or row[5] != "succeeded" or row[6] != body.get("gateway_charge_id"):
+                    report.anomaly("lost", f"acknowledged payment {op.key} is {row and row[5]}")
+            elif op.outcome.endswith("failed") and op.status == 402 and (row is None or row[5] != "declined"):
+                report.anomaly("unexpected", f"declined payment {op.key} is recorded as {row and row[5]}")
+
+
+def _check_replays(cluster: Cluster, history: list[Op], report: Report) -> None:
+    with requests.Session() as session:
+        for op in history:
+            if not (op.outcome.endswith("ok") or op.status == 402):
+                continue
+            again = session.post(
+                cluster.shop_url + op.path,
+                json=op.body,
+                headers={"Authorization": f"Bearer {op.api_key}", "Idempotency-Key": str(op.key)},
+                timeout=10,
+            )
+            if again.content != op.response or again.headers.get("Idempotent-Replayed") != "true":
+                report.anomaly("unexpected", f"replay of {op.kind} {op.key} differs ({again.status_code})")
+
+
+def _one(db: psycopg.Connection[Any], query: str) -> int:
+    row = db.execute(query).fetchone()  # type: ignore[arg-type]
+    assert row is not None
+    return int(row[0])

