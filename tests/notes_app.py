@@ -23,6 +23,7 @@ def org_from_header() -> int | None:
 def build_app(database_url: str, **config: Any) -> tuple[Flask, Idempotency]:
     """A minimal application with one decorated route per behaviour under test."""
     app = Flask(__name__)
+    app.config.from_prefixed_env()  # as a user's app would: FLASK_IDEM_* settings apply
     app.config.update({"IDEM_DATABASE_URL": database_url, "IDEM_POOL_TIMEOUT": 5.0, **config})
     idem = Idempotency(app, scope=org_from_header)
 

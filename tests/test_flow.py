@@ -50,6 +50,7 @@ class Ledger:
 
 def build_flow_app(database_url: str, ledger: Ledger, **config: Any) -> Flask:
     app = Flask(__name__)
+    app.config.from_prefixed_env()
     app.config.update({"IDEM_DATABASE_URL": database_url, "IDEM_LEASE_TIMEOUT": 30, **config})
     idem = Idempotency(app, scope=org_from_header)
     flow = Flow("notes.transfer")
@@ -358,6 +359,7 @@ def test_recovery_leaves_unknown_flows_alone(
     assert post(flow_app, "/transfers", uuid.uuid4(), {"amount": 3}).status_code == 503
     db.execute("UPDATE idempotency_keys SET next_attempt_at = now(), created_at = now() - interval '1 day'")
     other = Flask("other")
+    other.config.from_prefixed_env()
     other.config["IDEM_DATABASE_URL"] = database_url
     Idempotency(other, scope=lambda: 1)
     try:

@@ -14,12 +14,14 @@ import pytest
 
 from flask_idem.store import Store, lock_id
 
+from .conftest import PREPARE_THRESHOLD
+
 SHA = b"\x01" * 32
 
 
 @pytest.fixture
 def store(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Store]:
-    store = Store(database_url, max_size=20)
+    store = Store(database_url, max_size=20, prepare_threshold=PREPARE_THRESHOLD)
     yield store
     store.close()
 
@@ -32,7 +34,7 @@ def reserve(store: Store, conn: Any, key: uuid.UUID, **extra: Any) -> Any:
 def test_init_schema_twice_and_custom_table(database_url: str, db: psycopg.Connection[Any]) -> None:
     """The DDL is idempotent and honours a schema-qualified table name."""
     db.execute("CREATE SCHEMA IF NOT EXISTS idem_custom")
-    custom = Store(database_url, table="idem_custom.keys")
+    custom = Store(database_url, table="idem_custom.keys", prepare_threshold=PREPARE_THRESHOLD)
     try:
         custom.init_schema()
         custom.init_schema()

@@ -14,6 +14,9 @@ Configuration, from ``FLASK_*`` environment variables or ``test_config``:
 ``FAULTS_ENABLED``
     ``true`` enables fault injection at ``/_faults`` (see :mod:`example_app.gateway.faults`).
     Default false.
+``PREPARE_THRESHOLD``
+    psycopg's ``prepare_threshold`` for the gateway's connections; ``null`` turns server-side prepared
+    statements off (PgBouncer in transaction mode before 1.21). Default 5.
 """
 
 from __future__ import annotations
@@ -38,14 +41,16 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     from .store import Store
 
     app = Flask(__name__, instance_relative_config=True)
-    app.config.from_mapping(FAULTS_ENABLED=False, MAX_CONTENT_LENGTH=64 * 1024)
+    app.config.from_mapping(FAULTS_ENABLED=False, MAX_CONTENT_LENGTH=64 * 1024, PREPARE_THRESHOLD=5)
     app.config.from_prefixed_env()
     if test_config is not None:
         app.config.update(test_config)
     if not app.config.get("DATABASE_URL"):
         app.config["DATABASE_URL"] = embedded_url(Path(app.instance_path) / "pgdata")
 
-    store = app.extensions["gateway"] = Store(app.config["DATABASE_URL"])
+    store = app.extensions["gateway"] = Store(
+        app.config["DATABASE_URL"], prepare_threshold=app.config["PREPARE_THRESHOLD"]
+    )
     store.init_schema()
     problems.register(app)
     app.register_blueprint(charges.bp)

@@ -69,7 +69,10 @@ class Store:
     :param conninfo: a libpq connection string or URL.
     """
 
-    def __init__(self, conninfo: str, *, max_size: int = 10, timeout: float = 5.0) -> None:
+    def __init__(
+        self, conninfo: str, *, max_size: int = 10, timeout: float = 5.0, prepare_threshold: int | None = 5
+    ) -> None:
+        self._prepare_threshold = prepare_threshold
         self._conninfo = conninfo
         self._max_size = max_size
         self._timeout = timeout
@@ -89,7 +92,7 @@ class Store:
                 # An inherited pool is dropped, not closed: its sockets are shared with the parent.
                 self._pool = ConnectionPool(
                     self._conninfo,
-                    kwargs={"autocommit": True},
+                    kwargs={"autocommit": True, "prepare_threshold": self._prepare_threshold},
                     min_size=1,
                     max_size=self._max_size,
                     timeout=self._timeout,
