@@ -37,6 +37,8 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
 
     idem.init_app(app)
     problems.register(app)
+    from .openapi import register as register_openapi  # apispec: a dev dependency, as the shop is
+    register_openapi(app)
     app.register_blueprint(orders.bp)
     app.register_blueprint(payments.bp)
     app.cli.add_command(shop_cli)

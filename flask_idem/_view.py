@@ -146,11 +146,7 @@ def _multistep(
             lease=lease,
         )
         if found.reserved:
-            setattr(g, _CURRENT_ATTR, Current(conn, org_id, key))
-            try:
-                intent = render(lambda: view(*args, **kwargs))
-            finally:
-                delattr(g, _CURRENT_ATTR)
+            intent = _call_view(conn, org_id, key, view, args, kwargs)
             if not isinstance(intent, dict):  # the view answered at once, e.g. abort(404)
                 response = current_app.make_response(intent)
                 if response.status_code < 500:
@@ -197,6 +193,22 @@ def _reservation(
     }
 
 
+def _call_view(
+    conn: Connection,
+    org_id: int | None,
+    key: uuid.UUID | None,
+    view: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> Any:
+    """Call the view with its connection and key published on ``g``; return what it returned."""
+    setattr(g, _CURRENT_ATTR, Current(conn, org_id, key))
+    try:
+        return render(lambda: view(*args, **kwargs))
+    finally:
+        delattr(g, _CURRENT_ATTR)
+
+
 def _view_response(
     conn: Connection,
     org_id: int | None,
@@ -205,13 +217,8 @@ def _view_response(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
 ) -> Response:
-    """Call the view with its connection and key published on ``g`` and make its response."""
-    setattr(g, _CURRENT_ATTR, Current(conn, org_id, key))
-    try:
-        rv = render(lambda: view(*args, **kwargs))
-    finally:
-        delattr(g, _CURRENT_ATTR)
-    return current_app.make_response(rv)
+    """Call the view as :func:`_call_view` does and make its response."""
+    return current_app.make_response(_call_view(conn, org_id, key, view, args, kwargs))
 
 
 def current() -> Current:
