@@ -24,7 +24,7 @@ from . import gateway_client
 from .auth import authenticate
 from .extensions import idem
 from .problems import KeyAlreadyUsed, problem_exception
-from .schemas import BIGINT_MAX, StrictInteger, load
+from .schemas import BIGINT_MAX, StrictInteger, load, not_a_card_number
 
 bp = Blueprint("payments", __name__)
 bp.before_request(authenticate)
@@ -38,9 +38,10 @@ class PaymentIn(Schema):
     order_id = StrictInteger(required=True, validate=validate.Range(min=1, max=BIGINT_MAX))
     source = fields.String(
         required=True,
-        validate=validate.Regexp(
-            r"tok_[A-Za-z0-9_]{1,60}\Z", error="Must be a payment token such as tok_visa."
-        ),
+        validate=[
+            validate.Regexp(r"tok_[A-Za-z0-9_]{1,60}\Z", error="Must be a payment token such as tok_visa."),
+            not_a_card_number,
+        ],
     )
 
 

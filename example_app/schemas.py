@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from marshmallow import Schema, ValidationError, fields, validate
 
-__all__ = ["OrderIn", "StrictInteger"]
+__all__ = ["OrderIn", "StrictInteger", "not_a_card_number"]
 
 BIGINT_MAX = 2**63 - 1
+
+#: Twelve or more digits, maybe grouped by spaces or dashes: what a card number looks like.
+_CARD_NUMBER = re.compile(r"\d(?:[ -]?\d){11}")
+
+
+def not_a_card_number(value: str) -> None:
+    """Refuse a value that holds a card number; the message never repeats the value."""
+    if _CARD_NUMBER.search(value):
+        raise ValidationError("Must be a payment token such as tok_visa, never a card number.")
 
 
 class StrictInteger(fields.Integer):

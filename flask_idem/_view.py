@@ -80,7 +80,7 @@ def handle(
             path=request.path,
             query=request.query_string,
             mimetype=request.mimetype,
-            body=request.get_data(cache=True),
+            body=_whole_body(),
         )
         org_id = _org_id(options.scope)
         if options.flow is None:
@@ -178,6 +178,20 @@ def _multistep(
     if isinstance(started, Response):
         return started
     return _engine.advance(state, flow, started, token, retry_in=lease)
+
+
+def _whole_body() -> bytes:
+    """The request body, refusing (413) one that only fits ``MAX_CONTENT_LENGTH`` because it was cut.
+
+    Without a Content-Length (a chunked body), Werkzeug stops reading at the limit without a word; the
+    fingerprint and the view would then see a truncated body. One byte more tells: reading past the
+    limit raises 413.
+    """
+    body = request.get_data(cache=True)
+    limit = request.max_content_length
+    if limit is not None and request.content_length is None and len(body) >= limit:
+        request.stream.read(1)
+    return body
 
 
 def _reservation(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any, NoReturn
 from urllib.parse import parse_qsl, urlencode
 
@@ -37,6 +38,13 @@ def _invalid(detail: str) -> NoReturn:
 
 def _reject_constant(name: str) -> NoReturn:
     _invalid(f"The JSON body contains {name}, which is not valid JSON.")
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):  # 1e400 reads as infinity, which JSON cannot express
+        _invalid("The JSON body holds a number too large to represent.")
+    return value
 
 
 def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -82,7 +90,9 @@ def canonical_json(data: bytes) -> bytes:
     if _depth(data) > MAX_JSON_DEPTH:
         _invalid(f"The JSON body nests deeper than {MAX_JSON_DEPTH} levels.")
     try:
-        value = json.loads(text, object_pairs_hook=_unique_pairs, parse_constant=_reject_constant)
+        value = json.loads(
+            text, object_pairs_hook=_unique_pairs, parse_constant=_reject_constant, parse_float=_finite
+        )
     except json.JSONDecodeError as e:
         _invalid(f"The request body is not valid JSON (line {e.lineno}, column {e.colno}).")
     except ValueError:  # e.g. an integer longer than Python's int_max_str_digits
@@ -95,9 +105,13 @@ def canonical_json(data: bytes) -> bytes:
 
 
 def canonical_query(query: bytes) -> bytes:
-    """A query string (or form body) with its pairs sorted, so parameter order does not matter."""
-    pairs = parse_qsl(query, keep_blank_values=True)
-    return urlencode(sorted(pairs)).encode("ascii")
+    """A query string (or form body) with its pairs sorted, so parameter order does not matter.
+
+    The bytes are read as latin-1, which maps every byte to one character and back, so raw non-ASCII
+    bytes and percent-escapes are compared exactly, whatever their encoding.
+    """
+    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True, encoding="latin-1")
+    return urlencode(sorted(pairs), encoding="latin-1").encode("ascii")
 
 
 def canonical_body(mimetype: str, body: bytes) -> bytes:

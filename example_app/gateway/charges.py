@@ -7,12 +7,12 @@ import re
 from typing import Any
 
 from flask import Blueprint, Response, request
-from marshmallow import Schema, ValidationError, fields, validate
+from marshmallow import Schema, fields, validate
 from werkzeug.exceptions import BadRequest, NotFound, UnprocessableEntity
 
 from flask_idem.errors import PROBLEM_JSON
 
-from ..schemas import BIGINT_MAX, StrictInteger, load
+from ..schemas import BIGINT_MAX, StrictInteger, load, not_a_card_number
 from . import faults
 from .store import Charge, current_store
 
@@ -22,16 +22,6 @@ bp = Blueprint("charges", __name__)
 
 #: Any printable ASCII text up to 255 characters: callers derive keys as they like.
 _KEY = re.compile(r"[ -~]{1,255}\Z")
-#: Twelve or more digits, maybe grouped by spaces or dashes: what a card number looks like.
-_CARD_NUMBER = re.compile(r"\d(?:[ -]?\d){11}")
-
-
-def _not_a_card_number(value: str) -> None:
-    # The message never repeats the value: a card number must not travel back in an error either.
-    if _CARD_NUMBER.search(value):
-        raise ValidationError("Must be a payment token such as tok_visa, never a card number.")
-
-
 class ChargeIn(Schema):
     """``POST /charges``: an amount in minor units, an ISO 4217 currency and a payment token."""
 
@@ -47,7 +37,7 @@ class ChargeIn(Schema):
                 r"[!-~]{1,255}\Z",
                 error="Must be a payment token: 1 to 255 printable ASCII characters, no spaces.",
             ),
-            _not_a_card_number,
+            not_a_card_number,
         ],
     )
 
