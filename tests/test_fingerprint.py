@@ -89,6 +89,7 @@ MALFORMED = {
     "very-deep": b"[" * 100_000,
     "huge-int": b"1" * 5000,
     "lone-surrogate": b'"\\ud800"',
+    "float-overflow": b'{"amount": 1e400}',
 }
 
 
@@ -109,3 +110,12 @@ def test_depth_limit_counts_brackets_outside_strings() -> None:
 def test_unicode_is_kept() -> None:
     """Non-ASCII text is canonicalised as UTF-8, so escaped and literal forms match."""
     assert canonical_json('{"n": "Zoë"}'.encode()) == canonical_json(b'{"n": "Zo\\u00eb"}')
+
+
+def test_non_ascii_query_and_form_bytes() -> None:
+    """Raw non-ASCII bytes in a query or form body are compared exactly, not refused."""
+    form = "application/x-www-form-urlencoded"
+    assert fp(b"", query="é=1&a=2".encode()) == fp(b"", query="a=2&é=1".encode())
+    assert fp(b"", query="é=1".encode()) != fp(b"", query="e=1".encode())
+    assert fp("café=1".encode(), mimetype=form) != fp("cafe=1".encode(), mimetype=form)
+    assert fp(b"\xff=1", mimetype=form) == fp(b"%FF=1", mimetype=form)
