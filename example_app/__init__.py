@@ -38,6 +38,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     idem.init_app(app)
     problems.register(app)
     from .openapi import register as register_openapi  # apispec: a dev dependency, as the shop is
+
     register_openapi(app)
     app.register_blueprint(orders.bp)
     app.register_blueprint(payments.bp)

@@ -32,7 +32,7 @@ from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-__all__ = ["KeyRecord", "Reservation", "Store", "Stranded", "StuckRow"]
+__all__ = ["KeyRecord", "ProcessPool", "Reservation", "Store", "Stranded", "StuckRow"]
 
 Connection = psycopg.Connection[TupleRow]
 
@@ -108,16 +108,16 @@ def lock_id(org_id: int, key: uuid.UUID) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
-class Store:
-    """The key table and the pool its connections come from.
+class ProcessPool:
+    """A psycopg :class:`~psycopg_pool.ConnectionPool` per process, opened on first use.
 
-    One pool per process: it is created on first use and created again when the process id changes, so a
-    pre-fork server (gunicorn) that imports the application in its master still gives every worker its own
-    connections. Connections run in autocommit mode; every transaction is an explicit
-    ``with conn.transaction():`` block.
+    The pool is created on first use and created again when the process id changes, so a pre-fork server
+    (gunicorn) that imports the application in its master still gives every worker its own connections.
+    Connections run in autocommit mode; every transaction is an explicit ``with conn.transaction():``
+    block.
 
     :param conninfo: a libpq connection string or URL.
-    :param table: the key table's name, optionally schema-qualified (``"idem.keys"``).
+    :param name: the pool's name in psycopg's logs.
     :param min_size: connections the pool keeps open.
     :param max_size: most connections the pool opens.
     :param timeout: seconds a request waits for a free connection before the pool gives up.
@@ -129,23 +129,23 @@ class Store:
         self,
         conninfo: str,
         *,
-        table: str = "idempotency_keys",
+        name: str = "flask-idem",
         min_size: int = 1,
         max_size: int = 10,
         timeout: float = 5.0,
         prepare_threshold: int | None = 5,
     ) -> None:
         self._conninfo = conninfo
-        self._prepare_threshold = prepare_threshold
         self._pool_args: dict[str, Any] = {
+            "name": name,
             "min_size": min_size,
             "max_size": max_size,
             "timeout": timeout,
+            "kwargs": {"autocommit": True, "prepare_threshold": prepare_threshold},
         }
         self._pool: ConnectionPool[Connection] | None = None
         self._pid = 0
         self._lock = threading.Lock()
-        self._sql = _Statements(table)
         atexit.register(self.close)
 
     @property
@@ -158,13 +158,7 @@ class Store:
             if self._pool is None or self._pid != os.getpid():
                 # A pool inherited through fork() is dropped, not closed: its sockets are shared with
                 # the parent, and closing them here would cut the parent's connections.
-                self._pool = ConnectionPool(
-                    self._conninfo,
-                    kwargs={"autocommit": True, "prepare_threshold": self._prepare_threshold},
-                    open=False,
-                    name="flask-idem",
-                    **self._pool_args,
-                )
+                self._pool = ConnectionPool(self._conninfo, open=False, **self._pool_args)
                 self._pool.open(wait=False)
                 self._pid = os.getpid()
             return self._pool
@@ -181,6 +175,19 @@ class Store:
         """Borrow a connection from the pool for the duration of a ``with`` block."""
         with self.pool.connection() as conn:
             yield conn
+
+
+class Store(ProcessPool):
+    """The key table, and the per-process pool its connections come from (:class:`ProcessPool`).
+
+    :param conninfo: a libpq connection string or URL.
+    :param table: the key table's name, optionally schema-qualified (``"idem.keys"``).
+    :param pool_args: the other arguments of :class:`ProcessPool`.
+    """
+
+    def __init__(self, conninfo: str, *, table: str = "idempotency_keys", **pool_args: Any) -> None:
+        self._sql = _Statements(table)
+        super().__init__(conninfo, **pool_args)
 
     # -- schema ----------------------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
         app.config["DATABASE_URL"] = embedded_url(Path(app.instance_path) / "pgdata")
 
     store = app.extensions["gateway"] = Store(
-        app.config["DATABASE_URL"], prepare_threshold=app.config["PREPARE_THRESHOLD"]
+        app.config["DATABASE_URL"], name="gateway", prepare_threshold=app.config["PREPARE_THRESHOLD"]
     )
     store.init_schema()
     problems.register(app)

@@ -22,6 +22,8 @@ bp = Blueprint("charges", __name__)
 
 #: Any printable ASCII text up to 255 characters: callers derive keys as they like.
 _KEY = re.compile(r"[ -~]{1,255}\Z")
+
+
 class ChargeIn(Schema):
     """``POST /charges``: an amount in minor units, an ISO 4217 currency and a payment token."""
 

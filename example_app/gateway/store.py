@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import os
-import threading
 from dataclasses import dataclass
 from datetime import datetime
 from importlib.resources import files
@@ -13,7 +10,8 @@ from typing import Any
 import psycopg
 from flask import current_app
 from psycopg.rows import TupleRow
-from psycopg_pool import ConnectionPool
+
+from flask_idem.store import ProcessPool
 
 __all__ = ["Charge", "Fault", "Store", "current_store"]
 
@@ -59,56 +57,9 @@ class Fault:
         return {"id": self.id, "mode": self.mode, "remaining": self.remaining, "delay": self.delay}
 
 
-class Store:
-    """The gateway's tables and the pool their connections come from.
-
-    One pool per process, created on first use and created again when the process id changes, so the
-    workers of a pre-fork server each get their own connections. Connections run in autocommit mode
-    and every transaction is an explicit ``with conn.transaction():`` block.
-
-    :param conninfo: a libpq connection string or URL.
-    """
-
-    def __init__(
-        self, conninfo: str, *, max_size: int = 10, timeout: float = 5.0, prepare_threshold: int | None = 5
-    ) -> None:
-        self._prepare_threshold = prepare_threshold
-        self._conninfo = conninfo
-        self._max_size = max_size
-        self._timeout = timeout
-        self._pool: ConnectionPool[Connection] | None = None
-        self._pid = 0
-        self._lock = threading.Lock()
-        atexit.register(self.close)
-
-    @property
-    def pool(self) -> ConnectionPool[Connection]:
-        """This process's connection pool, opened on first use."""
-        pool = self._pool
-        if pool is not None and self._pid == os.getpid():
-            return pool
-        with self._lock:
-            if self._pool is None or self._pid != os.getpid():
-                # An inherited pool is dropped, not closed: its sockets are shared with the parent.
-                self._pool = ConnectionPool(
-                    self._conninfo,
-                    kwargs={"autocommit": True, "prepare_threshold": self._prepare_threshold},
-                    min_size=1,
-                    max_size=self._max_size,
-                    timeout=self._timeout,
-                    open=False,
-                    name="gateway",
-                )
-                self._pool.open(wait=False)
-                self._pid = os.getpid()
-            return self._pool
-
-    def close(self) -> None:
-        """Close this process's pool, if it has one. A later use opens a new one."""
-        with self._lock:
-            if self._pool is not None and self._pid == os.getpid():
-                self._pool.close()
-            self._pool = None
+class Store(ProcessPool):
+    """The gateway's tables, and the per-process pool their connections come from (flask-idem's
+    :class:`~flask_idem.store.ProcessPool`, whose arguments it takes)."""
 
     def init_schema(self) -> None:
         """Create the gateway's tables if missing; safe when several workers start at once."""
