@@ -1,0 +1,390 @@
+"""Benchmarks of flask-idem on the reference shop, measured side by side in one run; prints one table.
+
+    uv run python bench/run.py [--quick]
+
+The database server is ``FLASK_IDEM_BENCH_DATABASE_URL`` (default: the local PostgreSQL). A database
+``flask_idem_bench`` is created there afresh and dropped at the end. The shop runs under gunicorn on
+loopback; wrk drives it (installed with apt-get if missing). See bench/README.md for what each scenario
+shows. The script never asserts: it prints figures, the goal from issue 5 beside each, and whether the
+figure meets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import secrets
+import sys
+import tempfile
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/run.py` from anywhere
+
+import psycopg  # noqa: E402
+from psycopg import sql  # noqa: E402
+
+from bench import report  # noqa: E402
+from bench.harness import (  # noqa: E402
+    DEFAULT_SERVER_URL,
+    Result,
+    Server,
+    WrkRun,
+    backend_pids,
+    ensure_tool,
+    gunicorn,
+    percentile,
+    pgbench,
+    scratch_database,
+    server_version,
+    set_up_shop,
+    wrk,
+)
+
+DATABASE = "flask_idem_bench"
+BIG_TABLE = "idempotency_keys_10m"
+#: How many finished keys the replay scenarios cycle through (the same number for both tables).
+REPLAY_KEYS = 1000
+#: In-flight scenario: every this many milliseconds all clients move on to new keys together.
+SLOT_MS = 25
+
+
+@dataclass(frozen=True)
+class Plan:
+    seconds: float
+    warmup: float
+    rounds: int
+    big_rows: int
+    workers: int
+    threads: int
+
+    @property
+    def connections(self) -> int:
+        """wrk's connections: twice what the server handles at once, so a request is always waiting."""
+        return 2 * self.workers * self.threads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 round of 3 s per scenario, 1M-row key table")
+    parser.add_argument("--workers", type=int, default=2, help="gunicorn worker processes (default 2)")
+    parser.add_argument("--threads", type=int, default=4, help="threads per worker (default 4)")
+    parser.add_argument("--show-sql", action="store_true", help="print the pgbench script of (e) and exit")
+    args = parser.parse_args()
+    if args.show_sql:
+        print(pgbench_script())
+        return
+    plan = Plan(
+        seconds=3 if args.quick else 10,
+        warmup=1 if args.quick else 3,
+        rounds=1 if args.quick else 6,
+        big_rows=1_000_000 if args.quick else 10_000_000,
+        workers=args.workers,
+        threads=args.threads,
+    )
+    ensure_tool("wrk", "wrk")
+    ensure_tool("pgbench", "postgresql-client")
+    server = os.environ.get("FLASK_IDEM_BENCH_DATABASE_URL", DEFAULT_SERVER_URL)
+    notes: list[str] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="flask-idem-bench-") as tmpdir,
+        scratch_database(server, DATABASE) as url,
+    ):
+        tmp = Path(tmpdir)
+        notes.append(report.machine(server_version(url), plan.workers, plan.threads))
+        org_id, api_key = set_up_shop(url)
+
+        def serve(**options: object) -> AbstractContextManager[Server]:
+            return gunicorn(url, workers=plan.workers, threads=plan.threads, log=tmp / "gunicorn.log",
+                            **options)  # type: ignore[arg-type]  # fmt: skip
+
+        with serve() as shop:
+            replay_file = _precreate_keys(shop, url, org_id, api_key, plan, tmp)
+            big_file = _load_big_table(url, org_id, plan.big_rows, tmp, notes)
+            with serve(env={"FLASK_IDEM_TABLE": BIG_TABLE}) as big:
+                rows = _throughput(shop, big, url, api_key, replay_file, big_file, plan, notes)
+        with serve(access_log=tmp / "access.log") as shop:
+            for clients, keys in ((64, 4), (plan.workers * plan.threads, 2)):
+                rows.append(_inflight(shop, url, org_id, api_key, clients, keys, plan, tmp, notes))
+        rows.append(_pgbench(url, org_id, api_key, plan, tmp, notes))
+    fresh = rows[1]
+    for row in rows:
+        if row.scenario.startswith("(e)"):
+            row.ratio, row.goal = f"(b) req/s = {fresh.rps / row.rps:.2f} × (e)", "report the ratio"
+    notes.append("load average at the end: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
+    report.print_table(rows, notes)
+
+
+# -- scenarios ------------------------------------------------------------------------------------------
+
+
+def _precreate_keys(shop: Server, url: str, org_id: int, api_key: str, plan: Plan, tmp: Path) -> Path:
+    """Send fresh keys to POST /orders for a few seconds (this warms gunicorn up); keep REPLAY_KEYS."""
+    wrk("fresh.lua", shop.base + "/orders", [api_key, _seed()], threads=1, connections=plan.connections,
+        seconds=max(plan.warmup, 3))  # fmt: skip
+    with psycopg.connect(url) as conn:
+        keys = conn.execute(
+            "SELECT idem_key FROM idempotency_keys WHERE org_id = %s AND status = 'completed'"
+            " ORDER BY random() LIMIT %s",
+            (org_id, REPLAY_KEYS),
+        ).fetchall()
+    path = tmp / "replay-keys.txt"
+    path.write_text("".join(f"{key}\n" for (key,) in keys))
+    return path
+
+
+def _load_big_table(url: str, org_id: int, rows: int, tmp: Path, notes: list[str]) -> Path:
+    """Bulk-load ``rows`` finished keys of the bench organisation into BIG_TABLE; sample REPLAY_KEYS."""
+    from flask_idem.store import Store
+
+    store = Store(url, table=BIG_TABLE)
+    store.init_schema()  # the very DDL of idempotency_keys, under another name
+    store.close()
+    print(f"# loading {rows:,} rows into {BIG_TABLE} ...", flush=True)
+    with psycopg.connect(url, autocommit=True) as conn:
+        # Every row answers a replay of the same request: the fingerprint and stored response of a real
+        # one. Keys are sorted before the insert so the primary key is built in order, not at random.
+        table = sql.Identifier(BIG_TABLE)
+        conn.execute("SET work_mem = '1GB'")
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response, expires_at)"
+                " SELECT %(org)s, k, s.request_sha, s.method, s.path, 'completed', s.response,"
+                "        now() + interval '1 day'"
+                " FROM (SELECT gen_random_uuid() AS k FROM generate_series(1, %(rows)s) ORDER BY 1) AS keys,"
+                "      (SELECT request_sha, method, path, response FROM idempotency_keys"
+                "       WHERE org_id = %(org)s AND status = 'completed' LIMIT 1) AS s"
+            ).format(table),
+            {"org": org_id, "rows": rows},
+        )
+        conn.execute(sql.SQL("VACUUM ANALYZE {}").format(table))
+        conn.execute("CHECKPOINT")
+        keys = conn.execute(
+            sql.SQL("SELECT idem_key FROM {} TABLESAMPLE BERNOULLI (%s) LIMIT %s").format(table),
+            (min(100.0, 300.0 * REPLAY_KEYS / rows), REPLAY_KEYS),
+        ).fetchall()
+        sizes = conn.execute(
+            "SELECT pg_size_pretty(pg_table_size(%(t)s::regclass)),"
+            " pg_size_pretty(pg_indexes_size(%(t)s::regclass))",
+            {"t": BIG_TABLE},
+        ).fetchone()
+    assert sizes is not None
+    notes.append(f"(f) {BIG_TABLE}: {rows:,} rows, table {sizes[0]}, indexes {sizes[1]}; the replayed keys"
+                 f" are {len(keys)} random ones of them")  # fmt: skip
+    path = tmp / "big-keys.txt"
+    path.write_text("".join(f"{key}\n" for (key,) in keys))
+    return path
+
+
+def _throughput(
+    shop: Server, big: Server, url: str, api_key: str, replay_file: Path, big_file: Path, plan: Plan,
+    notes: list[str],
+) -> list[Result]:  # fmt: skip
+    """Scenarios (a), (b), (c) and (f), interleaved in rounds so that they share the machine's moods."""
+    scenarios = {
+        "(a) baseline: POST /bench/orders, no decorator": (shop.base + "/bench/orders", "fresh.lua", []),
+        "(b) decorated POST /orders, fresh key": (shop.base + "/orders", "fresh.lua", []),
+        "(c) decorated, replay of finished keys": (shop.base + "/orders", "replay.lua", [str(replay_file)]),
+        f"(f) replay, {plan.big_rows:,}-row key table": (big.base + "/orders", "replay.lua", [str(big_file)]),
+    }
+    names = list(scenarios)
+
+    def run(name: str, seconds: float, watch: dict[str, list[int]] | None = None) -> WrkRun:
+        target, script, extra = scenarios[name]
+        return wrk(script, target, [api_key, _seed(), *extra], threads=1, connections=plan.connections,
+                   seconds=seconds, watch=watch)  # fmt: skip
+
+    for name in names:
+        run(name, plan.warmup)
+    # After the warm-up every pool is full: these are all the processes that serve the shop.
+    watch = {"app": shop.worker_pids() + big.worker_pids(), "db": backend_pids(url)}
+    runs: dict[str, list[WrkRun]] = {name: [] for name in names}
+    for r in range(plan.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            print(f"# round {r + 1}/{plan.rounds}: {name}", flush=True)
+            runs[name].append(run(name, plan.seconds, watch))
+    a, b, c, f = (runs[name] for name in names)
+    results = [report.summary(name, runs[name]) for name in names]
+    base = results[0].rps
+    results[0].ratio, results[0].goal = "1.00", "—"
+    report.judge(results[1], results[1].rps / base, "req/s", ">= 0.90 × (a)", 0.90)
+    report.judge(results[2], results[2].rps / base, "req/s", ">= 1.0 × (a)", 1.0)
+    assert results[2].p99 is not None and results[3].p99 is not None
+    flat = results[3].p99 / results[2].p99
+    results[3].ratio, results[3].goal = f"p99 {flat:.2f} × (c)", "p99 <= 1.2 × (c)"
+    results[3].verdict = "met" if flat <= 1.2 else "MISSED"
+    notes.append(
+        f"(a),(b),(c),(f): {plan.rounds} round(s) of {plan.seconds:g} s each, order rotated per round,"
+        f" wrk -t1 -c{plan.connections}, after a {plan.warmup:g} s warm-up of each; req/s, p50, p99 and CPU"
+        " ms/req are the median of the rounds'"
+    )
+    cpu = [r.cpu_ms or 0.0 for r in results]
+    notes.append(
+        "capacity from CPU per request (less sensitive to other load on the machine):"
+        f" (b) {cpu[0] / cpu[1]:.2f} × (a), (c) {cpu[0] / cpu[2]:.2f} × (a), (f) {cpu[0] / cpu[3]:.2f} × (a)"
+    )
+    notes.append(
+        "per round: (b)/(a) req/s " + report.per_round(a, b, "rps")
+        + "; (c)/(a) req/s " + report.per_round(a, c, "rps")
+        + "; (f)/(c) p99 " + report.per_round(c, f, "p99_us")
+    )  # fmt: skip
+    notes.append(
+        "CPU ms per request, app (gunicorn workers) / PostgreSQL (the pools' backends) / wrk: "
+        + "; ".join(f"{name[:3]} " + " / ".join(f"{report.cpu_per_request(runs[name], group):.2f}"
+                    for group in ("app", "db", "wrk")) for name in names)
+        + f" ({os.cpu_count()} CPUs = {os.cpu_count()}000 CPU ms per second)"
+    )  # fmt: skip
+    notes.append(
+        "CPU used by other processes on the machine, per round, in % of all CPUs: "
+        + "; ".join(f"{name[:3]} {report.others_share(runs[name])}" for name in names)
+    )
+    with psycopg.connect(url) as conn:
+        updates = conn.execute(
+            "SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
+            " WHERE relname = 'idempotency_keys'"
+        ).fetchone()
+    if updates is not None:
+        notes.append(f"idempotency_keys so far: {updates[0]} rows inserted, {updates[1]} updated, of which"
+                     f" {updates[2]} HOT (heap-only) updates")  # fmt: skip
+    return results
+
+
+def _inflight(
+    shop: Server, url: str, org_id: int, api_key: str, clients: int, keys: int, plan: Plan, tmp: Path,
+    notes: list[str],
+) -> Result:  # fmt: skip
+    """Scenario (d): ``clients`` connections on ``keys`` keys at once; per-status latency, duplicates."""
+    nonce = secrets.token_hex(4)  # marks the keys of the measured run (the warm-up has its own)
+    samples, access = tmp / f"inflight-{clients}.txt", tmp / "access.log"
+    script_args = [api_key, _seed(), nonce, str(SLOT_MS), str(keys), str(samples)]
+    target = shop.base + "/orders"
+    warmup_args = [api_key, _seed(), secrets.token_hex(4), str(SLOT_MS), str(keys), str(samples)]
+    wrk("inflight.lua", target, warmup_args, threads=clients, connections=clients, seconds=plan.warmup)
+    offset = access.stat().st_size
+    watch = {"app": shop.worker_pids(), "db": backend_pids(url)}
+    run = wrk("inflight.lua", target, script_args, threads=clients, connections=clients, seconds=plan.seconds,
+              watch=watch)  # fmt: skip
+    client: dict[int, list[float]] = collections.defaultdict(list)
+    created = collections.Counter[str]()
+    for line in samples.read_text().splitlines():
+        status, micros, key = line.split()
+        client[int(status)].append(int(micros) / 1000)
+        if status == "201":
+            created[key] += 1
+    server: dict[int, list[float]] = collections.defaultdict(list)
+    with access.open() as log:
+        log.seek(offset)
+        for line in log:
+            status, micros = line.split()
+            server[int(status)].append(int(micros) / 1000)
+    with psycopg.connect(url) as conn:
+        orders, distinct = conn.execute(
+            "SELECT count(*), count(DISTINCT idempotency_key) FROM orders"
+            " WHERE org_id = %s AND idempotency_key::text LIKE %s",
+            (org_id, nonce + "-%"),
+        ).fetchone() or (0, 0)
+        dup_groups = conn.execute(
+            "SELECT count(*) FROM (SELECT FROM orders GROUP BY org_id, idempotency_key HAVING count(*) > 1) d"
+        ).fetchone()
+        stuck = conn.execute("SELECT count(*) FROM idempotency_keys WHERE status = 'processing'").fetchone()
+    assert dup_groups is not None and stuck is not None
+    twice = sum(1 for n in created.values() if n > 1)  # a key acknowledged with 201 more than once
+    duplicates = (orders - distinct) + dup_groups[0] + twice
+    unexpected = sum(len(v) for s, v in client.items() if s not in (200, 201, 409))
+    p99_409 = percentile(client[409], 99)
+    label = f"(d) {clients} clients on {keys} keys at once"
+    cpu_ms = report.cpu_per_request([run], "app") + report.cpu_per_request([run], "db")
+    result = Result(label, run.rps, run.p50_us / 1000, run.p99_us / 1000, run.status_errors,
+                    run.socket_errors + unexpected, run.requests, cpu_ms=cpu_ms)  # fmt: skip
+    result.ratio = f"409 p99 {report.ms(p99_409)} ms, {duplicates} dup"
+    result.goal = "409 p99 <= 20 ms, 0 dup"
+    result.verdict = "met" if p99_409 is not None and p99_409 <= 20 and duplicates == 0 else "MISSED"
+    per_status = "; ".join(
+        f"{s}: {len(client[s])} (client p50/p99 {report.ms(percentile(client[s], 50))}/"
+        f"{report.ms(percentile(client[s], 99))} ms, server p50/p99 {report.ms(percentile(server[s], 50))}/"
+        f"{report.ms(percentile(server[s], 99))} ms)"
+        for s in sorted(client)
+    )
+    notes.append(f"(d) {clients}/{keys}: wrk -t{clients} -c{clients}, keys change every {SLOT_MS} ms;"
+                 f" {per_status}")  # fmt: skip
+    notes.append(
+        f"(d) {clients}/{keys}: {orders} orders for {distinct} keys, {len(created)} keys answered 201,"
+        f" {twice} answered 201 twice, {dup_groups[0]} duplicate (org, key) groups in orders,"
+        f" {stuck[0]} key rows left processing"
+    )
+    return result
+
+
+def _pgbench(url: str, org_id: int, api_key: str, plan: Plan, tmp: Path, notes: list[str]) -> Result:
+    """Scenario (e): the decorated route's SQL, fresh key per transaction, straight from pgbench."""
+    from example_app.auth import hash_api_key
+
+    script = tmp / "route.pgbench"
+    script.write_text(pgbench_script())
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT request_sha, response::text FROM idempotency_keys WHERE status = 'completed' LIMIT 1"
+        ).fetchone()
+    assert row is not None
+    clients = plan.workers * plan.threads
+    variables = {"org": str(org_id), "apisha": hash_api_key(api_key).hex(), "sha": row[0].hex(),
+                 "response": row[1]}  # fmt: skip
+    run = pgbench(url, script, clients=clients, seconds=plan.seconds, warmup=plan.warmup, logdir=tmp,
+                  variables=variables)  # fmt: skip
+    p50, p99 = percentile(run.latencies_us, 50), percentile(run.latencies_us, 99)
+    result = Result("(e) pgbench: the route's SQL, fresh key", run.tps, None if p50 is None else p50 / 1000,
+                    None if p99 is None else p99 / 1000, 0, run.failed)  # fmt: skip
+    notes.append(f"(e) pgbench -n -M prepared -c {clients} -j 2 -T {plan.seconds:g} -f route.pgbench, after a"
+                 f" {plan.warmup:g} s warm-up (`bench/run.py --show-sql` prints the script); latencies from"
+                 " its per-transaction log")  # fmt: skip
+    return result
+
+
+def pgbench_script() -> str:
+    """A pgbench script sending what POST /orders sends for a fresh key, statement for statement.
+
+    The key table's statements come from flask_idem.store itself, so they cannot drift; the API-key
+    lookup and the order INSERT are example_app's. Each key is two random bigints; the first doubles as
+    the advisory lock id (the store derives it with BLAKE2b on the client, which costs the server nothing).
+    """
+    from flask_idem.store import _Statements
+
+    statements = _Statements("idempotency_keys")
+    key = "(lpad(to_hex(:k1::bigint), 16, '0') || lpad(to_hex(:k2::bigint), 16, '0'))::uuid"
+    values = {"org_id": ":org", "key": key, "sha": "decode(:sha, 'hex')", "method": "'POST'",
+              "path": "'/orders'", "ttl": "86400", "flow": "NULL", "token": "NULL", "lease": "NULL",
+              "lock": ":k1::bigint", "response": ":response"}  # fmt: skip
+
+    def render(statement: object) -> str:
+        text: str = statement.as_string(None)  # type: ignore[attr-defined]
+        for name, value in values.items():
+            text = text.replace(f"%({name})s", value)
+        if "%(" in text:
+            raise SystemExit(f"bench/run.py does not know a parameter of this statement:\n{text}")
+        return text + ";"
+
+    return "\n".join([
+        "\\set k1 random(1, 9223372036854775806)",
+        "\\set k2 random(1, 9223372036854775806)",
+        "SELECT id FROM orgs WHERE api_key_sha = decode(:apisha, 'hex') AND revoked_at IS NULL;",
+        "BEGIN;",
+        render(statements.reserve),
+        # Text for pgbench, never executed from Python.
+        "INSERT INTO orders (org_id, idempotency_key, amount, currency)"  # noqa: S608
+        f" VALUES (:org, {key}, 1250, 'EUR')"
+        " ON CONFLICT (org_id, idempotency_key) DO NOTHING RETURNING id, amount, currency, created_at;",
+        render(statements.complete),
+        "COMMIT;",
+        "",
+    ])  # fmt: skip
+
+
+def _seed() -> str:
+    return str(random.randrange(1, 2**31))
+
+
+if __name__ == "__main__":
+    main()
