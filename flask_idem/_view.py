@@ -17,7 +17,7 @@ from flask import Response, current_app, g, request
 
 from . import _engine
 from ._run import in_transaction, record_response, render, replay_response
-from .errors import KeyInUse, KeyMismatch, MissingKey, NoScope, database_error
+from .errors import IdempotencyError, KeyInUse, KeyMismatch, MissingKey, NoScope, database_error
 from .fingerprint import fingerprint
 from .flow import INTENT, Flow, Run, run_from_record
 from .keys import HEADER, parse_key
@@ -102,7 +102,7 @@ def _atomic(
 ) -> Response:
     """Reserve, run the view and store its response in one transaction."""
 
-    def body(conn: Connection) -> Response:
+    def body(conn: Connection) -> Response | IdempotencyError:
         found = state.store.reserve(conn, **_reservation(state.settings, options, org_id, key, request_sha))
         if not found.reserved:
             return _answer_existing(state.settings, options, found.record, request_sha)
@@ -113,7 +113,14 @@ def _atomic(
             )
         return response
 
-    return in_transaction(state.store, body)
+    return _raise_errors(in_transaction(state.store, body))
+
+
+def _raise_errors(answer: Response | IdempotencyError) -> Response:
+    """Raise an error answer once its transaction has ended; pass a response through."""
+    if isinstance(answer, IdempotencyError):
+        raise answer
+    return answer
 
 
 def _multistep(
@@ -137,7 +144,7 @@ def _multistep(
     lease = flow.lease_timeout or settings.lease_timeout
     token = uuid.uuid4()
 
-    def begin(conn: Connection) -> Response | Run:
+    def begin(conn: Connection) -> Response | IdempotencyError | Run:
         found = state.store.reserve(
             conn,
             **_reservation(settings, options, org_id, key, request_sha),
@@ -175,8 +182,8 @@ def _multistep(
         return _answer_existing(settings, options, record, request_sha)
 
     started = in_transaction(state.store, begin)
-    if isinstance(started, Response):
-        return started
+    if not isinstance(started, Run):
+        return _raise_errors(started)
     return _engine.advance(state, flow, started, token, retry_in=lease)
 
 
@@ -258,14 +265,18 @@ def _org_id(scope: ScopeFunc) -> int:
 
 def _answer_existing(
     settings: Settings, options: ViewOptions, record: KeyRecord | None, request_sha: bytes
-) -> Response:
-    """The answer to a request whose key is already taken: 409, 422 or the stored response."""
+) -> Response | IdempotencyError:
+    """The answer to a request whose key is already taken: the stored response, or the 409 or 422 to raise.
+
+    The error is returned, not raised, so that the caller can end its transaction with a COMMIT: a
+    ROLLBACK would make psycopg forget the connection's prepared statements, and nothing was written.
+    """
     if record is None:
-        raise KeyInUse(retry_after=settings.retry_after)
+        return KeyInUse(retry_after=settings.retry_after)
     if not hmac.compare_digest(record.request_sha, request_sha):
         on_mismatch = settings.on_mismatch if options.on_mismatch is None else options.on_mismatch
         if on_mismatch != "replay":
-            raise KeyMismatch()
+            return KeyMismatch()
     if record.response is None:
-        raise KeyInUse(retry_after=settings.retry_after)
+        return KeyInUse(retry_after=settings.retry_after)
     return replay_response(record.response)

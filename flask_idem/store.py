@@ -234,19 +234,22 @@ class Store(ProcessPool):
         }
         for _ in range(2):
             row = conn.execute(self._sql.reserve, params).fetchone()
-            if row is None:
-                # The INSERT found a conflicting row this statement's snapshot could not see (committed
-                # a moment ago), or did not get the lock. A new statement sees whatever has committed.
+            assert row is not None  # the statement always answers one row
+            fresh, taken, *columns = row
+            if fresh:
+                return Reservation(reserved=True)
+            if columns[0] is None:  # no committed row for the key in this statement's snapshot
+                if not taken:  # and another transaction holds the key: it is in flight
+                    return Reservation(reserved=False)
+                # The INSERT met a row committed after the snapshot was taken; a new statement sees it.
                 row = conn.execute(self._sql.lookup, params).fetchone()
                 if row is None:
                     return Reservation(reserved=False)
-            fresh, locked, *columns = row
-            if fresh:
-                return Reservation(reserved=True)
+                columns = list(row)
             record = KeyRecord(*columns)
             if not record.expired:
                 return Reservation(reserved=False, record=record)
-            if not locked:  # another request is renewing the expired key right now
+            if not taken:  # another request is renewing the expired key right now
                 return Reservation(reserved=False)
             conn.execute(self._sql.delete_expired, params)
         return Reservation(reserved=False)
@@ -391,45 +394,43 @@ class _Statements:
         }
 
         # The columns a later request reads, and the guard of every write under a lease.
-        # Whether the key's lock is ours matters only for an expired row, which may be renewed only by
-        # the one request that holds it; CASE makes sure no other lock is taken.
-        expired = "expires_at <= now() AND status <> 'processing' AND NOT needs_attention"
         record = sql.SQL(
-            "CASE WHEN " + expired + " THEN pg_try_advisory_xact_lock(%(lock)s) END,"
-            " request_sha, status, response, " + expired + ","
-            " coalesce(lease_expires_at > now(), false), flow, step, state"
+            "k.request_sha, k.status, k.response,"
+            " k.expires_at <= now() AND k.status <> 'processing' AND NOT k.needs_attention,"
+            " coalesce(k.lease_expires_at > now(), false), k.flow, k.step, k.state"
         )
         mine = sql.SQL(
             " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
             " AND status = 'processing' AND lease_token = %(token)s"
         )
 
-        def q(text: LiteralString) -> sql.Composed:
-            return sql.SQL(text).format(**fields, record=record, mine=mine)
+        def q(text: LiteralString) -> bytes:
+            # Rendered once: executing a Composed would compose it again on every call.
+            return sql.SQL(text).format(**fields, record=record, mine=mine).as_bytes(None)
 
         ddl = files(__package__).joinpath("schema.sql").read_text("utf-8")
-        self.schema = sql.SQL(ddl).format(**fields)
+        self.schema = sql.SQL(ddl).format(**fields).as_bytes(None)
 
+        # Always one row: whether this transaction inserted the row, whether it holds the key's lock,
+        # and the committed row of the key, if its snapshot has one (it never sees its own insert).
         self.reserve = q(
-            "WITH reserved AS ("
+            "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken),"
+            " reserved AS ("
             " INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, expires_at,"
             "                      flow, lease_token, lease_expires_at)"
             " SELECT %(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, 'processing',"
             "        now() + make_interval(secs => %(ttl)s),"
             "        %(flow)s, %(token)s, now() + make_interval(secs => %(lease)s)"
-            " WHERE pg_try_advisory_xact_lock(%(lock)s)"
+            " FROM lock WHERE lock.taken"
             " ON CONFLICT (org_id, idem_key) DO NOTHING"
             " RETURNING 1"
             ")"
-            " SELECT true, NULL::boolean, NULL::bytea, NULL::text, NULL::jsonb, NULL::boolean,"
-            "        NULL::boolean, NULL::text, NULL::text, NULL::jsonb"
-            " FROM reserved"
-            " UNION ALL"
-            " SELECT false, {record} FROM {table}"
-            " WHERE org_id = %(org_id)s AND idem_key = %(key)s AND NOT EXISTS (SELECT FROM reserved)"
+            " SELECT EXISTS (SELECT FROM reserved), lock.taken, {record}"
+            " FROM lock LEFT JOIN {table} AS k ON k.org_id = %(org_id)s AND k.idem_key = %(key)s"
         )
         self.lookup = q(
-            "SELECT false, {record} FROM {table} WHERE org_id = %(org_id)s AND idem_key = %(key)s"
+            "SELECT false, true, {record} FROM {table} AS k"
+            " WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s"
         )
         self.delete_expired = q(
             "DELETE FROM {table}"
