@@ -358,8 +358,8 @@ def pgbench_script() -> str:
               "path": "'/orders'", "ttl": "86400", "flow": "NULL", "token": "NULL", "lease": "NULL",
               "lock": ":k1::bigint", "response": ":response"}  # fmt: skip
 
-    def render(statement: object) -> str:
-        text: str = statement.as_string(None)  # type: ignore[attr-defined]
+    def render(statement: bytes) -> str:
+        text = statement.decode("utf-8")
         for name, value in values.items():
             text = text.replace(f"%({name})s", value)
         if "%(" in text:
