@@ -97,6 +97,8 @@ def check(cluster: Cluster, history: list[Op], report: Report) -> None:
         for status in op.statuses:
             if status is not None and status not in EXPECTED:
                 report.anomaly("unexpected", f"{op.kind} {op.key} saw HTTP {status}")
+        if op.outcome.endswith("failed") and not (op.kind == "payment" and op.status == 402):
+            report.anomaly("unexpected", f"{op.kind} {op.key} was refused with HTTP {op.status}")
     with psycopg.connect(cluster.database_url, autocommit=True) as db:
         _check_tables(db, history, report)
     _check_replays(cluster, history, report)
