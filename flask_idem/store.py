@@ -245,7 +245,7 @@ class Store(ProcessPool):
                 row = conn.execute(self._sql.lookup, params).fetchone()
                 if row is None:
                     return Reservation(reserved=False)
-                columns = list(row)
+                columns = list(row[2:])
             record = KeyRecord(*columns)
             if not record.expired:
                 return Reservation(reserved=False, record=record)

@@ -210,3 +210,42 @@ def count_rows(db: psycopg.Connection[Any]) -> int:
     row = db.execute("SELECT count(*) FROM idempotency_keys").fetchone()
     assert row is not None
     return int(row[0])
+
+
+def test_racing_reservations_on_rotating_keys(store: Store, db: psycopg.Connection[Any]) -> None:
+    """Eight threads racing on keys that change every few milliseconds: each key is won once, nothing fails.
+
+    A request can take a key's lock just after another committed it, with a snapshot from just before:
+    the rare path where the reservation must look again. Only many real races reach it.
+    """
+    deadline = time.monotonic() + 4
+    won: dict[uuid.UUID, int] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def hammer() -> None:
+        while time.monotonic() < deadline:
+            key = uuid.UUID(int=int(time.monotonic() * 200))  # a new key every 5 ms
+            try:
+                with store.connection() as conn, conn.transaction():
+                    found = reserve(store, conn, key)
+                    if found.reserved:
+                        store.complete(
+                            conn, org_id=1, key=key, response={"status": 201, "headers": [], "body": ""}
+                        )
+                        with lock:
+                            won[key] = won.get(key, 0) + 1
+                    else:
+                        assert found.record is None or found.record.status == "completed"
+            except BaseException as e:
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[:3]
+    assert won and set(won.values()) == {1}
+    assert count_rows(db) == len(won)
