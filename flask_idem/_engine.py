@@ -53,12 +53,11 @@ def advance(state: _State, flow: Flow, run: Run, token: uuid.UUID, *, retry_in: 
             if step.outside:
                 result = _call_outside(step, run)
                 in_transaction(store, partial(_record, state, ids, step.name, result, lease))
+                run.results[step.name] = result
             else:
                 early = in_transaction(store, partial(_db_step, state, step, run, ids, lease))
                 if early is not None:
                     return early
-            if step.outside:
-                run.results[step.name] = result
             run.last_step = step.name
         response = in_transaction(store, partial(_finish, state, flow, run, ids, lease))
     except _LeaseLost:
