@@ -9,6 +9,7 @@ application under test reaches it through PgBouncer in transaction mode (:mod:`t
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 import threading
 import uuid
@@ -210,3 +211,18 @@ def gunicorn_shop(database_url: str, db: psycopg.Connection[Any], tmp_path: Path
     env = {"FLASK_DATABASE_URL": database_url, "FLASK_IDEM_POOL_MAX_SIZE": "4"}
     with gunicorn(tmp_path / "gunicorn.log", env=env) as (base, _):
         yield base
+
+
+@pytest.fixture
+def live_shop(
+    database_url: str, gateway_url: str, tmp_path: Path, db: psycopg.Connection[Any]
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """The shop under gunicorn (two workers), paying through the test gateway, with a 2 s lease."""
+    env = {
+        "FLASK_DATABASE_URL": database_url,
+        "FLASK_GATEWAY_URL": gateway_url,
+        "FLASK_GATEWAY_TIMEOUT": "10",
+        "FLASK_IDEM_LEASE_TIMEOUT": "2",
+    }
+    with gunicorn(tmp_path / "gunicorn.log", env=env, workers=2, threads=2) as served:
+        yield served

@@ -116,6 +116,6 @@ def test_non_ascii_query_and_form_bytes() -> None:
     """Raw non-ASCII bytes in a query or form body are compared exactly, not refused."""
     form = "application/x-www-form-urlencoded"
     assert fp(b"", query="é=1&a=2".encode()) == fp(b"", query="a=2&é=1".encode())
-    assert fp(b"", query="é=1".encode()) != fp(b"", query="e=1".encode())
-    assert fp("café=1".encode(), mimetype=form) != fp("cafe=1".encode(), mimetype=form)
+    assert fp(b"", query="é=1".encode()) != fp(b"", query=b"e=1")
+    assert fp("café=1".encode(), mimetype=form) != fp(b"cafe=1", mimetype=form)
     assert fp(b"\xff=1", mimetype=form) == fp(b"%FF=1", mimetype=form)

@@ -8,33 +8,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 import psycopg
 import pytest
 
-from ..conftest import ROOT, count, gunicorn
+from ..conftest import ROOT, count
 from .test_payments import add_fault, charges, payment_statuses
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def live_shop(
-    database_url: str, gateway_url: str, tmp_path: Path, db: psycopg.Connection[Any]
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """The shop under gunicorn (two workers), paying through the test gateway, with a 2 s lease."""
-    env = {
-        "FLASK_DATABASE_URL": database_url,
-        "FLASK_GATEWAY_URL": gateway_url,
-        "FLASK_GATEWAY_TIMEOUT": "10",
-        "FLASK_IDEM_LEASE_TIMEOUT": "2",
-    }
-    with gunicorn(tmp_path / "gunicorn.log", env=env, workers=2, threads=2) as served:
-        yield served
 
 
 def buy(base: str, api_key: str, database_url: str, *extra: str) -> subprocess.Popen[str]:

@@ -10,8 +10,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -21,25 +20,10 @@ import requests
 
 from example_app import create_app
 
-from ..conftest import ROOT, gunicorn, headers, wait_for_http
+from ..conftest import ROOT, headers, wait_for_http
 from .test_payments import add_fault, charges, payment_statuses
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def crash_shop(
-    database_url: str, gateway_url: str, tmp_path: Path, db: psycopg.Connection[Any]
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """The shop under gunicorn (two workers) paying through the test gateway, with a 2 s lease."""
-    env = {
-        "FLASK_DATABASE_URL": database_url,
-        "FLASK_GATEWAY_URL": gateway_url,
-        "FLASK_GATEWAY_TIMEOUT": "10",
-        "FLASK_IDEM_LEASE_TIMEOUT": "2",
-    }
-    with gunicorn(tmp_path / "gunicorn.log", env=env, workers=2, threads=2) as served:
-        yield served
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float = 15.0) -> None:
@@ -51,7 +35,7 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 15.0) -> None:
 
 @pytest.mark.parametrize("finisher", ["recover", "retry"])
 def test_worker_killed_between_charge_and_record(
-    crash_shop: tuple[str, subprocess.Popen[bytes]],
+    live_shop: tuple[str, subprocess.Popen[bytes]],
     make_org: Callable[[str], tuple[int, str]],
     shop_config: dict[str, Any],
     gateway_url: str,
@@ -59,7 +43,7 @@ def test_worker_killed_between_charge_and_record(
     finisher: str,
 ) -> None:
     """SIGKILL after the gateway charged: recovery or a retry ends with one charge and one payment."""
-    base, master = crash_shop
+    base, master = live_shop
     _, api_key = make_org("crash")
     order = requests.post(
         base + "/orders",
