@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +22,6 @@ from flask import Flask
 from flask.testing import FlaskClient, FlaskCliRunner
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from werkzeug.serving import make_server
 
 from example_app import create_app
 from example_app.cli import create_org
@@ -32,7 +30,7 @@ from example_app.gateway import create_app as gateway_create_app
 
 from . import pgbouncer
 from .notes_app import build_app
-from .servers import ROOT, free_port, gunicorn, wait_for_http
+from .servers import ROOT, free_port, gunicorn, in_thread, wait_for_http
 
 __all__ = ["PREPARE_THRESHOLD", "ROOT", "count", "free_port", "gunicorn", "headers", "wait_for_http"]
 
@@ -145,13 +143,8 @@ def app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
 def gateway_url(database_url: str, db: psycopg.Connection[Any]) -> Iterator[str]:
     """The payment gateway simulator, faults enabled, served by Werkzeug in a thread; its base URL."""
     gateway = gateway_create_app({"TESTING": True, "DATABASE_URL": database_url, "FAULTS_ENABLED": True})
-    server = make_server("127.0.0.1", 0, gateway, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.port}"
-    server.shutdown()
-    thread.join()
-    server.server_close()
+    with in_thread(gateway) as port:
+        yield f"http://127.0.0.1:{port}"
     gateway.extensions["gateway"].close()
 
 

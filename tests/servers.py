@@ -6,10 +6,14 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from werkzeug.serving import make_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,3 +86,17 @@ def gunicorn(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def in_thread(app: Any) -> Iterator[int]:
+    """Serve the WSGI ``app`` with Werkzeug's threaded server in a thread on 127.0.0.1; yield its port."""
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server.port
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()

@@ -7,7 +7,6 @@ import random
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,7 +16,6 @@ from typing import Any
 import pytest
 import requests
 from flask import Flask, request
-from werkzeug.serving import make_server
 
 from flask_idem.client import (
     AttemptInfo,
@@ -34,6 +32,8 @@ from flask_idem.client import (
 )
 from flask_idem.errors import DatabaseUnavailable, KeyMismatch
 from flask_idem.keys import HEADER
+
+from .servers import in_thread
 
 # A fake transport and clock for the pure backoff logic; the tests at the end use real HTTP.
 
@@ -543,15 +543,8 @@ def test_flask_test_client_rejected_carries_problem(clock: FakeClock) -> None:
 @pytest.fixture
 def server() -> Iterator[tuple[str, Flask]]:
     app = tiny_app()
-    httpd = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_port}", app
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join()
+    with in_thread(app) as port:
+        yield f"http://127.0.0.1:{port}", app
 
 
 def test_requests_over_real_http(server: tuple[str, Flask]) -> None:

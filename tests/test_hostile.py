@@ -24,7 +24,6 @@ import json
 import logging
 import re
 import socket
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,12 +36,12 @@ from flask import Flask
 from flask.testing import FlaskClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from werkzeug.serving import make_server
 
 from flask_idem.errors import PROBLEM_JSON
 
 from .conftest import count, gunicorn, headers
 from .notes_app import ORG
+from .servers import in_thread
 
 SETTINGS = settings(
     max_examples=100,
@@ -603,15 +602,8 @@ def serve(app: Flask) -> Iterator[tuple[int, Reached]]:
     """Serve ``app`` with Werkzeug's server in a thread; yields its port and the request counter."""
     reached = Reached(app.wsgi_app)
     app.wsgi_app = reached  # type: ignore[method-assign]
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield server.port, reached
-    finally:
-        server.shutdown()
-        thread.join()
-        server.server_close()
+    with in_thread(app) as port:
+        yield port, reached
 
 
 @pytest.fixture

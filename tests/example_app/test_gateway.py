@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,10 +21,11 @@ from flask import Flask
 from flask.testing import FlaskClient
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
-from werkzeug.serving import make_server
 
 from example_app.gateway import create_app
 from example_app.gateway.store import Store
+
+from ..servers import in_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 CHARGE = {"amount": 1250, "currency": "EUR", "source": "tok_visa"}
@@ -76,13 +76,8 @@ def gateway(gateway_app: Flask) -> FlaskClient:
 @pytest.fixture
 def werkzeug_gateway(gateway_app: Flask) -> Iterator[str]:
     """The gateway served by Werkzeug's threaded server on a free port, in a thread."""
-    server = make_server("127.0.0.1", 0, gateway_app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.port}"
-    server.shutdown()
-    thread.join()
-    server.server_close()
+    with in_thread(gateway_app) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
