@@ -73,7 +73,8 @@ def handle(
             if required or options.flow is not None:
                 raise MissingKey()
             return in_transaction(
-                state.store, lambda conn: _view_response(conn, None, None, view, args, kwargs)
+                state.store,
+                lambda conn: current_app.make_response(_call_view(conn, None, None, view, args, kwargs)),
             )
         request_sha = fingerprint(
             method=request.method,
@@ -82,31 +83,50 @@ def handle(
             mimetype=request.mimetype,
             body=_whole_body(),
         )
-        org_id = _org_id(options.scope)
+        attempt = _Attempt(view, args, kwargs, _org_id(options.scope), key, request_sha)
         if options.flow is None:
-            return _atomic(state, options, view, args, kwargs, org_id, key, request_sha)
-        return _multistep(state, options, options.flow, view, args, kwargs, org_id, key, request_sha)
+            return _atomic(state, options, attempt)
+        return _multistep(state, options, options.flow, attempt)
     except psycopg.Error as e:
         raise database_error(e, retry_after=state.settings.retry_after) from None
 
 
-def _atomic(
-    state: _State,
-    options: ViewOptions,
-    view: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    org_id: int,
-    key: uuid.UUID,
-    request_sha: bytes,
-) -> Response:
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    """One keyed write request to a decorated view: what to call, and whose key it carries."""
+
+    view: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    org_id: int
+    key: uuid.UUID
+    request_sha: bytes
+
+    def call(self, conn: Connection) -> Any:
+        """Call the view on ``conn`` (:func:`_call_view`)."""
+        return _call_view(conn, self.org_id, self.key, self.view, self.args, self.kwargs)
+
+    def reservation(self, settings: Settings, options: ViewOptions) -> dict[str, Any]:
+        """The arguments of :meth:`.Store.reserve` for this request."""
+        return {
+            "org_id": self.org_id,
+            "key": self.key,
+            "request_sha": self.request_sha,
+            "method": request.method,
+            "path": request.path,
+            "ttl": settings.key_ttl if options.ttl is None else options.ttl,
+        }
+
+
+def _atomic(state: _State, options: ViewOptions, attempt: _Attempt) -> Response:
     """Reserve, run the view and store its response in one transaction."""
+    org_id, key = attempt.org_id, attempt.key
 
     def body(conn: Connection) -> Response | IdempotencyError:
-        found = state.store.reserve(conn, **_reservation(state.settings, options, org_id, key, request_sha))
+        found = state.store.reserve(conn, **attempt.reservation(state.settings, options))
         if not found.reserved:
-            return _answer_existing(state.settings, options, found.record, request_sha)
-        response = _view_response(conn, org_id, key, view, args, kwargs)
+            return _answer_existing(state.settings, options, found.record, attempt.request_sha)
+        response = current_app.make_response(attempt.call(conn))
         if response.status_code < 500:
             state.store.complete(
                 conn, org_id=org_id, key=key, response=record_response(response, state.settings)
@@ -123,17 +143,7 @@ def _raise_errors(answer: Response | IdempotencyError) -> Response:
     return answer
 
 
-def _multistep(
-    state: _State,
-    options: ViewOptions,
-    flow: Flow,
-    view: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    org_id: int,
-    key: uuid.UUID,
-    request_sha: bytes,
-) -> Response:
+def _multistep(state: _State, options: ViewOptions, flow: Flow, attempt: _Attempt) -> Response:
     """Reserve under a lease and record the intent in one short transaction, then advance step by step.
 
     A retry finding the request processing under an expired lease takes it over (one winner) and
@@ -143,17 +153,18 @@ def _multistep(
     settings = state.settings
     lease = flow.lease_timeout or settings.lease_timeout
     token = uuid.uuid4()
+    org_id, key = attempt.org_id, attempt.key
 
     def begin(conn: Connection) -> Response | IdempotencyError | Run:
         found = state.store.reserve(
             conn,
-            **_reservation(settings, options, org_id, key, request_sha),
+            **attempt.reservation(settings, options),
             flow=flow.name,
             lease_token=token,
             lease=lease,
         )
         if found.reserved:
-            intent = _call_view(conn, org_id, key, view, args, kwargs)
+            intent = attempt.call(conn)
             if not isinstance(intent, dict):  # the view answered at once, e.g. abort(404)
                 response = current_app.make_response(intent)
                 if response.status_code < 500:
@@ -175,11 +186,11 @@ def _multistep(
             and record.status == "processing"
             and record.flow == flow.name
             and not record.lease_live
-            and hmac.compare_digest(record.request_sha, request_sha)
+            and hmac.compare_digest(record.request_sha, attempt.request_sha)
             and state.store.take_over(conn, org_id=org_id, key=key, token=token, lease=lease)
         ):
             return run_from_record(flow, org_id=org_id, key=key, step=record.step, state=record.state)
-        return _answer_existing(settings, options, record, request_sha)
+        return _answer_existing(settings, options, record, attempt.request_sha)
 
     started = in_transaction(state.store, begin)
     if not isinstance(started, Run):
@@ -201,19 +212,6 @@ def _whole_body() -> bytes:
     return body
 
 
-def _reservation(
-    settings: Settings, options: ViewOptions, org_id: int, key: uuid.UUID, request_sha: bytes
-) -> dict[str, Any]:
-    return {
-        "org_id": org_id,
-        "key": key,
-        "request_sha": request_sha,
-        "method": request.method,
-        "path": request.path,
-        "ttl": settings.key_ttl if options.ttl is None else options.ttl,
-    }
-
-
 def _call_view(
     conn: Connection,
     org_id: int | None,
@@ -228,18 +226,6 @@ def _call_view(
         return render(lambda: view(*args, **kwargs))
     finally:
         delattr(g, _CURRENT_ATTR)
-
-
-def _view_response(
-    conn: Connection,
-    org_id: int | None,
-    key: uuid.UUID | None,
-    view: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-) -> Response:
-    """Call the view as :func:`_call_view` does and make its response."""
-    return current_app.make_response(_call_view(conn, org_id, key, view, args, kwargs))
 
 
 def current() -> Current:
