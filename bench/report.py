@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness import Result, WrkRun
@@ -14,10 +15,13 @@ __all__ = [
     "cpu_per_request",
     "judge",
     "machine",
+    "capacity",
     "ms",
     "others_share",
+    "paired",
     "per_round",
     "print_table",
+    "rps",
     "summary",
 ]
 
@@ -39,10 +43,46 @@ def summary(name: str, runs: list[WrkRun]) -> Result:
     )
 
 
-def judge(result: Result, ratio: float, what: str, goal: str, at_least: float) -> None:
-    """Fill in the ratio to the baseline, the goal, and whether it is met."""
-    result.ratio, result.goal = f"{what} {ratio:.2f} × (a)", goal
-    result.verdict = "met" if ratio >= at_least else "MISSED"
+def judge(result: Result, ratio: Paired, what: str, goal: str, at_least: float) -> None:
+    """Fill in the ratio to the baseline, the goal, and whether the median ratio meets it."""
+    result.ratio, result.goal = f"{what} {ratio} × (a)", goal
+    result.verdict = "met" if ratio.median >= at_least else "MISSED"
+
+
+def paired(first: list[WrkRun], second: list[WrkRun], value: Callable[[WrkRun], float]) -> Paired:
+    """The median and quartiles of ``value(second) / value(first)`` over the rounds, round by round.
+
+    The two runs of a round are seconds apart, so a change in the machine's load between rounds moves
+    both; the ratio of a round is far steadier than either figure, and the median of the rounds' ratios
+    is the figure to read.
+    """
+    ratios = sorted(value(y) / value(x) for x, y in zip(first, second, strict=True))
+    if len(ratios) < 4:
+        return Paired(statistics.median(ratios), ratios[0], ratios[-1])
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return Paired(median, q1, q3)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A ratio measured round by round: the median of the rounds' ratios and its quartiles."""
+
+    median: float
+    q1: float
+    q3: float
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f} (quartiles {self.q1:.2f}-{self.q3:.2f})"
+
+
+def rps(run: WrkRun) -> float:
+    """Requests per second of one run."""
+    return run.rps
+
+
+def capacity(run: WrkRun) -> float:
+    """Requests one CPU second serves in one run (the app's and its backends' CPU)."""
+    return 1.0 / (cpu_per_request([run], "app") + cpu_per_request([run], "db"))
 
 
 def per_round(first: list[WrkRun], second: list[WrkRun], field: str) -> str:

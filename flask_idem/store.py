@@ -34,7 +34,27 @@ from psycopg_pool import ConnectionPool
 
 __all__ = ["KeyRecord", "ProcessPool", "Reservation", "Store", "Stranded", "StuckRow"]
 
-Connection = psycopg.Connection[TupleRow]
+
+class Connection(psycopg.Connection[TupleRow]):
+    """The connections of a :class:`ProcessPool`: psycopg connections that keep one cursor for the store.
+
+    psycopg gives every new cursor an empty cache of parameter adapters, so the first statement on a new
+    cursor looks up how to send each parameter again. The store's statements run on every write request,
+    so they share one cursor per connection (:func:`_cursor`), which keeps that cache warm.
+    """
+
+    _store_cursor: psycopg.Cursor[TupleRow] | None = None
+
+
+def _cursor(conn: psycopg.Connection[TupleRow]) -> psycopg.Cursor[TupleRow]:
+    """The cursor the store's statements run on: the connection's own when it comes from a pool here."""
+    if not isinstance(conn, Connection):
+        return conn.cursor()
+    cursor = conn._store_cursor
+    if cursor is None or cursor.closed:
+        cursor = conn._store_cursor = conn.cursor()
+    return cursor
+
 
 #: Advisory locks share one namespace with the application's own. Mixing this constant into the lock id
 #: keeps ours apart from ids an application derives from small integers.
@@ -158,7 +178,9 @@ class ProcessPool:
             if self._pool is None or self._pid != os.getpid():
                 # A pool inherited through fork() is dropped, not closed: its sockets are shared with
                 # the parent, and closing them here would cut the parent's connections.
-                self._pool = ConnectionPool(self._conninfo, open=False, **self._pool_args)
+                self._pool = ConnectionPool(
+                    self._conninfo, connection_class=Connection, open=False, **self._pool_args
+                )
                 self._pool.open(wait=False)
                 self._pid = os.getpid()
             return self._pool
@@ -220,7 +242,7 @@ class Store(ProcessPool):
         that transaction ends. A multi-step request passes its ``flow`` name and a lease (a token and
         its length in seconds), which outlive the transaction.
         """
-        params = {
+        params: dict[str, Any] = {
             "org_id": org_id,
             "key": key,
             "sha": request_sha,
@@ -228,12 +250,13 @@ class Store(ProcessPool):
             "path": path,
             "ttl": ttl,
             "lock": lock_id(org_id, key),
-            "flow": flow,
-            "token": lease_token,
-            "lease": lease,
         }
+        statement = self._sql.reserve
+        if flow is not None:
+            params.update(flow=flow, token=lease_token, lease=lease)
+            statement = self._sql.reserve_leased
         for _ in range(2):
-            row = conn.execute(self._sql.reserve, params).fetchone()
+            row = _cursor(conn).execute(statement, params).fetchone()
             assert row is not None  # the statement always answers one row
             fresh, taken, *columns = row
             if fresh:
@@ -242,7 +265,7 @@ class Store(ProcessPool):
                 if not taken:  # and another transaction holds the key: it is in flight
                     return Reservation(reserved=False)
                 # The INSERT met a row committed after the snapshot was taken; a new statement sees it.
-                row = conn.execute(self._sql.lookup, params).fetchone()
+                row = _cursor(conn).execute(self._sql.lookup, params).fetchone()
                 if row is None:
                     return Reservation(reserved=False)
                 columns = list(row[2:])
@@ -251,12 +274,12 @@ class Store(ProcessPool):
                 return Reservation(reserved=False, record=record)
             if not taken:  # another request is renewing the expired key right now
                 return Reservation(reserved=False)
-            conn.execute(self._sql.delete_expired, params)
+            _cursor(conn).execute(self._sql.delete_expired, params)
         return Reservation(reserved=False)
 
     def complete(self, conn: Connection, *, org_id: int, key: uuid.UUID, response: dict[str, Any]) -> None:
         """Store the response of a reserved key and mark it ``completed``, in the caller's transaction."""
-        conn.execute(self._sql.complete, {"org_id": org_id, "key": key, "response": Jsonb(response)})
+        _cursor(conn).execute(self._sql.complete, {"org_id": org_id, "key": key, "response": Jsonb(response)})
 
     # -- multi-step mode: every write is guarded by the lease token -----------------------------------
 
@@ -265,12 +288,12 @@ class Store(ProcessPool):
     ) -> bool:
         """Take a processing request whose lease has expired; of concurrent callers one wins."""
         params = {"org_id": org_id, "key": key, "token": token, "lease": lease}
-        return conn.execute(self._sql.take_over, params).rowcount == 1
+        return _cursor(conn).execute(self._sql.take_over, params).rowcount == 1
 
     def hold(self, conn: Connection, *, org_id: int, key: uuid.UUID, token: uuid.UUID, lease: float) -> bool:
         """Renew our lease and lock the row for the caller's transaction; false if the lease is lost."""
         params = {"org_id": org_id, "key": key, "token": token, "lease": lease}
-        return conn.execute(self._sql.hold, params).rowcount == 1
+        return _cursor(conn).execute(self._sql.hold, params).rowcount == 1
 
     def record_step(
         self,
@@ -292,7 +315,7 @@ class Store(ProcessPool):
             "step": step,
             "result": Jsonb(result),
         }
-        return conn.execute(self._sql.record_step, params).rowcount == 1
+        return _cursor(conn).execute(self._sql.record_step, params).rowcount == 1
 
     def finish(
         self,
@@ -317,7 +340,7 @@ class Store(ProcessPool):
             "status": status,
             "error": error,
         }
-        return conn.execute(self._sql.finish, params).rowcount == 1
+        return _cursor(conn).execute(self._sql.finish, params).rowcount == 1
 
     def release(
         self,
@@ -334,7 +357,7 @@ class Store(ProcessPool):
         The recovery job waits ``retry_in`` seconds before it tries the request itself.
         """
         params = {"org_id": org_id, "key": key, "token": token, "error": error, "retry_in": retry_in}
-        return conn.execute(self._sql.release, params).rowcount == 1
+        return _cursor(conn).execute(self._sql.release, params).rowcount == 1
 
     def claim_stranded(
         self,
@@ -354,12 +377,12 @@ class Store(ProcessPool):
         ``flows`` are claimed.
         """
         params = {"token": token, "lease": lease, "limit": limit, "deadline": deadline, "flows": flows}
-        return [Stranded(*row) for row in conn.execute(self._sql.claim, params).fetchall()]
+        return [Stranded(*row) for row in _cursor(conn).execute(self._sql.claim, params).fetchall()]
 
     def stuck(self, *, older_than: float) -> list[StuckRow]:
         """Rows flagged for a person, and processing rows older than ``older_than`` seconds."""
         with self.connection() as conn:
-            rows = conn.execute(self._sql.stuck, {"older_than": older_than}).fetchall()
+            rows = _cursor(conn).execute(self._sql.stuck, {"older_than": older_than}).fetchall()
         return [StuckRow(*row) for row in rows]
 
     # -- retention -------------------------------------------------------------------------------------
@@ -373,7 +396,7 @@ class Store(ProcessPool):
         removed = 0
         while True:
             with self.connection() as conn, conn.transaction():
-                count = conn.execute(self._sql.purge, {"limit": batch_size}).rowcount
+                count = _cursor(conn).execute(self._sql.purge, {"limit": batch_size}).rowcount
             removed += count
             if count < batch_size:
                 return removed
@@ -404,29 +427,32 @@ class _Statements:
             " AND status = 'processing' AND lease_token = %(token)s"
         )
 
-        def q(text: LiteralString) -> bytes:
+        def q(text: LiteralString, **more: sql.Composable) -> bytes:
             # Rendered once: executing a Composed would compose it again on every call.
-            return sql.SQL(text).format(**fields, record=record, mine=mine).as_bytes(None)
+            return sql.SQL(text).format(**fields, record=record, mine=mine, **more).as_bytes(None)
 
         ddl = files(__package__).joinpath("schema.sql").read_text("utf-8")
         self.schema = sql.SQL(ddl).format(**fields).as_bytes(None)
 
         # Always one row: whether this transaction inserted the row, whether it holds the key's lock,
         # and the committed row of the key, if its snapshot has one (it never sees its own insert).
-        self.reserve = q(
+        # Atomic requests have no flow and no lease; multi-step ones name both.
+        reserve = (
             "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken),"
             " reserved AS ("
             " INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, expires_at,"
             "                      flow, lease_token, lease_expires_at)"
             " SELECT %(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, 'processing',"
-            "        now() + make_interval(secs => %(ttl)s),"
-            "        %(flow)s, %(token)s, now() + make_interval(secs => %(lease)s)"
-            " FROM lock WHERE lock.taken"
+            "        now() + make_interval(secs => %(ttl)s), {lease} FROM lock WHERE lock.taken"
             " ON CONFLICT (org_id, idem_key) DO NOTHING"
             " RETURNING 1"
             ")"
             " SELECT EXISTS (SELECT FROM reserved), lock.taken, {record}"
             " FROM lock LEFT JOIN {table} AS k ON k.org_id = %(org_id)s AND k.idem_key = %(key)s"
+        )
+        self.reserve = q(reserve, lease=sql.SQL("NULL, NULL, NULL"))
+        self.reserve_leased = q(
+            reserve, lease=sql.SQL("%(flow)s, %(token)s, now() + make_interval(secs => %(lease)s)")
         )
         self.lookup = q(
             "SELECT false, true, {record} FROM {table} AS k"
