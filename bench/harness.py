@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -228,11 +228,14 @@ def _machine_busy() -> float:
     return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
 
 
-def backend_pids(url: str) -> list[int]:
-    """The server processes of every other connection to ``url``'s database (the shop's pools)."""
+def backend_pids(url: str, application_name: str | None = None) -> list[int]:
+    """The server processes of the other connections to ``url``'s database (the shop's pools), or of
+    those that gave ``application_name`` only."""
     with psycopg.connect(url) as conn:
         rows = conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            " AND application_name = coalesce(%s, application_name)",
+            (application_name,),
         ).fetchall()
     return [pid for (pid,) in rows]
 
@@ -258,6 +261,22 @@ class WrkRun:
         return self.requests / (self.duration_us / 1e6)
 
 
+@dataclass(frozen=True)
+class WrkJob:
+    """One wrk process: ``bench/<script>`` against ``url``; ``args`` go to the script's ``init()``.
+
+    ``watch`` names groups of processes (a server's workers, its backends) whose CPU time the run
+    reports.
+    """
+
+    script: str
+    url: str
+    args: Sequence[str]
+    threads: int
+    connections: int
+    watch: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+
 def wrk(
     script: str,
     url: str,
@@ -268,24 +287,50 @@ def wrk(
     seconds: float,
     watch: Mapping[str, Sequence[int]] | None = None,
 ) -> WrkRun:
-    """Run ``bench/<script>`` against ``url`` for ``seconds``; ``args`` go to the script's ``init()``."""
-    command = [
-        "wrk", "-t", str(threads), "-c", str(connections), "-d", f"{seconds:g}s", "--timeout", "10s",
-        "-s", str(BENCH / script), url, "--", *args,
-    ]  # fmt: skip
-    groups = dict(watch or {})
-    before = {name: cpu_seconds(pids) for name, pids in groups.items()}
-    children, machine = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_busy()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = {name: cpu_seconds(pids) - before[name] for name, pids in groups.items()}
-    cpu["wrk"] = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
-    cpu["machine"] = _machine_busy() - machine
-    match = re.search(r"^BENCH (.*)$", done.stdout, re.MULTILINE)
-    if done.returncode != 0 or match is None:
-        raise SystemExit(f"wrk failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    fields = dict(pair.split("=") for pair in match[1].split())
-    return WrkRun(**{k: int(v) for k, v in fields.items()}, cpu=cpu)
+    """Run one wrk job for ``seconds`` (:func:`wrk_together`)."""
+    job = WrkJob(script, url, args, threads=threads, connections=connections, watch=dict(watch or {}))
+    return wrk_together([job], seconds)[0]
+
+
+def wrk_together(jobs: Sequence[WrkJob], seconds: float) -> list[WrkRun]:
+    """Run the ``jobs`` at the same time for ``seconds``; one :class:`WrkRun` each, in order.
+
+    Each run's ``cpu`` holds the CPU seconds of its own watched groups and of its wrk process over the
+    whole run, and ``others``: what every other process on the machine used meanwhile.
+    """
+    before = [{name: cpu_seconds(pids) for name, pids in job.watch.items()} for job in jobs]
+    machine = _machine_busy()
+    procs = []
+    for job in jobs:
+        command = [
+            "wrk", "-t", str(job.threads), "-c", str(job.connections), "-d", f"{seconds:g}s",
+            "--timeout", "10s", "-s", str(BENCH / job.script), job.url, "--", *job.args,
+        ]  # fmt: skip
+        out = tempfile.TemporaryFile("w+")
+        procs.append(
+            (subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT), out)
+        )
+    wrk_cpu = []
+    for proc, _ in procs:
+        _, status, usage = os.wait4(proc.pid, 0)  # reaps it: its own CPU time, not every child's
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wrk_cpu.append(usage.ru_utime + usage.ru_stime)
+    cpu = [{name: cpu_seconds(pids) - was[name] for name, pids in job.watch.items()} for job, was in
+           zip(jobs, before, strict=True)]  # fmt: skip
+    others = _machine_busy() - machine - sum(wrk_cpu) - sum(sum(groups.values()) for groups in cpu)
+    runs = []
+    for (proc, out), groups, own in zip(procs, cpu, wrk_cpu, strict=True):
+        with out:
+            out.seek(0)
+            output = out.read()
+        match = re.search(r"^BENCH (.*)$", output, re.MULTILINE)
+        if proc.returncode != 0 or match is None:
+            raise SystemExit(f"wrk failed ({proc.returncode}):\n{output}")
+        fields = dict(pair.split("=") for pair in match[1].split())
+        runs.append(
+            WrkRun(**{k: int(v) for k, v in fields.items()}, cpu={**groups, "wrk": own, "others": others})
+        )
+    return runs
 
 
 @dataclass

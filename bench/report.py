@@ -100,10 +100,7 @@ def others_share(runs: list[WrkRun]) -> str:
     """How busy the rest of the machine was during each run: CPU of processes other than the shop's
     workers, their backends and wrk, as a percentage of all CPUs."""
     cpus = os.cpu_count() or 1
-    shares = []
-    for r in runs:
-        ours = sum(r.cpu.get(group, 0.0) for group in ("app", "db", "wrk"))
-        shares.append(100 * max(0.0, r.cpu.get("machine", 0.0) - ours) / (cpus * r.duration_us / 1e6))
+    shares = [100 * max(0.0, r.cpu.get("others", 0.0)) / (cpus * r.duration_us / 1e6) for r in runs]
     return ", ".join(f"{share:.0f}%" for share in shares)
 
 

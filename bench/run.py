@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import random
 import secrets
 import sys
 import tempfile
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
+from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from bench import report  # noqa: E402
 from bench.harness import (  # noqa: E402
     DEFAULT_SERVER_URL,
     Result,
     Server,
+    WrkJob,
     WrkRun,
     backend_pids,
     ensure_tool,
@@ -42,6 +46,7 @@ from bench.harness import (  # noqa: E402
     server_version,
     set_up_shop,
     wrk,
+    wrk_together,
 )
 
 DATABASE = "flask_idem_bench"
@@ -106,9 +111,8 @@ def main() -> None:
 
         with serve() as shop:
             replay_file = _precreate_keys(shop, url, org_id, api_key, plan, tmp)
-            big_file = _load_big_table(url, org_id, plan.big_rows, tmp, notes)
-            with serve(env={"FLASK_IDEM_TABLE": BIG_TABLE}) as big:
-                rows = _throughput(shop, big, url, api_key, replay_file, big_file, plan, notes)
+        big_file = _load_big_table(url, org_id, plan.big_rows, tmp, notes)
+        rows = _throughput(url, api_key, replay_file, big_file, plan, tmp, notes)
         with serve(access_log=tmp / "access.log") as shop:
             for clients, keys in ((64, 4), (plan.workers * plan.threads, 2)):
                 rows.append(_inflight(shop, url, org_id, api_key, clients, keys, plan, tmp, notes))
@@ -182,76 +186,129 @@ def _load_big_table(url: str, org_id: int, rows: int, tmp: Path, notes: list[str
     return path
 
 
+#: The servers of the side-by-side scenarios, and their environment: each pair of runs is served by two
+#: of them at once.
+TWINS: dict[str, dict[str, str]] = {"shop": {}, "twin": {}, "big": {"FLASK_IDEM_TABLE": BIG_TABLE}}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a side-by-side pair: which server, which path, which wrk script with which arguments."""
+
+    server: str
+    path: str
+    script: str = "fresh.lua"
+    keys: Path | None = None  # the finished keys replay.lua cycles through
+
+
 def _throughput(
-    shop: Server, big: Server, url: str, api_key: str, replay_file: Path, big_file: Path, plan: Plan,
-    notes: list[str],
-) -> list[Result]:  # fmt: skip
-    """Scenarios (a), (b), (c) and (f), interleaved in rounds so that they share the machine's moods."""
-    scenarios = {
-        "(a) baseline: POST /bench/orders, no decorator": (shop.base + "/bench/orders", "fresh.lua", []),
-        "(b) decorated POST /orders, fresh key": (shop.base + "/orders", "fresh.lua", []),
-        "(c) decorated, replay of finished keys": (shop.base + "/orders", "replay.lua", [str(replay_file)]),
-        f"(f) replay, {plan.big_rows:,}-row key table": (big.base + "/orders", "replay.lua", [str(big_file)]),
-        "(g) floor: (a) + 2 no-op statements": (shop.base + "/bench/floor", "fresh.lua", []),
+    url: str, api_key: str, replay_file: Path, big_file: Path, plan: Plan, tmp: Path, notes: list[str]
+) -> list[Result]:
+    """Scenarios (a), (b), (c), (f), (g) and (h), each measured at the same moments as what it is compared to.
+
+    Each comparison is a pair of wrk runs at once, against two gunicorns that split the usual setup
+    between them (half the workers each, so the machine runs as many threads as in the other
+    scenarios). Both runs see the same moods of the machine, so their ratio is steady where two runs a
+    few seconds apart are not. (a) is compared with itself on two servers: how far from 1.00 that ratio
+    lands shows how far to trust the others.
+    """
+    baseline, replay = Side("shop", "/bench/orders"), Side("shop", "/orders", "replay.lua", replay_file)
+    pairs = {
+        "(a) baseline: POST /bench/orders, no decorator": (baseline, Side("twin", "/bench/orders")),
+        "(b) decorated POST /orders, fresh key": (baseline, Side("twin", "/orders")),
+        "(c) decorated, replay of finished keys": (
+            baseline,
+            Side("twin", "/orders", "replay.lua", replay_file),
+        ),
+        f"(f) replay, {plan.big_rows:,}-row key table": (
+            replay,
+            Side("big", "/orders", "replay.lua", big_file),
+        ),
+        "(g) floor: (a) + 2 no-op statements": (baseline, Side("twin", "/bench/floor")),
         "(h) floor, pipelined: (g) sent with BEGIN, COMMIT": (
-            shop.base + "/bench/floor-pipelined",
-            "fresh.lua",
-            [],
+            baseline,
+            Side("twin", "/bench/floor-pipelined"),
         ),
     }
-    names = list(scenarios)
+    labels = list(pairs)
+    runs: dict[str, list[tuple[WrkRun, WrkRun]]] = {label: [] for label in labels}
+    half = max(1, plan.workers // 2)
+    with contextlib.ExitStack() as stack:
+        servers = {
+            name: stack.enter_context(
+                gunicorn(make_conninfo(url, application_name=f"bench-{name}"), workers=half,
+                         threads=plan.threads, log=tmp / "gunicorn.log", env=env)
+            )
+            for name, env in TWINS.items()
+        }  # fmt: skip
 
-    def run(name: str, seconds: float, watch: dict[str, list[int]] | None = None) -> WrkRun:
-        target, script, extra = scenarios[name]
-        return wrk(script, target, [api_key, _seed(), *extra], threads=1, connections=plan.connections,
-                   seconds=seconds, watch=watch)  # fmt: skip
+        def job(side: Side) -> WrkJob:
+            server = servers[side.server]
+            extra = [] if side.keys is None else [str(side.keys)]
+            watch = {"app": server.worker_pids(), "db": backend_pids(url, f"bench-{side.server}")}
+            return WrkJob(side.script, server.base + side.path, [api_key, _seed(), *extra], threads=1,
+                          connections=max(1, plan.connections // 2), watch=watch)  # fmt: skip
 
-    for name in names:
-        run(name, plan.warmup)
-    # After the warm-up every pool is full: these are all the processes that serve the shop.
-    watch = {"app": shop.worker_pids() + big.worker_pids(), "db": backend_pids(url)}
-    runs: dict[str, list[WrkRun]] = {name: [] for name in names}
-    for r in range(plan.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            print(f"# round {r + 1}/{plan.rounds}: {name}", flush=True)
-            runs[name].append(run(name, plan.seconds, watch))
-    a, b, c, f, g, h = (runs[name] for name in names)
-    results = [report.summary(name, runs[name]) for name in names]
-    results[0].ratio, results[0].goal = "1.00", "—"
-    fresh, replay = report.paired(a, b, report.rps), report.paired(a, c, report.rps)
-    report.judge(results[1], fresh, "req/s", ">= 0.90 × (a)", 0.90)
-    report.judge(results[2], replay, "req/s", ">= 1.0 × (a)", 1.0)
-    flat = report.paired(c, f, lambda run: run.p99_us)
-    results[3].ratio, results[3].goal = f"p99 {flat} × (c)", "p99 <= 1.2 × (c)"
-    results[3].verdict = "met" if flat.median <= 1.2 else "MISSED"
-    for floor, floor_runs in zip(results[4:], (g, h), strict=True):
-        floor.ratio, floor.goal = f"req/s {report.paired(a, floor_runs, report.rps)} × (a)", "bounds (b)"
+        def run(label: str, seconds: float) -> tuple[WrkRun, WrkRun]:
+            first, second = wrk_together([job(side) for side in pairs[label]], seconds)
+            return first, second
+
+        for label in labels:
+            run(label, plan.warmup)
+        for r in range(plan.rounds):
+            for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+                print(f"# round {r + 1}/{plan.rounds}: {label}", flush=True)
+                runs[label].append(run(label, plan.seconds))
+
+    def measured(label: str) -> list[WrkRun]:
+        return [y for _, y in runs[label]]
+
+    def ratio(label: str, value: Callable[[WrkRun], float]) -> report.Paired:
+        return report.paired([x for x, _ in runs[label]], measured(label), value)
+
+    results = [report.summary(label, measured(label)) for label in labels]
+    (a, b, c, f, g, h), goal = results, "bounds (b)"
+    a.ratio, a.goal = f"req/s {ratio(labels[0], report.rps)} × (a)", "near 1.00: the method's own error"
+    report.judge(b, ratio(labels[1], report.rps), "req/s", ">= 0.90 × (a)", 0.90)
+    report.judge(c, ratio(labels[2], report.rps), "req/s", ">= 1.0 × (a)", 1.0)
+    flat = ratio(labels[3], lambda run: run.p99_us)
+    f.ratio, f.goal, f.verdict = (
+        f"p99 {flat} × (c)",
+        "p99 <= 1.2 × (c)",
+        "met" if flat.median <= 1.2 else "MISSED",
+    )
+    g.ratio, g.goal = f"req/s {ratio(labels[4], report.rps)} × (a)", goal
+    h.ratio, h.goal = f"req/s {ratio(labels[5], report.rps)} × (a)", goal
     notes.append(
-        f"(a),(b),(c),(f),(g),(h): {plan.rounds} rounds of {plan.seconds:g} s each, order rotated per round,"
-        f" wrk -t1 -c{plan.connections}, after a {plan.warmup:g} s warm-up of each; req/s, p50, p99 and CPU"
-        " ms/req are the median of the rounds'; a ratio is the median of the rounds' ratios (each round's"
-        " runs are seconds apart), with its quartiles"
+        f"(a),(b),(c),(f),(g),(h) side by side: each scenario runs at the same time as what it is compared"
+        f" to ((f) with (c), the others with (a)), each on its own gunicorn of {half}"
+        f" worker(s) × {plan.threads} threads driven by wrk -t1 -c{max(1, plan.connections // 2)};"
+        f" {plan.rounds} rounds of {plan.seconds:g} s per pair, order rotated per round, after a"
+        f" {plan.warmup:g} s warm-up of each; a ratio is the median of the rounds' ratios, with its"
+        " quartiles; req/s, p50, p99 and CPU ms/req are the median of the rounds' (each server has half"
+        " the machine, so req/s is about half of what one server alone serves)"
     )
     notes.append(
-        "capacity from CPU per request (less sensitive to other load on the machine), round by round:"
-        + ",".join(f" {name[:3]} {report.paired(a, runs[name], report.capacity)} × (a)" for name in names[1:])
-    )
-    notes.append(
-        "per round: (b)/(a) req/s " + report.per_round(a, b, "rps")
-        + "; (c)/(a) req/s " + report.per_round(a, c, "rps")
-        + "; (f)/(c) p99 " + report.per_round(c, f, "p99_us")
-        + "; (g)/(a) req/s " + report.per_round(a, g, "rps")
-        + "; (h)/(a) req/s " + report.per_round(a, h, "rps")
+        "capacity from CPU per request (requests per CPU second of the server's workers and backends),"
+        " round by round:"
+        + ",".join(f" {label[:3]} {ratio(label, report.capacity)} × {'(c)' if label == labels[3] else '(a)'}"
+                   for label in labels)
     )  # fmt: skip
     notes.append(
-        "CPU ms per request, app (gunicorn workers) / PostgreSQL (the pools' backends) / wrk: "
-        + "; ".join(f"{name[:3]} " + " / ".join(f"{report.cpu_per_request(runs[name], group):.2f}"
-                    for group in ("app", "db", "wrk")) for name in names)
+        "per round, req/s ratio: "
+        + "; ".join(
+            f"{label[:3]} " + ", ".join(f"{y.rps / x.rps:.2f}" for x, y in runs[label]) for label in labels
+        )
+    )
+    notes.append(
+        "CPU ms per request, app (gunicorn workers) / PostgreSQL (the pool's backends) / wrk: "
+        + "; ".join(f"{label[:3]} " + " / ".join(f"{report.cpu_per_request(measured(label), group):.2f}"
+                    for group in ("app", "db", "wrk")) for label in labels)
         + f" ({os.cpu_count()} CPUs = {os.cpu_count()}000 CPU ms per second)"
     )  # fmt: skip
     notes.append(
         "CPU used by other processes on the machine, per round, in % of all CPUs: "
-        + "; ".join(f"{name[:3]} {report.others_share(runs[name])}" for name in names)
+        + "; ".join(f"{label[:3]} {report.others_share(measured(label))}" for label in labels)
     )
     with psycopg.connect(url) as conn:
         updates = conn.execute(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from flask import Response, current_app, g, request
+from flask import Request, Response, current_app, g, request
 
 from . import _engine
 from ._run import in_transaction, record_response, render, replay_response
@@ -64,9 +64,10 @@ def handle(
     options: ViewOptions,
 ) -> Response:
     """Answer one request to a decorated view."""
-    if request.method in SAFE_METHODS:
+    req = request._get_current_object()  # type: ignore[attr-defined]  # one proxy lookup, not one per use
+    if req.method in SAFE_METHODS:
         return current_app.make_response(view(*args, **kwargs))
-    key = parse_key(request.headers.getlist(HEADER))
+    key = parse_key(req.headers.getlist(HEADER))
     try:
         if key is None:
             required = state.settings.require_key if options.required is None else options.required
@@ -77,13 +78,13 @@ def handle(
                 lambda conn: current_app.make_response(_call_view(conn, None, None, view, args, kwargs)),
             )
         request_sha = fingerprint(
-            method=request.method,
-            path=request.path,
-            query=request.query_string,
-            mimetype=request.mimetype,
-            body=_whole_body(),
+            method=req.method,
+            path=req.path,
+            query=req.query_string,
+            mimetype=req.mimetype,
+            body=_whole_body(req),
         )
-        attempt = _Attempt(view, args, kwargs, _org_id(options.scope), key, request_sha)
+        attempt = _Attempt(view, args, kwargs, _org_id(options.scope), key, request_sha, req.method, req.path)
         if options.flow is None:
             return _atomic(state, options, attempt)
         return _multistep(state, options, options.flow, attempt)
@@ -101,6 +102,8 @@ class _Attempt:
     org_id: int
     key: uuid.UUID
     request_sha: bytes
+    method: str
+    path: str
 
     def call(self, conn: Connection) -> Any:
         """Call the view on ``conn`` (:func:`_call_view`)."""
@@ -112,8 +115,8 @@ class _Attempt:
             "org_id": self.org_id,
             "key": self.key,
             "request_sha": self.request_sha,
-            "method": request.method,
-            "path": request.path,
+            "method": self.method,
+            "path": self.path,
             "ttl": settings.key_ttl if options.ttl is None else options.ttl,
         }
 
@@ -198,17 +201,17 @@ def _multistep(state: _State, options: ViewOptions, flow: Flow, attempt: _Attemp
     return _engine.advance(state, flow, started, token, retry_in=lease)
 
 
-def _whole_body() -> bytes:
+def _whole_body(req: Request) -> bytes:
     """The request body, refusing (413) one that only fits ``MAX_CONTENT_LENGTH`` because it was cut.
 
     Without a Content-Length (a chunked body), Werkzeug stops reading at the limit without a word; the
     fingerprint and the view would then see a truncated body. One byte more tells: reading past the
     limit raises 413.
     """
-    body = request.get_data(cache=True)
-    limit = request.max_content_length
-    if limit is not None and request.content_length is None and len(body) >= limit:
-        request.stream.read(1)
+    body = req.get_data(cache=True)
+    limit = req.max_content_length
+    if limit is not None and req.content_length is None and len(body) >= limit:
+        req.stream.read(1)
     return body
 
 
