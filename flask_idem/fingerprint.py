@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
+from itertools import accumulate
 from typing import Any, NoReturn
 from urllib.parse import parse_qsl, urlencode
 
@@ -54,26 +56,22 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+#: A JSON string: a quote, then characters or escapes up to the closing quote (or, unterminated, the end).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z)', re.DOTALL)
+#: Every byte but the four brackets, for ``bytes.translate`` to delete.
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+#: What each byte does to the nesting depth: +1 for ``[`` and ``{``, -1 for ``]`` and ``}``.
+_STEP = [(b in b"[{") - (b in b"]}") for b in range(256)]
+
+
 def _depth(data: bytes) -> int:
-    """The deepest bracket nesting of a JSON text, counted without parsing it (strings skipped)."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in data:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):  # [ {
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):  # ] }
-            depth -= 1
-    return deepest
+    """The deepest bracket nesting of a JSON text, counted without parsing it (strings skipped).
+
+    Strings are cut out, every byte but the brackets is deleted and the running depth summed, all at C
+    speed: no Python code runs per byte.
+    """
+    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    return max(0, max(accumulate(map(_STEP.__getitem__, brackets)), default=0))
 
 
 def canonical_json(data: bytes) -> bytes:
@@ -111,6 +109,8 @@ def canonical_query(query: bytes) -> bytes:
     The bytes are read as latin-1, which maps every byte to one character and back, so raw non-ASCII
     bytes and percent-escapes are compared exactly, whatever their encoding.
     """
+    if not query:
+        return b""
     pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True, encoding="latin-1")
     return urlencode(sorted(pairs), encoding="latin-1").encode("ascii")
 

@@ -105,6 +105,12 @@ def test_depth_limit_counts_brackets_outside_strings() -> None:
     """Brackets inside strings do not count toward the nesting limit."""
     body = b'{"a": "' + b"[" * 1000 + b'"}'
     assert canonical_json(body) == b'{"a":"' + b"[" * 1000 + b'"}'
+    # An escaped quote does not end the string; an escaped backslash before a quote does.
+    escaped = b'{"a": "\\"' + b"[" * 100 + b'", "b": "\\\\"}'
+    assert canonical_json(escaped) == b'{"a":"\\"' + b"[" * 100 + b'","b":"\\\\"}'
+    too_deep = b'{"a": "\\\\", "b": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}"
+    with pytest.raises(InvalidBody, match="nests deeper"):
+        canonical_json(too_deep)
 
 
 def test_unicode_is_kept() -> None:
