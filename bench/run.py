@@ -116,11 +116,19 @@ def main() -> None:
         with serve(access_log=tmp / "access.log") as shop:
             for clients, keys in ((64, 4), (plan.workers * plan.threads, 2)):
                 rows.append(_inflight(shop, url, org_id, api_key, clients, keys, plan, tmp, notes))
-        rows.append(_pgbench(url, org_id, api_key, plan, tmp, notes))
-    fresh = rows[1]
-    for row in rows:
-        if row.scenario.startswith("(e)"):
-            row.ratio, row.goal = f"(b) req/s = {fresh.rps / row.rps:.2f} × (e)", "report the ratio"
+        with serve() as shop:  # (b) had half the machine beside (a); (e) has all of it, and so has this
+            for seconds in (plan.warmup, plan.seconds):
+                alone = wrk("fresh.lua", shop.base + "/orders", [api_key, _seed()], threads=1,
+                            connections=plan.connections, seconds=seconds)  # fmt: skip
+        database = _pgbench(url, org_id, api_key, plan, tmp, notes)
+        database.ratio = f"(b) alone {alone.rps:.0f} req/s = {alone.rps / database.rps:.2f} × (e)"
+        database.goal = "report the ratio"
+        rows.append(database)
+        notes.append(
+            f"(e)'s ratio: (b) measured alone, {plan.workers} workers × {plan.threads} threads, wrk -t1"
+            f" -c{plan.connections}, {plan.seconds:g} s after a {plan.warmup:g} s warm-up, so that both have"
+            " the whole machine"
+        )
     notes.append("load average at the end: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     report.print_table(rows, notes)
 

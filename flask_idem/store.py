@@ -32,7 +32,7 @@ from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-__all__ = ["KeyRecord", "ProcessPool", "Reservation", "Store", "Stranded", "StuckRow"]
+__all__ = ["Connection", "KeyRecord", "ProcessPool", "Reservation", "Store", "Stranded", "StuckRow"]
 
 
 class Connection(psycopg.Connection[TupleRow]):
@@ -133,8 +133,8 @@ class ProcessPool:
 
     The pool is created on first use and created again when the process id changes, so a pre-fork server
     (gunicorn) that imports the application in its master still gives every worker its own connections.
-    Connections run in autocommit mode; every transaction is an explicit ``with conn.transaction():``
-    block.
+    Its connections are :class:`Connection` objects in autocommit mode; every transaction is an explicit
+    ``with conn.transaction():`` block.
 
     :param conninfo: a libpq connection string or URL.
     :param name: the pool's name in psycopg's logs.
