@@ -74,6 +74,13 @@ def _depth(data: bytes) -> int:
     return max(0, max(accumulate(map(_STEP.__getitem__, brackets)), default=0))
 
 
+# Built once: json.loads and json.dumps with options build a new decoder or encoder on every call.
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_pairs, parse_constant=_reject_constant, parse_float=_finite
+)
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def canonical_json(data: bytes) -> bytes:
     """Parse a JSON body and serialise it canonically: sorted member names, no insignificant whitespace.
 
@@ -89,14 +96,12 @@ def canonical_json(data: bytes) -> bytes:
     if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _depth(data) > MAX_JSON_DEPTH:
         _invalid(f"The JSON body nests deeper than {MAX_JSON_DEPTH} levels.")
     try:
-        value = json.loads(
-            text, object_pairs_hook=_unique_pairs, parse_constant=_reject_constant, parse_float=_finite
-        )
+        value = _DECODER.decode(text)
     except json.JSONDecodeError as e:
         _invalid(f"The request body is not valid JSON (line {e.lineno}, column {e.colno}).")
     except ValueError:  # e.g. an integer longer than Python's int_max_str_digits
         _invalid("The JSON body holds a value that cannot be read.")
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    text = _ENCODER.encode(value)
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # "\ud800": an escaped lone surrogate is no character at all
