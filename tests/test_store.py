@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from flask_idem.store import Store, lock_id
+from flask_idem.store import Connection, Store, lock_id
 
 from .conftest import PREPARE_THRESHOLD
 
@@ -249,3 +249,25 @@ def test_racing_reservations_on_rotating_keys(store: Store, db: psycopg.Connecti
     assert not errors, errors[:3]
     assert won and set(won.values()) == {1}
     assert count_rows(db) == len(won)
+
+
+def test_store_statements_share_one_cursor_per_pooled_connection(database_url: str, store: Store) -> None:
+    """The pool's connections keep one cursor for the store; a plain psycopg connection works too."""
+    with store.connection() as conn:
+        assert isinstance(conn, Connection)
+        with conn.transaction():
+            assert reserve(store, conn, uuid.uuid4()).reserved
+        first = conn._store_cursor
+        assert first is not None and not first.closed
+        with conn.transaction():
+            assert reserve(store, conn, uuid.uuid4()).reserved
+            store.complete(conn, org_id=1, key=uuid.uuid4(), response={"status": 200})
+        assert conn._store_cursor is first
+        first.close()  # whoever closes it, the next statement gets a new one
+        with conn.transaction():
+            assert reserve(store, conn, uuid.uuid4()).reserved
+        assert conn._store_cursor is not first and not conn._store_cursor.closed
+    with psycopg.connect(database_url, autocommit=True) as plain, plain.transaction():
+        key = uuid.uuid4()
+        assert reserve(store, plain, key).reserved
+        assert not reserve(store, plain, key).reserved
