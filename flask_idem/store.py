@@ -223,7 +223,7 @@ class Store(ProcessPool):
 
     def reserve(
         self,
-        conn: Connection,
+        conn: psycopg.Connection[TupleRow],
         *,
         org_id: int,
         key: uuid.UUID,
@@ -277,27 +277,43 @@ class Store(ProcessPool):
             _cursor(conn).execute(self._sql.delete_expired, params)
         return Reservation(reserved=False)
 
-    def complete(self, conn: Connection, *, org_id: int, key: uuid.UUID, response: dict[str, Any]) -> None:
+    def complete(
+        self, conn: psycopg.Connection[TupleRow], *, org_id: int, key: uuid.UUID, response: dict[str, Any]
+    ) -> None:
         """Store the response of a reserved key and mark it ``completed``, in the caller's transaction."""
         _cursor(conn).execute(self._sql.complete, {"org_id": org_id, "key": key, "response": Jsonb(response)})
 
     # -- multi-step mode: every write is guarded by the lease token -----------------------------------
 
     def take_over(
-        self, conn: Connection, *, org_id: int, key: uuid.UUID, token: uuid.UUID, lease: float
+        self,
+        conn: psycopg.Connection[TupleRow],
+        *,
+        org_id: int,
+        key: uuid.UUID,
+        token: uuid.UUID,
+        lease: float,
     ) -> bool:
         """Take a processing request whose lease has expired; of concurrent callers one wins."""
         params = {"org_id": org_id, "key": key, "token": token, "lease": lease}
         return _cursor(conn).execute(self._sql.take_over, params).rowcount == 1
 
-    def hold(self, conn: Connection, *, org_id: int, key: uuid.UUID, token: uuid.UUID, lease: float) -> bool:
+    def hold(
+        self,
+        conn: psycopg.Connection[TupleRow],
+        *,
+        org_id: int,
+        key: uuid.UUID,
+        token: uuid.UUID,
+        lease: float,
+    ) -> bool:
         """Renew our lease and lock the row for the caller's transaction; false if the lease is lost."""
         params = {"org_id": org_id, "key": key, "token": token, "lease": lease}
         return _cursor(conn).execute(self._sql.hold, params).rowcount == 1
 
     def record_step(
         self,
-        conn: Connection,
+        conn: psycopg.Connection[TupleRow],
         *,
         org_id: int,
         key: uuid.UUID,
@@ -319,7 +335,7 @@ class Store(ProcessPool):
 
     def finish(
         self,
-        conn: Connection,
+        conn: psycopg.Connection[TupleRow],
         *,
         org_id: int,
         key: uuid.UUID,
@@ -344,7 +360,7 @@ class Store(ProcessPool):
 
     def release(
         self,
-        conn: Connection,
+        conn: psycopg.Connection[TupleRow],
         *,
         org_id: int,
         key: uuid.UUID,
@@ -361,7 +377,7 @@ class Store(ProcessPool):
 
     def claim_stranded(
         self,
-        conn: Connection,
+        conn: psycopg.Connection[TupleRow],
         *,
         token: uuid.UUID,
         lease: float,
