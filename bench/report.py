@@ -12,14 +12,13 @@ from pathlib import Path
 from bench.harness import Result, WrkRun
 
 __all__ = [
+    "capacity",
     "cpu_per_request",
     "judge",
     "machine",
-    "capacity",
     "ms",
     "others_share",
     "paired",
-    "per_round",
     "print_table",
     "rps",
     "summary",
@@ -52,8 +51,8 @@ def judge(result: Result, ratio: Paired, what: str, goal: str, at_least: float) 
 def paired(first: list[WrkRun], second: list[WrkRun], value: Callable[[WrkRun], float]) -> Paired:
     """The median and quartiles of ``value(second) / value(first)`` over the rounds, round by round.
 
-    The two runs of a round are seconds apart, so a change in the machine's load between rounds moves
-    both; the ratio of a round is far steadier than either figure, and the median of the rounds' ratios
+    The two runs of a round run at the same time, so whatever the machine does to one it does to the
+    other: the ratio of a round is far steadier than either figure, and the median of the rounds' ratios
     is the figure to read.
     """
     ratios = sorted(value(y) / value(x) for x, y in zip(first, second, strict=True))
@@ -81,14 +80,8 @@ def rps(run: WrkRun) -> float:
 
 
 def capacity(run: WrkRun) -> float:
-    """Requests one CPU second serves in one run (the app's and its backends' CPU)."""
+    """Requests per CPU millisecond of one run (the server's workers' and its backends' CPU)."""
     return 1.0 / (cpu_per_request([run], "app") + cpu_per_request([run], "db"))
-
-
-def per_round(first: list[WrkRun], second: list[WrkRun], field: str) -> str:
-    """``second``'s ``field`` over ``first``'s, round by round."""
-    pairs = zip(first, second, strict=True)
-    return ", ".join(f"{getattr(y, field) / getattr(x, field):.2f}" for x, y in pairs)
 
 
 def cpu_per_request(runs: list[WrkRun], group: str) -> float:
