@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,7 @@ from example_app.gateway import create_app as gateway_create_app
 
 from . import pgbouncer
 from .notes_app import build_app
-from .servers import ROOT, free_port, gunicorn, in_thread, wait_for_http
-
-__all__ = ["PREPARE_THRESHOLD", "ROOT", "count", "free_port", "gunicorn", "headers", "wait_for_http"]
-
-#: psycopg's prepare_threshold for connections a test makes through the applications' URL.
-PREPARE_THRESHOLD = None if pgbouncer.ENABLED else 5
+from .servers import gunicorn, in_thread
 
 DB_ENV = "FLASK_IDEM_TEST_DATABASE_URL"
 
@@ -107,13 +101,6 @@ def db(database_url: str, direct_database_url: str) -> Iterator[psycopg.Connecti
                 sql.SQL(", ").join(map(sql.Identifier, _TABLES))
             )
         )
-
-
-def count(conn: psycopg.Connection[Any], table: str) -> int:
-    """Rows in ``table``."""
-    row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 @pytest.fixture
@@ -188,14 +175,6 @@ def make_org(app: Flask) -> Callable[[str], tuple[int, str]]:
 def api_key(make_org: Callable[[str], tuple[int, str]]) -> str:
     """The API key of a fresh organisation."""
     return make_org("acme")[1]
-
-
-def headers(api_key: str, key: uuid.UUID | str | None = None, **extra: str) -> dict[str, str]:
-    """Request headers: the bearer API key and, when given, an Idempotency-Key."""
-    result = {"Authorization": f"Bearer {api_key}", **extra}
-    if key is not None:
-        result["Idempotency-Key"] = str(key)
-    return result
 
 
 @pytest.fixture

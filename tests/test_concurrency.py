@@ -12,7 +12,7 @@ import psycopg
 import pytest
 import requests
 
-from .conftest import count, headers
+from .helpers import count, headers
 
 pytestmark = pytest.mark.slow
 

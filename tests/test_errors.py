@@ -22,7 +22,7 @@ from flask_idem.errors import (
     problem,
 )
 
-from .conftest import count
+from .helpers import count
 from .notes_app import build_app, post
 
 SECRET = "hunter2-c0rrect-h0rse"

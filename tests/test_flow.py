@@ -19,7 +19,7 @@ from flask_idem import Idempotency
 from flask_idem.errors import ConfigurationError
 from flask_idem.flow import Flow, OutcomeUnknown, Run
 
-from .conftest import count
+from .helpers import count
 from .notes_app import ORG, org_from_header, post
 
 

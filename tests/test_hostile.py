@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 from flask_idem.errors import PROBLEM_JSON
 
-from .conftest import count, gunicorn, headers
+from .helpers import count, gunicorn, headers
 from .notes_app import ORG
 from .servers import in_thread
 

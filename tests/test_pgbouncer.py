@@ -11,7 +11,7 @@ from flask import Flask
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from . import pgbouncer
-from .conftest import count, headers
+from .helpers import count, headers
 
 pytestmark = pytest.mark.skipif(not pgbouncer.ENABLED, reason="runs only with FLASK_IDEM_TEST_PGBOUNCER=1")
 

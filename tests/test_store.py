@@ -14,7 +14,7 @@ import pytest
 
 from flask_idem.store import Connection, Store, lock_id
 
-from .conftest import PREPARE_THRESHOLD
+from .helpers import PREPARE_THRESHOLD
 
 SHA = b"\x01" * 32
 

@@ -13,7 +13,7 @@ from flask import Flask
 
 from flask_idem.errors import PROBLEM_JSON
 
-from .conftest import count
+from .helpers import count
 from .notes_app import ORG, post
 
 

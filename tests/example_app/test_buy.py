@@ -15,7 +15,7 @@ import psutil
 import psycopg
 import pytest
 
-from ..conftest import ROOT, count
+from ..helpers import ROOT, count
 from .test_payments import add_fault, charges, payment_statuses
 
 pytestmark = pytest.mark.slow

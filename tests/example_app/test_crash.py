@@ -20,7 +20,7 @@ import requests
 
 from example_app import create_app
 
-from ..conftest import ROOT, headers, wait_for_http
+from ..helpers import ROOT, headers, wait_for_http
 from .test_payments import add_fault, charges, payment_statuses
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from flask.testing import FlaskClient
 
 from flask_idem.errors import PROBLEM_JSON
 
-from ..conftest import count, headers
+from ..helpers import count, headers
 
 ORDER = {"amount": 1250, "currency": "EUR"}
 

@@ -18,7 +18,7 @@ from example_app import create_app
 from example_app.cli import create_org
 from flask_idem.errors import PROBLEM_JSON
 
-from ..conftest import count, headers
+from ..helpers import count, headers
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from schemathesis import GenerationMode
 from example_app import create_app
 from example_app.cli import create_org
 
-from ..conftest import headers
+from ..helpers import headers
 
 OPERATIONS = [
     ("POST", "/orders"),

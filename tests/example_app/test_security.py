@@ -22,7 +22,7 @@ from example_app.auth import new_api_key
 from example_app.cli import create_org
 from flask_idem.fingerprint import fingerprint
 
-from ..conftest import count, headers
+from ..helpers import count, headers
 from ..notes_app import post
 
 ORDER = {"amount": 1250, "currency": "EUR"}

@@ -1,0 +1,36 @@
+"""Helpers the tests import: counting rows, request headers, and the prepare threshold in force.
+
+Fixtures live in ``conftest.py``; plain functions that tests call live here, so that no test imports a
+conftest module.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from . import pgbouncer
+from .servers import ROOT, free_port, gunicorn, wait_for_http
+
+__all__ = ["PREPARE_THRESHOLD", "ROOT", "count", "free_port", "gunicorn", "headers", "wait_for_http"]
+
+#: psycopg's prepare_threshold for connections a test makes through the applications' URL.
+PREPARE_THRESHOLD = None if pgbouncer.ENABLED else 5
+
+
+def count(conn: psycopg.Connection[Any], table: str) -> int:
+    """Rows in ``table``."""
+    row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def headers(api_key: str, key: uuid.UUID | str | None = None, **extra: str) -> dict[str, str]:
+    """Request headers: the bearer API key and, when given, an Idempotency-Key."""
+    result = {"Authorization": f"Bearer {api_key}", **extra}
+    if key is not None:
+        result["Idempotency-Key"] = str(key)
+    return result
