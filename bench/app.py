@@ -24,7 +24,7 @@ from example_app import create_app as create_shop
 from example_app.auth import authenticate
 from example_app.extensions import idem
 from example_app.schemas import OrderIn, load
-from flask_idem.store import Connection
+from flask_idem.pool import Connection
 
 __all__ = ["create_app"]
 

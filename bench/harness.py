@@ -24,6 +24,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from flask_idem.state import get_state
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 DEFAULT_SERVER_URL = "postgresql://postgres@127.0.0.1:5432/test"
@@ -105,7 +107,7 @@ def set_up_shop(url: str) -> tuple[int, str]:
             init_db()
             return create_org("bench")
     finally:
-        app.extensions["idem"].store.close()
+        get_state(app).pool.close()
 
 
 def server_version(url: str) -> str:

@@ -45,6 +45,7 @@ from flask import Flask  # noqa: E402
 from psycopg import pq  # noqa: E402
 
 from bench.harness import BODY, DEFAULT_SERVER_URL, scratch_database  # noqa: E402
+from flask_idem.state import get_state
 
 WARMUP = 8
 TRACED = 5
@@ -95,7 +96,7 @@ def main() -> None:
             counts = {c.name: _count(app, c, api_key) for c in cases}
             times = _times(app, cases, api_key)
         finally:
-            app.extensions["idem"].store.close()
+            get_state(app).pool.close()
     _print(counts, times)
 
 
@@ -111,13 +112,14 @@ def _cases(app: Flask, url: str, org_id: int, api_key: str) -> list[Case]:
     def in_flight() -> Iterator[object]:
         """Another connection holds ``held`` reserved and uncommitted, as a running request would."""
         from flask_idem.fingerprint import fingerprint
+        from flask_idem.store import KeyedRequest
 
-        store = app.extensions["idem"].store
+        store = get_state(app).store
         sha = fingerprint(method="POST", path="/orders", query=b"", mimetype="application/json", body=BODY)
         with psycopg.connect(url) as other:  # not autocommit: the first statement opens a transaction
             try:
-                found = store.reserve(other, org_id=org_id, key=uuid.UUID(held), request_sha=sha,
-                                      method="POST", path="/orders", ttl=3600.0)  # fmt: skip
+                keyed = KeyedRequest(org_id, uuid.UUID(held), sha, "POST", "/orders")
+                found = store.reserve(other, keyed, ttl=3600.0)
                 assert found.reserved
                 yield found
             finally:
@@ -161,7 +163,7 @@ def _count(app: Flask, case: Case, api_key: str) -> Count:
     """Trace ``TRACED`` requests of ``path`` on the pool's only connection and count the messages."""
     with app.app_context(), case.around():
         _send(app, case, api_key, WARMUP)
-        with app.extensions["idem"].store.pool.connection() as conn:
+        with get_state(app).pool.connection() as conn:
             pgconn = conn.pgconn  # the same connection every request of this process borrows
         with tempfile.TemporaryFile("w+") as trace:
             pgconn.trace(trace.fileno())

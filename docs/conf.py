@@ -12,6 +12,7 @@ release, version = get_version("flask-idem")
 extensions = [
     "sphinx.ext.autodoc",
     "pallets_sphinx_themes",
+    "sphinx_click",
 ]
 # No intersphinx: the build runs with -W and must pass offline, where an unreachable inventory is a
 # warning. References to Python, Flask, Werkzeug and psycopg render as plain names instead of links.

@@ -6,10 +6,11 @@ import json
 from typing import Any, TypeVar
 
 import psycopg
-from flask import Flask, Response, current_app
+from flask import Flask, Response
 from werkzeug.exceptions import HTTPException, UnprocessableEntity
 
 from flask_idem.errors import PROBLEM_JSON, database_error, problem
+from flask_idem.state import get_state
 
 __all__ = ["KeyAlreadyUsed", "ValidationFailed", "problem_exception", "register"]
 
@@ -62,10 +63,11 @@ def _http_error(e: HTTPException) -> Response:
 
 
 def _db_error(e: psycopg.Error) -> Response:
-    idem = current_app.extensions.get(
-        "idem"
-    )  # the gateway simulator shares these handlers, not the extension
-    return problem(database_error(e, retry_after=idem.settings.retry_after if idem else 1))
+    try:
+        retry_after = get_state().settings.retry_after
+    except RuntimeError:  # the gateway simulator shares these handlers, not the extension
+        retry_after = 1
+    return problem(database_error(e, retry_after=retry_after))
 
 
 def register(app: Flask) -> None:

@@ -1,10 +1,45 @@
 """flask-idem: idempotency keys for Flask, backed by PostgreSQL."""
 
+from .errors import ConfigurationError as ConfigurationError
+from .errors import DatabaseFailed as DatabaseFailed
+from .errors import DatabaseUnavailable as DatabaseUnavailable
 from .errors import IdempotencyError as IdempotencyError
+from .errors import InvalidBody as InvalidBody
+from .errors import InvalidKey as InvalidKey
+from .errors import KeyInUse as KeyInUse
+from .errors import KeyMismatch as KeyMismatch
+from .errors import MissingKey as MissingKey
+from .errors import NoScope as NoScope
+from .errors import OperationFailed as OperationFailed
+from .errors import OutcomePending as OutcomePending
 from .extension import Idempotency as Idempotency
 from .flow import Flow as Flow
 from .flow import OutcomeUnknown as OutcomeUnknown
 from .flow import Run as Run
 from .keys import HEADER as HEADER
+from .replay import REPLAYED_HEADER as REPLAYED_HEADER
+from .settings import OnMismatch as OnMismatch
+from .settings import ScopeFunc as ScopeFunc
 
-__all__ = ["HEADER", "Flow", "Idempotency", "IdempotencyError", "OutcomeUnknown", "Run"]
+__all__ = [
+    "HEADER",
+    "REPLAYED_HEADER",
+    "ConfigurationError",
+    "DatabaseFailed",
+    "DatabaseUnavailable",
+    "Flow",
+    "Idempotency",
+    "IdempotencyError",
+    "InvalidBody",
+    "InvalidKey",
+    "KeyInUse",
+    "KeyMismatch",
+    "MissingKey",
+    "NoScope",
+    "OnMismatch",
+    "OperationFailed",
+    "OutcomePending",
+    "OutcomeUnknown",
+    "Run",
+    "ScopeFunc",
+]

@@ -8,21 +8,20 @@ from __future__ import annotations
 
 import logging
 import traceback
-import uuid
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from flask import Response, current_app
 from werkzeug.exceptions import HTTPException
 
-from ._run import in_transaction, record_response, render
+from ._calls import in_transaction, render
 from .errors import KeyInUse, OutcomePending
 from .flow import Flow, OutcomeUnknown, Run, Step
-
-if TYPE_CHECKING:
-    from .extension import _State
-    from .store import Connection
+from .pool import Connection
+from .replay import record_response
+from .state import IdemState
+from .store import Lease
 
 __all__ = ["advance"]
 
@@ -37,55 +36,49 @@ class _Unknown(Exception):
     """A call step ended without a known outcome."""
 
 
-def advance(state: _State, flow: Flow, run: Run, token: uuid.UUID, *, retry_in: float) -> Response:
+def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: float) -> Response:
     """Run the steps of ``run`` that have not finished, then its finish step; return the response.
 
-    :param token: the lease this worker holds on the request.
+    :param lease: the lease this worker holds on the request.
     :param retry_in: when the outcome of a call stays unknown, seconds before the recovery job may try.
     :raises KeyInUse: the lease was lost to another attempt, which will finish the request.
     :raises OutcomePending: a call step ended without a known outcome; the lease is given up.
     """
-    store = state.store
-    lease = flow.lease_timeout or state.settings.lease_timeout
-    ids: dict[str, Any] = {"org_id": run.org_id, "key": run.key, "token": token}
+    pool = state.pool
     try:
         for step in flow.remaining(run.last_step):
             if step.outside:
                 result = _call_outside(step, run)
-                in_transaction(store, partial(_record, state, ids, step.name, result, lease))
+                in_transaction(pool, partial(_record, state, lease, step.name, result))
                 run.results[step.name] = result
             else:
-                early = in_transaction(store, partial(_db_step, state, step, run, ids, lease))
+                early = in_transaction(pool, partial(_db_step, state, step, run, lease))
                 if early is not None:
                     return early
             run.last_step = step.name
-        response = in_transaction(store, partial(_finish, state, flow, run, ids, lease))
+        response = in_transaction(pool, partial(_finish, state, flow, run, lease))
     except _LeaseLost:
         raise KeyInUse(retry_after=state.settings.retry_after) from None
     except _Unknown:
-        _release(state, ids, "OutcomeUnknown", retry_in)
+        _release(state, lease, "OutcomeUnknown", retry_in)
         raise OutcomePending(retry_after=state.settings.retry_after) from None
     except BaseException as e:
-        _release(state, ids, type(e).__name__, retry_in)
+        _release(state, lease, type(e).__name__, retry_in)
         raise
     if response.status_code >= 500:  # rolled back: let a retry or the recovery job finish it
-        _release(state, ids, f"HTTP {response.status_code}", retry_in)
+        _release(state, lease, f"HTTP {response.status_code}", retry_in)
     return response
 
 
-def _record(
-    state: _State, ids: dict[str, Any], step: str, result: Any, lease: float, conn: Connection
-) -> None:
+def _record(state: IdemState, lease: Lease, step: str, result: Any, conn: Connection) -> None:
     """Record the result of a call step, if this worker still holds the lease."""
-    if not state.store.record_step(conn, **ids, step=step, result=result, lease=lease):
+    if not state.store.record_step(conn, lease, step, result):
         raise _LeaseLost()
 
 
-def _db_step(
-    state: _State, step: Step, run: Run, ids: dict[str, Any], lease: float, conn: Connection
-) -> Response | None:
+def _db_step(state: IdemState, step: Step, run: Run, lease: Lease, conn: Connection) -> Response | None:
     """One database step in the caller's transaction; a 4xx it raises ends the request with that answer."""
-    if not state.store.hold(conn, **ids, lease=lease):
+    if not state.store.hold(conn, lease):
         raise _LeaseLost()
     run._connection = conn
     try:
@@ -94,20 +87,18 @@ def _db_step(
         if e.code is None or e.code >= 500:
             raise
         response = current_app.make_response(current_app.handle_user_exception(e))
-        _store_final(state, conn, ids, response)
+        _store_final(state, conn, lease, response)
         return response
     finally:
         run._connection = None
-    if not state.store.record_step(conn, **ids, step=step.name, result=result, lease=lease):
+    if not state.store.record_step(conn, lease, step.name, result):
         raise _LeaseLost()
     run.results[step.name] = result
     return None
 
 
-def _finish(
-    state: _State, flow: Flow, run: Run, ids: dict[str, Any], lease: float, conn: Connection
-) -> Response:
-    if not state.store.hold(conn, **ids, lease=lease):
+def _finish(state: IdemState, flow: Flow, run: Run, lease: Lease, conn: Connection) -> Response:
+    if not state.store.hold(conn, lease):
         raise _LeaseLost()
     assert flow.finisher is not None
     finisher = flow.finisher
@@ -117,12 +108,12 @@ def _finish(
     finally:
         run._connection = None
     if response.status_code < 500:
-        _store_final(state, conn, ids, response)
+        _store_final(state, conn, lease, response)
     return response
 
 
-def _store_final(state: _State, conn: Connection, ids: dict[str, Any], response: Response) -> None:
-    if not state.store.finish(conn, **ids, response=record_response(response, state.settings)):
+def _store_final(state: IdemState, conn: Connection, lease: Lease, response: Response) -> None:
+    if not state.store.complete(conn, lease, record_response(response, state.settings.replay_headers)):
         raise _LeaseLost()
 
 
@@ -148,11 +139,11 @@ def _call_outside(step: Step, run: Run) -> Any:
         raise _Unknown() from e
 
 
-def _release(state: _State, ids: dict[str, Any], error: str, retry_in: float) -> None:
+def _release(state: IdemState, lease: Lease, error: str, retry_in: float) -> None:
     """Give the lease up so a retry can take over at once; best effort (the lease expires anyway)."""
     try:
         in_transaction(
-            state.store, lambda conn: state.store.release(conn, **ids, error=error, retry_in=retry_in)
+            state.pool, lambda conn: state.store.release(conn, lease, error=error, retry_in=retry_in)
         )
     except psycopg.Error as e:
         logger.warning("Could not release a lease: %s (SQLSTATE %s).", type(e).__name__, e.sqlstate)

@@ -10,21 +10,22 @@ import hmac
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from flask import Request, Response, current_app, g, request
 
 from . import _engine
-from ._run import in_transaction, record_response, render, replay_response
+from ._calls import in_transaction, render
 from .errors import IdempotencyError, KeyInUse, KeyMismatch, MissingKey, NoScope, database_error
 from .fingerprint import fingerprint
 from .flow import INTENT, Flow, Run, run_from_record
 from .keys import HEADER, parse_key
-
-if TYPE_CHECKING:
-    from .extension import Settings, _State
-    from .store import Connection, KeyRecord
+from .pool import Connection
+from .replay import record_response, replay_response
+from .settings import OnMismatch, ScopeFunc, Settings
+from .state import IdemState
+from .store import KeyedRequest, KeyRecord, Lease
 
 __all__ = ["SAFE_METHODS", "Current", "ViewOptions", "current", "handle"]
 
@@ -32,8 +33,6 @@ __all__ = ["SAFE_METHODS", "Current", "ViewOptions", "current", "handle"]
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 _CURRENT_ATTR = "_flask_idem_current"
-
-ScopeFunc = Callable[[], "int | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +50,17 @@ class ViewOptions:
 
     scope: ScopeFunc
     required: bool | None
-    on_mismatch: str | None
+    on_mismatch: OnMismatch | None
     ttl: float | None
     flow: Flow | None = None
 
+    def key_ttl(self, settings: Settings) -> float:
+        """Seconds a key of this route is kept: the route's ``ttl``, or ``IDEM_KEY_TTL``."""
+        return settings.key_ttl if self.ttl is None else self.ttl
+
 
 def handle(
-    state: _State,
+    state: IdemState,
     view: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
@@ -74,7 +77,7 @@ def handle(
             if required or options.flow is not None:
                 raise MissingKey()
             return in_transaction(
-                state.store,
+                state.pool,
                 lambda conn: current_app.make_response(_call_view(conn, None, None, view, args, kwargs)),
             )
         request_sha = fingerprint(
@@ -84,7 +87,8 @@ def handle(
             mimetype=req.mimetype,
             body=_whole_body(req),
         )
-        attempt = _Attempt(view, args, kwargs, _org_id(options.scope), key, request_sha, req.method, req.path)
+        keyed = KeyedRequest(_org_id(options.scope), key, request_sha, req.method, req.path)
+        attempt = _Attempt(view, args, kwargs, keyed)
         if options.flow is None:
             return _atomic(state, options, attempt)
         return _multistep(state, options, options.flow, attempt)
@@ -99,44 +103,27 @@ class _Attempt:
     view: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
-    org_id: int
-    key: uuid.UUID
-    request_sha: bytes
-    method: str
-    path: str
+    request: KeyedRequest
 
     def call(self, conn: Connection) -> Any:
         """Call the view on ``conn`` (:func:`_call_view`)."""
-        return _call_view(conn, self.org_id, self.key, self.view, self.args, self.kwargs)
-
-    def reservation(self, settings: Settings, options: ViewOptions) -> dict[str, Any]:
-        """The arguments of :meth:`.Store.reserve` for this request."""
-        return {
-            "org_id": self.org_id,
-            "key": self.key,
-            "request_sha": self.request_sha,
-            "method": self.method,
-            "path": self.path,
-            "ttl": settings.key_ttl if options.ttl is None else options.ttl,
-        }
+        return _call_view(conn, self.request.org_id, self.request.key, self.view, self.args, self.kwargs)
 
 
-def _atomic(state: _State, options: ViewOptions, attempt: _Attempt) -> Response:
+def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Response:
     """Reserve, run the view and store its response in one transaction."""
-    org_id, key = attempt.org_id, attempt.key
+    keyed, settings = attempt.request, state.settings
 
     def body(conn: Connection) -> Response | IdempotencyError:
-        found = state.store.reserve(conn, **attempt.reservation(state.settings, options))
+        found = state.store.reserve(conn, keyed, ttl=options.key_ttl(settings))
         if not found.reserved:
-            return _answer_existing(state.settings, options, found.record, attempt.request_sha)
+            return _answer_existing(settings, options, found.record, keyed.request_sha)
         response = current_app.make_response(attempt.call(conn))
         if response.status_code < 500:
-            state.store.complete(
-                conn, org_id=org_id, key=key, response=record_response(response, state.settings)
-            )
+            state.store.complete(conn, keyed, record_response(response, settings.replay_headers))
         return response
 
-    return _raise_errors(in_transaction(state.store, body))
+    return _raise_errors(in_transaction(state.pool, body))
 
 
 def _raise_errors(answer: Response | IdempotencyError) -> Response:
@@ -146,59 +133,48 @@ def _raise_errors(answer: Response | IdempotencyError) -> Response:
     return answer
 
 
-def _multistep(state: _State, options: ViewOptions, flow: Flow, attempt: _Attempt) -> Response:
+def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Attempt) -> Response:
     """Reserve under a lease and record the intent in one short transaction, then advance step by step.
 
     A retry finding the request processing under an expired lease takes it over (one winner) and
     resumes it after its last finished step.
     """
     flow.check()
-    settings = state.settings
-    lease = flow.lease_timeout or settings.lease_timeout
-    token = uuid.uuid4()
-    org_id, key = attempt.org_id, attempt.key
+    settings, keyed = state.settings, attempt.request
+    seconds = flow.lease_timeout or settings.lease_timeout
+    lease = Lease(keyed.org_id, keyed.key, token=uuid.uuid4(), seconds=seconds)
 
     def begin(conn: Connection) -> Response | IdempotencyError | Run:
-        found = state.store.reserve(
-            conn,
-            **attempt.reservation(settings, options),
-            flow=flow.name,
-            lease_token=token,
-            lease=lease,
-        )
+        found = state.store.reserve(conn, keyed, ttl=options.key_ttl(settings), flow=flow.name, lease=lease)
         if found.reserved:
             intent = attempt.call(conn)
             if not isinstance(intent, dict):  # the view answered at once, e.g. abort(404)
                 response = current_app.make_response(intent)
                 if response.status_code < 500:
-                    state.store.finish(
-                        conn,
-                        org_id=org_id,
-                        key=key,
-                        token=token,
-                        response=record_response(response, settings),
-                    )
+                    state.store.complete(conn, lease, record_response(response, settings.replay_headers))
                 return response
-            state.store.record_step(
-                conn, org_id=org_id, key=key, token=token, step=INTENT, result=intent, lease=lease
+            state.store.record_step(conn, lease, INTENT, intent)
+            return Run(
+                flow=flow.name, org_id=keyed.org_id, key=keyed.key, results={INTENT: intent}, last_step=INTENT
             )
-            return Run(flow=flow.name, org_id=org_id, key=key, results={INTENT: intent}, last_step=INTENT)
         record = found.record
         if (
             record is not None
             and record.status == "processing"
             and record.flow == flow.name
             and not record.lease_live
-            and hmac.compare_digest(record.request_sha, attempt.request_sha)
-            and state.store.take_over(conn, org_id=org_id, key=key, token=token, lease=lease)
+            and hmac.compare_digest(record.request_sha, keyed.request_sha)
+            and state.store.take_over(conn, lease)
         ):
-            return run_from_record(flow, org_id=org_id, key=key, step=record.step, state=record.state)
-        return _answer_existing(settings, options, record, attempt.request_sha)
+            return run_from_record(
+                flow, org_id=keyed.org_id, key=keyed.key, step=record.step, state=record.state
+            )
+        return _answer_existing(settings, options, record, keyed.request_sha)
 
-    started = in_transaction(state.store, begin)
+    started = in_transaction(state.pool, begin)
     if not isinstance(started, Run):
         return _raise_errors(started)
-    return _engine.advance(state, flow, started, token, retry_in=lease)
+    return _engine.advance(state, flow, started, lease, retry_in=seconds)
 
 
 def _whole_body(req: Request) -> bytes:

@@ -14,18 +14,13 @@ from flask import current_app
 from flask.cli import AppGroup
 
 from .recovery import RecoveryReport, recover, run_forever
-from .store import Store
+from .state import get_state
 
 __all__ = ["idem_cli"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 idem_cli = AppGroup("idem", help="Manage the idempotency key table of flask-idem.")
-
-
-def _store() -> Store:
-    store: Store = current_app.extensions["idem"].store
-    return store
 
 
 def _database_errors(command: F) -> F:
@@ -47,8 +42,9 @@ def _database_errors(command: F) -> F:
 @_database_errors
 def init_db() -> None:
     """Create the key table and its indexes if they do not exist (safe to run again)."""
-    _store().init_schema()
-    click.echo(f"Key table {current_app.extensions['idem'].settings.table} is ready.")
+    state = get_state()
+    state.store.init_schema()
+    click.echo(f"Key table {state.settings.table} is ready.")
 
 
 @idem_cli.command("purge")
@@ -66,7 +62,7 @@ def purge(batch_size: int) -> None:
     Rows still processing and rows flagged for a person are never deleted. Prints how many rows were
     removed.
     """
-    removed = _store().purge(batch_size=batch_size)
+    removed = get_state().store.purge(batch_size=batch_size)
     click.echo(f"Purged {removed} expired key(s).")
 
 
@@ -119,8 +115,10 @@ def _print_report(report: RecoveryReport) -> None:
 @_database_errors
 def stuck(older_than: float | None) -> None:
     """List requests that need a person, and requests processing for longer than expected."""
-    settings = current_app.extensions["idem"].settings
-    rows = _store().stuck(older_than=2 * settings.lease_timeout if older_than is None else older_than)
+    state = get_state()
+    rows = state.store.stuck(
+        older_than=2 * state.settings.lease_timeout if older_than is None else older_than
+    )
     for row in rows:
         flag = "NEEDS ATTENTION" if row.needs_attention else "slow"
         click.echo(

@@ -36,7 +36,7 @@ __all__ = [
     "PROBLEM_JSON",
     "ConfigurationError",
     "database_error",
-    "DatabaseError",
+    "DatabaseFailed",
     "DatabaseUnavailable",
     "IdempotencyError",
     "InvalidBody",
@@ -215,7 +215,7 @@ class OperationFailed(IdempotencyError, InternalServerError):
     )
 
 
-class DatabaseError(IdempotencyError, InternalServerError):
+class DatabaseFailed(IdempotencyError, InternalServerError):
     """500: a database error that retrying will not fix; the transaction was rolled back."""
 
     problem_type = _TYPE_PREFIX + "database-error"
@@ -279,4 +279,4 @@ def database_error(error: psycopg.Error, *, retry_after: int = 1) -> Idempotency
         error.sqlstate or "none",
         "".join(traceback.format_tb(error.__traceback__)),
     )
-    return DatabaseError()
+    return DatabaseFailed()

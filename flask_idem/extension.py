@@ -1,152 +1,32 @@
-"""The :class:`Idempotency` extension: configuration, per-application state and the route decorator."""
+"""The :class:`Idempotency` extension: ``init_app``, the route decorator, and the view's connection.
+
+This is the top floor: it puts together the settings (:mod:`.settings`), the per-application state
+(:mod:`.state`), what runs around a view (:mod:`._view`) and the CLI (:mod:`.cli`). Nothing below imports it.
+"""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from flask import Flask, Response, current_app
+from flask import Flask, Response
+from psycopg_pool import ConnectionPool
 
 from . import _view
+from .cli import idem_cli
 from .errors import ConfigurationError
 from .flow import Flow
-from .store import Store
+from .pool import Connection
+from .settings import OnMismatch, ScopeFunc, Settings, parse_on_mismatch, parse_seconds
+from .state import EXTENSION_NAME, IdemState, get_state
 
-if TYPE_CHECKING:
-    from psycopg_pool import ConnectionPool
-
-    from .store import Connection
-
-__all__ = ["DEFAULT_REPLAY_HEADERS", "Idempotency", "Settings"]
+__all__ = ["Idempotency"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: Response headers stored with a response and sent again on replay (``IDEM_REPLAY_HEADERS``). Cookies
-#: are deliberately absent: a replay must not hand out the first caller's session.
-DEFAULT_REPLAY_HEADERS = (
-    "Content-Type",
-    "Content-Language",
-    "Content-Location",
-    "Location",
-    "ETag",
-    "Last-Modified",
-    "Link",
-)
-
-_MISMATCH_CHOICES = ("reject", "replay")
-
-
-def _seconds(name: str, value: Any) -> float:
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigurationError(f"{name} must be a positive number of seconds, not {value!r}.")
-    return float(value)
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigurationError(f"{name} must be a non-negative integer, not {value!r}.")
-    return value
-
-
-def _mismatch(name: str, value: Any) -> str:
-    if value not in _MISMATCH_CHOICES:
-        raise ConfigurationError(f"{name} must be 'reject' or 'replay', not {value!r}.")
-    return str(value)
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """The ``IDEM_*`` configuration of one application, read and checked once by ``init_app``.
-
-    See the configuration page of the documentation for each key, its default and its meaning.
-    """
-
-    database_url: str
-    table: str = "idempotency_keys"
-    key_ttl: float = 24 * 3600.0
-    on_mismatch: str = "reject"
-    require_key: bool = True
-    retry_after: int = 1
-    replay_headers: frozenset[str] = frozenset(h.lower() for h in DEFAULT_REPLAY_HEADERS)
-    pool_min_size: int = 1
-    pool_max_size: int = 10
-    pool_timeout: float = 5.0
-    prepare_threshold: int | None = 5
-    lease_timeout: float = 30.0
-    recovery_deadline: float = 3600.0
-    recovery_backoff: float = 2.0
-    recovery_backoff_cap: float = 300.0
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> Settings:
-        """Build the settings from a Flask config, with an actionable error for each bad value."""
-        url = config.get("IDEM_DATABASE_URL")
-        if not url or not isinstance(url, str):
-            raise ConfigurationError(
-                "Set IDEM_DATABASE_URL to a PostgreSQL URL such as"
-                " 'postgresql://user@localhost/app' before calling init_app()."
-            )
-        defaults = cls(database_url=url)
-        min_size = _positive_int("IDEM_POOL_MIN_SIZE", config.get("IDEM_POOL_MIN_SIZE", 1))
-        max_size = _positive_int("IDEM_POOL_MAX_SIZE", config.get("IDEM_POOL_MAX_SIZE", 10))
-        if max_size < max(min_size, 1):
-            raise ConfigurationError("IDEM_POOL_MAX_SIZE must be at least 1 and IDEM_POOL_MIN_SIZE.")
-        headers = config.get("IDEM_REPLAY_HEADERS", DEFAULT_REPLAY_HEADERS)
-        if not isinstance(headers, (list, tuple, set, frozenset)) or not all(
-            isinstance(h, str) for h in headers
-        ):
-            raise ConfigurationError("IDEM_REPLAY_HEADERS must be a list of header names.")
-        if "set-cookie" in (h.lower() for h in headers):
-            raise ConfigurationError(
-                "IDEM_REPLAY_HEADERS must not include Set-Cookie: a replay would hand one client's"
-                " cookies to whoever retries."
-            )
-        table = config.get("IDEM_TABLE", defaults.table)
-        parts = table.split(".") if isinstance(table, str) else []
-        if not 1 <= len(parts) <= 2 or not all(parts):
-            raise ConfigurationError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}.")
-        require_key = config.get("IDEM_REQUIRE_KEY", defaults.require_key)
-        if not isinstance(require_key, bool):
-            raise ConfigurationError(f"IDEM_REQUIRE_KEY must be true or false, not {require_key!r}.")
-        threshold = config.get("IDEM_PREPARE_THRESHOLD", defaults.prepare_threshold)
-        if threshold is not None:
-            threshold = _positive_int("IDEM_PREPARE_THRESHOLD", threshold)
-        return cls(
-            database_url=url,
-            table=table,
-            key_ttl=_seconds("IDEM_KEY_TTL", config.get("IDEM_KEY_TTL", defaults.key_ttl)),
-            on_mismatch=_mismatch("IDEM_ON_MISMATCH", config.get("IDEM_ON_MISMATCH", defaults.on_mismatch)),
-            require_key=require_key,
-            prepare_threshold=threshold,
-            retry_after=max(1, _positive_int("IDEM_RETRY_AFTER", config.get("IDEM_RETRY_AFTER", 1))),
-            replay_headers=frozenset(h.lower() for h in headers),
-            pool_min_size=min_size,
-            pool_max_size=max_size,
-            pool_timeout=_seconds("IDEM_POOL_TIMEOUT", config.get("IDEM_POOL_TIMEOUT", 5.0)),
-            **{
-                name: _seconds(
-                    f"IDEM_{name.upper()}", config.get(f"IDEM_{name.upper()}", getattr(defaults, name))
-                )
-                for name in ("lease_timeout", "recovery_deadline", "recovery_backoff", "recovery_backoff_cap")
-            },
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _State:
-    """What ``init_app`` keeps for one application in ``app.extensions["idem"]``."""
-
-    settings: Settings
-    store: Store
-    #: The flows of multi-step routes by name, for the recovery job (shared with the extension object).
-    flows: Mapping[str, Flow]
 
 
 class Idempotency:
@@ -171,7 +51,7 @@ class Idempotency:
         It must derive the organisation from the credentials, never from the request body.
     """
 
-    def __init__(self, app: Flask | None = None, *, scope: _view.ScopeFunc | None = None) -> None:
+    def __init__(self, app: Flask | None = None, *, scope: ScopeFunc | None = None) -> None:
         self.scope = scope
         self._flows: dict[str, Flow] = {}
         if app is not None:
@@ -186,33 +66,22 @@ class Idempotency:
         :raises ConfigurationError: when the configuration is invalid, or when ``app`` was already
             initialised by an :class:`Idempotency` instance.
         """
-        if "idem" in app.extensions:
+        if EXTENSION_NAME in app.extensions:
             raise ConfigurationError(
                 "This application already has flask-idem set up. Call init_app() once per"
                 " application; create one Idempotency() and share it between modules."
             )
         settings = Settings.from_config(app.config)
-        store = Store(
-            settings.database_url,
-            table=settings.table,
-            min_size=settings.pool_min_size,
-            max_size=settings.pool_max_size,
-            timeout=settings.pool_timeout,
-            prepare_threshold=settings.prepare_threshold,
-        )
-        app.extensions["idem"] = _State(settings=settings, store=store, flows=self._flows)
-
-        from .cli import idem_cli
-
+        app.extensions[EXTENSION_NAME] = IdemState.create(settings, self._flows)
         if "idem" not in app.cli.commands:
             app.cli.add_command(idem_cli)
 
     def idempotent(
         self,
         *,
-        scope: _view.ScopeFunc | None = None,
+        scope: ScopeFunc | None = None,
         required: bool | None = None,
-        on_mismatch: str | None = None,
+        on_mismatch: OnMismatch | None = None,
         ttl: float | timedelta | None = None,
         flow: Flow | None = None,
     ) -> Callable[[F], F]:
@@ -260,8 +129,8 @@ class Idempotency:
         options = _view.ViewOptions(
             scope=scope,
             required=required,
-            on_mismatch=None if on_mismatch is None else _mismatch("on_mismatch", on_mismatch),
-            ttl=None if ttl is None else _seconds("ttl", ttl),
+            on_mismatch=None if on_mismatch is None else parse_on_mismatch("on_mismatch", on_mismatch),
+            ttl=None if ttl is None else parse_seconds("ttl", ttl),
             flow=flow,
         )
 
@@ -273,7 +142,7 @@ class Idempotency:
 
             @functools.wraps(view)
             def wrapper(*args: Any, **kwargs: Any) -> Response:
-                return _view.handle(_state(), view, args, kwargs, options)
+                return _view.handle(get_state(), view, args, kwargs, options)
 
             return wrapper  # type: ignore[return-value]
 
@@ -281,7 +150,15 @@ class Idempotency:
 
     def create_table(self) -> None:
         """Create the current application's key table and index if missing (``flask idem init-db``)."""
-        _state().store.init_schema()
+        get_state().store.init_schema()
+
+    def close(self) -> None:
+        """Close the current application's connection pool in this process.
+
+        Call it when an application is done with (at the end of a test, or before a process exits
+        without ``atexit``); a later use opens a new pool.
+        """
+        get_state().pool.close()
 
     @property
     def connection(self) -> Connection:
@@ -315,14 +192,4 @@ class Idempotency:
 
         It is opened on first use in each process, so it is safe in a pre-fork server's master.
         """
-        return _state().store.pool
-
-
-def _state() -> _State:
-    try:
-        state: _State = current_app.extensions["idem"]
-    except KeyError:
-        raise RuntimeError(
-            "flask-idem is not initialised on this application; call idem.init_app(app)."
-        ) from None
-    return state
+        return get_state().pool.pool

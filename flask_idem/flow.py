@@ -43,12 +43,12 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from datetime import timedelta
+from typing import Any, TypeVar, overload
 
 from .errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from .store import Connection
+from .pool import Connection
+from .settings import parse_seconds
 
 __all__ = ["Flow", "OutcomeUnknown", "Run"]
 
@@ -129,17 +129,17 @@ class Flow:
 
     :param name: a stable name, stored in the key row so the recovery job can find the flow again after
         a restart. Changing it strands requests in flight.
-    :param lease_timeout: seconds a worker may hold a request between two steps before another attempt
-        may take it over; longer than the slowest outside call. Default: ``IDEM_LEASE_TIMEOUT``.
+    :param lease_timeout: how long a worker may hold a request between two steps before another attempt
+        may take it over, in seconds or as a ``timedelta``; longer than the slowest outside call.
+        Default: ``IDEM_LEASE_TIMEOUT``.
     """
 
-    def __init__(self, name: str, *, lease_timeout: float | None = None) -> None:
+    def __init__(self, name: str, *, lease_timeout: float | timedelta | None = None) -> None:
         if not name:
             raise ConfigurationError("A Flow needs a name.")
-        if lease_timeout is not None and lease_timeout <= 0:
-            raise ConfigurationError("lease_timeout must be a positive number of seconds.")
         self.name = name
-        self.lease_timeout = lease_timeout
+        #: The lease in seconds, or ``None`` for ``IDEM_LEASE_TIMEOUT``.
+        self.lease_timeout = None if lease_timeout is None else parse_seconds("lease_timeout", lease_timeout)
         self.steps: list[Step] = []
         self.finisher: StepFunc | None = None
 

@@ -17,19 +17,16 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import psycopg
 from flask import Flask
 
 from . import _engine
-from ._run import in_transaction
+from ._calls import in_transaction
 from .errors import KeyInUse, OperationFailed, OutcomePending
 from .flow import run_from_record
-
-if TYPE_CHECKING:
-    from .extension import _State
-    from .store import Stranded
+from .state import IdemState, get_state
+from .store import Lease, Stranded
 
 __all__ = ["RecoveryReport", "backoff", "recover", "run_forever"]
 
@@ -68,7 +65,7 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
     are claimed: running the job with the wrong application leaves them alone. Safe to run in several
     processes at once: each row is claimed by one of them under a fresh lease.
     """
-    state: _State = app.extensions["idem"]
+    state = get_state(app)
     settings = state.settings
     rng = rng or random.Random()
     # The longest lease of any flow: a claimed request must not lapse in the middle of a slow call.
@@ -78,7 +75,7 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
         for _ in range(limit):
             token = uuid.uuid4()
             claimed = in_transaction(
-                state.store,
+                state.pool,
                 lambda conn, token=token: state.store.claim_stranded(  # type: ignore[misc]
                     conn,
                     token=token,
@@ -92,19 +89,19 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
                 break
             row = claimed[0]
             with app.test_request_context(row.path, method=row.method):
-                _recover_one(state, row, token, report, rng)
+                _recover_one(state, row, Lease(row.org_id, row.key, token, lease), report, rng)
     return report
 
 
 def _recover_one(
-    state: _State, row: Stranded, token: uuid.UUID, report: RecoveryReport, rng: random.Random
+    state: IdemState, row: Stranded, lease: Lease, report: RecoveryReport, rng: random.Random
 ) -> None:
     settings = state.settings
     entry = (row.org_id, row.key)
     flow = state.flows[row.flow]
     if row.overdue:
         reason = "recovery deadline passed"
-        _give_up(state, row, token, reason)
+        _give_up(state, row, lease, reason)
         report.failed.append((*entry, reason))
         return
     run = run_from_record(flow, org_id=row.org_id, key=row.key, step=row.step, state=row.state)
@@ -112,7 +109,7 @@ def _recover_one(
         row.attempts, base=settings.recovery_backoff, cap=settings.recovery_backoff_cap, rng=rng
     )
     try:
-        response = _engine.advance(state, flow, run, token, retry_in=retry_in)
+        response = _engine.advance(state, flow, run, lease, retry_in=retry_in)
     except OutcomePending:
         report.pending.append((*entry, f"outcome unknown; next try within {retry_in:.1f} s"))
     except KeyInUse:
@@ -127,7 +124,7 @@ def _recover_one(
             report.completed.append((*entry, f"answered {response.status_code}"))
 
 
-def _give_up(state: _State, row: Stranded, token: uuid.UUID, reason: str) -> None:
+def _give_up(state: IdemState, row: Stranded, lease: Lease, reason: str) -> None:
     """Mark the request failed, store the answer a retry will get, and flag it for a person."""
     error = OperationFailed()
     record = {
@@ -136,12 +133,7 @@ def _give_up(state: _State, row: Stranded, token: uuid.UUID, reason: str) -> Non
         "body": error.get_body(),
     }
     logger.error("Gave up on a %s request after %d attempts: %s.", row.flow, row.attempts, reason)
-    in_transaction(
-        state.store,
-        lambda conn: state.store.finish(
-            conn, org_id=row.org_id, key=row.key, token=token, response=record, status="failed", error=reason
-        ),
-    )
+    in_transaction(state.pool, lambda conn: state.store.complete(conn, lease, record, failed=reason))
 
 
 def run_forever(

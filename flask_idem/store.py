@@ -1,4 +1,4 @@
-"""The connection pool and every SQL statement of the extension. Nothing else talks to PostgreSQL.
+"""The key table: every SQL statement of the extension. Nothing else talks to PostgreSQL about keys.
 
 Races are decided by PostgreSQL, never by reading first and writing after: a key is reserved with
 ``INSERT ... ON CONFLICT (org_id, idem_key) DO NOTHING RETURNING``, so of any number of concurrent
@@ -11,54 +11,68 @@ request that holds the lock is the one in flight, and whoever fails to take it k
 lock is released by the same COMMIT or ROLLBACK that ends the reservation, it needs no session state (so it
 works behind PgBouncer in transaction mode), and it costs nothing extra because it is evaluated inside the
 ``INSERT`` statement itself.
+
+The store *has* a :class:`~flask_idem.pool.ProcessPool` for the statements it runs on its own (schema,
+``stuck``, ``purge``); the others run on the caller's connection, inside the caller's transaction.
 """
 
 from __future__ import annotations
 
-import atexit
 import hashlib
-import os
-import threading
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib.resources import files
 from typing import Any, LiteralString
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import TupleRow
+from psycopg.rows import DictRow, class_row, dict_row
 from psycopg.types.json import Jsonb
-from psycopg_pool import ConnectionPool
 
-__all__ = ["Connection", "KeyRecord", "ProcessPool", "Reservation", "Store", "Stranded", "StuckRow"]
+from .pool import Connection, ProcessPool
 
-
-class Connection(psycopg.Connection[TupleRow]):
-    """The connections of a :class:`ProcessPool`: psycopg connections that keep one cursor for the store.
-
-    psycopg gives every new cursor an empty cache of parameter adapters, so the first statement on a new
-    cursor looks up how to send each parameter again. The store's statements run on every write request,
-    so they share one cursor per connection (:func:`_cursor`), which keeps that cache warm.
-    """
-
-    _store_cursor: psycopg.Cursor[TupleRow] | None = None
-
-
-def _cursor(conn: psycopg.Connection[TupleRow]) -> psycopg.Cursor[TupleRow]:
-    """The cursor the store's statements run on: the connection's own when it comes from a pool here."""
-    if not isinstance(conn, Connection):
-        return conn.cursor()
-    cursor = conn._store_cursor
-    if cursor is None or cursor.closed:
-        cursor = conn._store_cursor = conn.cursor()
-    return cursor
-
+__all__ = [
+    "KeyRecord",
+    "KeyRef",
+    "KeyedRequest",
+    "Lease",
+    "Reservation",
+    "Store",
+    "Stranded",
+    "StuckRow",
+    "lock_id",
+]
 
 #: Advisory locks share one namespace with the application's own. Mixing this constant into the lock id
 #: keeps ours apart from ids an application derives from small integers.
 _LOCK_SALT = b"flask-idem/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRef:
+    """One key of one organisation: the primary key of a row of the key table."""
+
+    org_id: int
+    key: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class KeyedRequest(KeyRef):
+    """A write request that carries a key: what a reservation records about it."""
+
+    #: The request's fingerprint (:func:`flask_idem.fingerprint.fingerprint`).
+    request_sha: bytes
+    method: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Lease(KeyRef):
+    """A worker's hold on a multi-step request: every write it makes is guarded by ``token``."""
+
+    token: uuid.UUID
+    #: How long the lease lasts from each write that renews it.
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +89,9 @@ class KeyRecord:
     flow: str | None = None
     step: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
+
+
+_RECORD_FIELDS = tuple(f.name for f in fields(KeyRecord))
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,256 +145,150 @@ def lock_id(org_id: int, key: uuid.UUID) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
-class ProcessPool:
-    """A psycopg :class:`~psycopg_pool.ConnectionPool` per process, opened on first use.
+def _cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[DictRow]:
+    """The cursor the store's statements run on: the connection's own when it comes from a pool here.
 
-    The pool is created on first use and created again when the process id changes, so a pre-fork server
-    (gunicorn) that imports the application in its master still gives every worker its own connections.
-    Its connections are :class:`Connection` objects in autocommit mode; every transaction is an explicit
-    ``with conn.transaction():`` block.
-
-    :param conninfo: a libpq connection string or URL.
-    :param name: the pool's name in psycopg's logs.
-    :param min_size: connections the pool keeps open.
-    :param max_size: most connections the pool opens.
-    :param timeout: seconds a request waits for a free connection before the pool gives up.
-    :param prepare_threshold: psycopg's server-side prepared statements after this many runs of a
-        statement; ``None`` turns them off (PgBouncer in transaction mode before 1.21).
+    Rows come back as dictionaries, so they are bound to the dataclasses above by column name.
     """
-
-    def __init__(
-        self,
-        conninfo: str,
-        *,
-        name: str = "flask-idem",
-        min_size: int = 1,
-        max_size: int = 10,
-        timeout: float = 5.0,
-        prepare_threshold: int | None = 5,
-    ) -> None:
-        self._conninfo = conninfo
-        self._pool_args: dict[str, Any] = {
-            "name": name,
-            "min_size": min_size,
-            "max_size": max_size,
-            "timeout": timeout,
-            "kwargs": {"autocommit": True, "prepare_threshold": prepare_threshold},
-        }
-        self._pool: ConnectionPool[Connection] | None = None
-        self._pid = 0
-        self._lock = threading.Lock()
-        atexit.register(self.close)
-
-    @property
-    def pool(self) -> ConnectionPool[Connection]:
-        """This process's connection pool, opened on first use."""
-        pool = self._pool
-        if pool is not None and self._pid == os.getpid():
-            return pool
-        with self._lock:
-            if self._pool is None or self._pid != os.getpid():
-                # A pool inherited through fork() is dropped, not closed: its sockets are shared with
-                # the parent, and closing them here would cut the parent's connections.
-                self._pool = ConnectionPool(
-                    self._conninfo, connection_class=Connection, open=False, **self._pool_args
-                )
-                self._pool.open(wait=False)
-                self._pid = os.getpid()
-            return self._pool
-
-    def close(self) -> None:
-        """Close this process's pool, if it has one. A later use opens a new one."""
-        with self._lock:
-            if self._pool is not None and self._pid == os.getpid():
-                self._pool.close()
-            self._pool = None
-
-    @contextmanager
-    def connection(self) -> Iterator[Connection]:
-        """Borrow a connection from the pool for the duration of a ``with`` block."""
-        with self.pool.connection() as conn:
-            yield conn
+    if not isinstance(conn, Connection):
+        return conn.cursor(row_factory=dict_row)
+    cursor = conn._store_cursor
+    if cursor is None or cursor.closed:
+        cursor = conn._store_cursor = conn.cursor(row_factory=dict_row)
+    return cursor
 
 
-class Store(ProcessPool):
-    """The key table, and the per-process pool its connections come from (:class:`ProcessPool`).
+def _lease_params(lease: Lease) -> dict[str, Any]:
+    return {"org_id": lease.org_id, "key": lease.key, "token": lease.token, "lease": lease.seconds}
 
-    :param conninfo: a libpq connection string or URL.
+
+class Store:
+    """The key table's statements, and the pool they run on when they need a connection of their own.
+
+    :param pool: where :meth:`init_schema`, :meth:`stuck` and :meth:`purge` borrow connections.
     :param table: the key table's name, optionally schema-qualified (``"idem.keys"``).
-    :param pool_args: the other arguments of :class:`ProcessPool`.
     """
 
-    def __init__(self, conninfo: str, *, table: str = "idempotency_keys", **pool_args: Any) -> None:
+    def __init__(self, pool: ProcessPool, *, table: str = "idempotency_keys") -> None:
         self._sql = _Statements(table)
-        super().__init__(conninfo, **pool_args)
+        self.pool = pool
 
     # -- schema ----------------------------------------------------------------------------------------
 
     def init_schema(self) -> None:
         """Create the key table and its index when they do not exist (safe to run twice, or at once)."""
-        with self.connection() as conn, conn.transaction():
+        with self.pool.connection() as conn, conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id(0, uuid.UUID(int=0)),))
             conn.execute(self._sql.schema)
 
-    # -- atomic mode -----------------------------------------------------------------------------------
+    # -- both modes ------------------------------------------------------------------------------------
 
     def reserve(
         self,
-        conn: psycopg.Connection[TupleRow],
+        conn: psycopg.Connection[Any],
+        request: KeyedRequest,
         *,
-        org_id: int,
-        key: uuid.UUID,
-        request_sha: bytes,
-        method: str,
-        path: str,
         ttl: float,
         flow: str | None = None,
-        lease_token: uuid.UUID | None = None,
-        lease: float | None = None,
+        lease: Lease | None = None,
     ) -> Reservation:
-        """Reserve ``key`` for ``org_id`` inside the transaction open on ``conn``, or report who has it.
+        """Reserve the key of ``request`` inside the transaction open on ``conn``, or report who has it.
 
         An expired finished row is deleted and the key reserved anew: past its retention period a key
         is treated as never seen. The caller must run this in a transaction; the reservation lasts until
-        that transaction ends. A multi-step request passes its ``flow`` name and a lease (a token and
-        its length in seconds), which outlive the transaction.
+        that transaction ends. A multi-step request passes its ``flow`` name and its ``lease``, which
+        outlive the transaction.
         """
         params: dict[str, Any] = {
-            "org_id": org_id,
-            "key": key,
-            "sha": request_sha,
-            "method": method,
-            "path": path,
+            "org_id": request.org_id,
+            "key": request.key,
+            "sha": request.request_sha,
+            "method": request.method,
+            "path": request.path,
             "ttl": ttl,
-            "lock": lock_id(org_id, key),
+            "lock": lock_id(request.org_id, request.key),
         }
         statement = self._sql.reserve
         if flow is not None:
-            params.update(flow=flow, token=lease_token, lease=lease)
+            if lease is None:
+                raise TypeError("A multi-step reservation needs a lease.")
+            params.update(flow=flow, token=lease.token, lease=lease.seconds)
             statement = self._sql.reserve_leased
+        cursor = _cursor(conn)
         for _ in range(2):
-            row = _cursor(conn).execute(statement, params).fetchone()
+            row = cursor.execute(statement, params).fetchone()
             assert row is not None  # the statement always answers one row
-            fresh, taken, *columns = row
-            if fresh:
+            if row["fresh"]:
                 return Reservation(reserved=True)
-            if columns[0] is None:  # no committed row for the key in this statement's snapshot
-                if not taken:  # and another transaction holds the key: it is in flight
+            if row["request_sha"] is None:  # no committed row for the key in this statement's snapshot
+                if not row["taken"]:  # and another transaction holds the key: it is in flight
                     return Reservation(reserved=False)
                 # The INSERT met a row committed after the snapshot was taken; a new statement sees it.
-                row = _cursor(conn).execute(self._sql.lookup, params).fetchone()
+                row = cursor.execute(self._sql.lookup, params).fetchone()
                 if row is None:
                     return Reservation(reserved=False)
-                columns = list(row[2:])
-            record = KeyRecord(*columns)
+            record = KeyRecord(**{name: row[name] for name in _RECORD_FIELDS})
             if not record.expired:
                 return Reservation(reserved=False, record=record)
-            if not taken:  # another request is renewing the expired key right now
+            if not row["taken"]:  # another request is renewing the expired key right now
                 return Reservation(reserved=False)
-            _cursor(conn).execute(self._sql.delete_expired, params)
+            cursor.execute(self._sql.delete_expired, params)
         return Reservation(reserved=False)
 
     def complete(
-        self, conn: psycopg.Connection[TupleRow], *, org_id: int, key: uuid.UUID, response: dict[str, Any]
-    ) -> None:
-        """Store the response of a reserved key and mark it ``completed``, in the caller's transaction."""
-        _cursor(conn).execute(self._sql.complete, {"org_id": org_id, "key": key, "response": Jsonb(response)})
+        self,
+        conn: psycopg.Connection[Any],
+        owner: KeyRef,
+        response: dict[str, Any],
+        *,
+        failed: str | None = None,
+    ) -> bool:
+        """Store the final response of a key and mark it finished, in the caller's transaction.
+
+        ``owner`` is the key itself for an atomic request, whose reservation is the caller's own
+        uncommitted row. For a multi-step request it is the worker's :class:`Lease`: nothing is written
+        (and the answer is false) when the lease was lost, and the lease ends. ``failed`` gives the
+        reason when the recovery job gives up: the row is marked ``failed`` and flagged for a person.
+        """
+        if not isinstance(owner, Lease):
+            if failed is not None:
+                raise TypeError("Only a leased (multi-step) request can be marked failed.")
+            params = {"org_id": owner.org_id, "key": owner.key, "response": Jsonb(response)}
+            return _cursor(conn).execute(self._sql.complete, params).rowcount == 1
+        params = {
+            **_lease_params(owner),
+            "response": Jsonb(response),
+            "status": "completed" if failed is None else "failed",
+            "error": failed,
+        }
+        return _cursor(conn).execute(self._sql.complete_leased, params).rowcount == 1
 
     # -- multi-step mode: every write is guarded by the lease token -----------------------------------
 
-    def take_over(
-        self,
-        conn: psycopg.Connection[TupleRow],
-        *,
-        org_id: int,
-        key: uuid.UUID,
-        token: uuid.UUID,
-        lease: float,
-    ) -> bool:
-        """Take a processing request whose lease has expired; of concurrent callers one wins."""
-        params = {"org_id": org_id, "key": key, "token": token, "lease": lease}
-        return _cursor(conn).execute(self._sql.take_over, params).rowcount == 1
+    def take_over(self, conn: psycopg.Connection[Any], lease: Lease) -> bool:
+        """Take a processing request whose lease expired, under ``lease``; of concurrent callers one wins."""
+        return _cursor(conn).execute(self._sql.take_over, _lease_params(lease)).rowcount == 1
 
-    def hold(
-        self,
-        conn: psycopg.Connection[TupleRow],
-        *,
-        org_id: int,
-        key: uuid.UUID,
-        token: uuid.UUID,
-        lease: float,
-    ) -> bool:
-        """Renew our lease and lock the row for the caller's transaction; false if the lease is lost."""
-        params = {"org_id": org_id, "key": key, "token": token, "lease": lease}
-        return _cursor(conn).execute(self._sql.hold, params).rowcount == 1
+    def hold(self, conn: psycopg.Connection[Any], lease: Lease) -> bool:
+        """Renew ``lease`` and lock the row for the caller's transaction; false if the lease is lost."""
+        return _cursor(conn).execute(self._sql.hold, _lease_params(lease)).rowcount == 1
 
-    def record_step(
-        self,
-        conn: psycopg.Connection[TupleRow],
-        *,
-        org_id: int,
-        key: uuid.UUID,
-        token: uuid.UUID,
-        step: str,
-        result: Any,
-        lease: float,
-    ) -> bool:
+    def record_step(self, conn: psycopg.Connection[Any], lease: Lease, step: str, result: Any) -> bool:
         """Record that ``step`` finished with ``result`` and renew the lease; false if the lease is lost."""
-        params = {
-            "org_id": org_id,
-            "key": key,
-            "token": token,
-            "lease": lease,
-            "step": step,
-            "result": Jsonb(result),
-        }
+        params = {**_lease_params(lease), "step": step, "result": Jsonb(result)}
         return _cursor(conn).execute(self._sql.record_step, params).rowcount == 1
 
-    def finish(
-        self,
-        conn: psycopg.Connection[TupleRow],
-        *,
-        org_id: int,
-        key: uuid.UUID,
-        token: uuid.UUID,
-        response: dict[str, Any],
-        status: str = "completed",
-        error: str | None = None,
-    ) -> bool:
-        """Store the final response and end the lease; false (and nothing written) if the lease is lost.
-
-        ``status`` is ``"failed"`` when the recovery job gives up; such rows are flagged for a person.
-        """
-        params = {
-            "org_id": org_id,
-            "key": key,
-            "token": token,
-            "response": Jsonb(response),
-            "status": status,
-            "error": error,
-        }
-        return _cursor(conn).execute(self._sql.finish, params).rowcount == 1
-
-    def release(
-        self,
-        conn: psycopg.Connection[TupleRow],
-        *,
-        org_id: int,
-        key: uuid.UUID,
-        token: uuid.UUID,
-        error: str,
-        retry_in: float,
-    ) -> bool:
-        """Give the lease up after a failure so that a retry may take over at once.
+    def release(self, conn: psycopg.Connection[Any], lease: Lease, *, error: str, retry_in: float) -> bool:
+        """Give ``lease`` up after a failure so that a retry may take over at once.
 
         The recovery job waits ``retry_in`` seconds before it tries the request itself.
         """
-        params = {"org_id": org_id, "key": key, "token": token, "error": error, "retry_in": retry_in}
+        params = {**_lease_params(lease), "error": error, "retry_in": retry_in}
         return _cursor(conn).execute(self._sql.release, params).rowcount == 1
 
     def claim_stranded(
         self,
-        conn: psycopg.Connection[TupleRow],
+        conn: psycopg.Connection[Any],
         *,
         token: uuid.UUID,
         lease: float,
@@ -388,18 +299,18 @@ class Store(ProcessPool):
         """Claim up to ``limit`` processing requests whose lease expired and whose next attempt is due.
 
         Rows locked by another claimer are skipped (``FOR UPDATE SKIP LOCKED``), and each claimed row
-        gets the lease ``token``, so two recovery processes never work on one row under one lease.
-        ``overdue`` tells whether the request is older than ``deadline`` seconds. Only requests of
-        ``flows`` are claimed.
+        gets the lease ``token`` for ``lease`` seconds, so two recovery processes never work on one row
+        under one lease. ``overdue`` tells whether the request is older than ``deadline`` seconds. Only
+        requests of ``flows`` are claimed.
         """
         params = {"token": token, "lease": lease, "limit": limit, "deadline": deadline, "flows": flows}
-        return [Stranded(*row) for row in _cursor(conn).execute(self._sql.claim, params).fetchall()]
+        with conn.cursor(row_factory=class_row(Stranded)) as cursor:
+            return cursor.execute(self._sql.claim, params).fetchall()
 
     def stuck(self, *, older_than: float) -> list[StuckRow]:
         """Rows flagged for a person, and processing rows older than ``older_than`` seconds."""
-        with self.connection() as conn:
-            rows = _cursor(conn).execute(self._sql.stuck, {"older_than": older_than}).fetchall()
-        return [StuckRow(*row) for row in rows]
+        with self.pool.connection() as conn, conn.cursor(row_factory=class_row(StuckRow)) as cursor:
+            return cursor.execute(self._sql.stuck, {"older_than": older_than}).fetchall()
 
     # -- retention -------------------------------------------------------------------------------------
 
@@ -411,7 +322,7 @@ class Store(ProcessPool):
         """
         removed = 0
         while True:
-            with self.connection() as conn, conn.transaction():
+            with self.pool.connection() as conn, conn.transaction():
                 count = _cursor(conn).execute(self._sql.purge, {"limit": batch_size}).rowcount
             removed += count
             if count < batch_size:
@@ -426,17 +337,18 @@ class _Statements:
         if not 1 <= len(parts) <= 2 or not all(parts):
             raise ValueError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}")
         name = sql.Identifier(*parts)
-        fields = {
+        names = {
             "table": name,
             "expires_index": sql.Identifier(parts[-1] + "_expires_at_idx"),
             "lease_index": sql.Identifier(parts[-1] + "_lease_idx"),
         }
 
-        # The columns a later request reads, and the guard of every write under a lease.
+        # The columns a later request reads (named as KeyRecord's fields), and the guard of every write
+        # under a lease.
         record = sql.SQL(
             "k.request_sha, k.status, k.response,"
-            " k.expires_at <= now() AND k.status <> 'processing' AND NOT k.needs_attention,"
-            " coalesce(k.lease_expires_at > now(), false), k.flow, k.step, k.state"
+            " k.expires_at <= now() AND k.status <> 'processing' AND NOT k.needs_attention AS expired,"
+            " coalesce(k.lease_expires_at > now(), false) AS lease_live, k.flow, k.step, k.state"
         )
         mine = sql.SQL(
             " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
@@ -445,10 +357,10 @@ class _Statements:
 
         def q(text: LiteralString, **more: sql.Composable) -> bytes:
             # Rendered once: executing a Composed would compose it again on every call.
-            return sql.SQL(text).format(**fields, record=record, mine=mine, **more).as_bytes(None)
+            return sql.SQL(text).format(**names, record=record, mine=mine, **more).as_bytes(None)
 
         ddl = files(__package__).joinpath("schema.sql").read_text("utf-8")
-        self.schema = sql.SQL(ddl).format(**fields).as_bytes(None)
+        self.schema = sql.SQL(ddl).format(**names).as_bytes(None)
 
         # Always one row: whether this transaction inserted the row, whether it holds the key's lock,
         # and the committed row of the key, if its snapshot has one (it never sees its own insert).
@@ -463,7 +375,7 @@ class _Statements:
             " ON CONFLICT (org_id, idem_key) DO NOTHING"
             " RETURNING 1"
             ")"
-            " SELECT EXISTS (SELECT FROM reserved), lock.taken, {record}"
+            " SELECT EXISTS (SELECT FROM reserved) AS fresh, lock.taken, {record}"
             " FROM lock LEFT JOIN {table} AS k ON k.org_id = %(org_id)s AND k.idem_key = %(key)s"
         )
         self.reserve = q(reserve, lease=sql.SQL("NULL, NULL, NULL"))
@@ -471,7 +383,7 @@ class _Statements:
             reserve, lease=sql.SQL("%(flow)s, %(token)s, now() + make_interval(secs => %(lease)s)")
         )
         self.lookup = q(
-            "SELECT false, true, {record} FROM {table} AS k"
+            "SELECT false AS fresh, true AS taken, {record} FROM {table} AS k"
             " WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s"
         )
         self.delete_expired = q(
@@ -495,7 +407,7 @@ class _Statements:
             " state = state || jsonb_build_object(%(step)s::text, %(result)s::jsonb),"
             " lease_expires_at = now() + make_interval(secs => %(lease)s){mine}"
         )
-        self.finish = q(
+        self.complete_leased = q(
             "UPDATE {table} SET status = %(status)s, response = %(response)s,"
             " lease_token = NULL, lease_expires_at = NULL, next_attempt_at = NULL,"
             " last_error = coalesce(%(error)s, last_error),"
@@ -516,12 +428,12 @@ class _Statements:
             " UPDATE {table} AS k SET lease_token = %(token)s,"
             " lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = k.attempts + 1"
             " FROM due WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key"
-            " RETURNING k.org_id, k.idem_key, k.flow, k.step, k.state, k.method, k.path, k.attempts,"
-            " k.created_at <= now() - make_interval(secs => %(deadline)s)"
+            " RETURNING k.org_id, k.idem_key AS key, k.flow, k.step, k.state, k.method, k.path, k.attempts,"
+            " k.created_at <= now() - make_interval(secs => %(deadline)s) AS overdue"
         )
         self.stuck = q(
-            "SELECT org_id, idem_key, status, flow, step, attempts,"
-            " extract(epoch FROM now() - created_at)::float8, needs_attention, last_error"
+            "SELECT org_id, idem_key AS key, status, flow, step, attempts,"
+            " extract(epoch FROM now() - created_at)::float8 AS age_seconds, needs_attention, last_error"
             " FROM {table}"
             " WHERE needs_attention"
             " OR (status = 'processing' AND created_at <= now() - make_interval(secs => %(older_than)s))"

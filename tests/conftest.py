@@ -28,6 +28,7 @@ from example_app.db import embedded_url
 from example_app.gateway import create_app as gateway_create_app
 
 from . import pgbouncer
+from .helpers import close_pool
 from .notes_app import build_app
 from .servers import gunicorn, in_thread
 
@@ -84,7 +85,7 @@ def database_url(app_server_url: str, direct_database_url: str) -> str:
         from example_app.db import init_db
 
         init_db()
-    app.extensions["idem"].store.close()
+    close_pool(app)
     gateway_create_app({"TESTING": True, "DATABASE_URL": url}).extensions["gateway"].close()
     with psycopg.connect(direct_database_url, autocommit=True) as conn:
         conn.execute("CREATE TABLE notes (id bigserial PRIMARY KEY, org_id bigint, body text UNIQUE)")
@@ -115,7 +116,7 @@ def make_app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Callabl
 
     yield make
     for app in apps:
-        app.extensions["idem"].store.close()
+        close_pool(app)
 
 
 @pytest.fixture
@@ -123,7 +124,7 @@ def app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
     """The shop, configured for this worker's database."""
     app = create_app({"TESTING": True, "DATABASE_URL": database_url, "IDEM_POOL_TIMEOUT": 5.0})
     yield app
-    app.extensions["idem"].store.close()
+    close_pool(app)
 
 
 @pytest.fixture

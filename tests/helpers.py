@@ -10,12 +10,24 @@ import uuid
 from typing import Any
 
 import psycopg
+from flask import Flask
 from psycopg import sql
+
+from flask_idem.state import get_state
 
 from . import pgbouncer
 from .servers import ROOT, free_port, gunicorn, wait_for_http
 
-__all__ = ["PREPARE_THRESHOLD", "ROOT", "count", "free_port", "gunicorn", "headers", "wait_for_http"]
+__all__ = [
+    "PREPARE_THRESHOLD",
+    "ROOT",
+    "close_pool",
+    "count",
+    "free_port",
+    "gunicorn",
+    "headers",
+    "wait_for_http",
+]
 
 #: psycopg's prepare_threshold for connections a test makes through the applications' URL.
 PREPARE_THRESHOLD = None if pgbouncer.ENABLED else 5
@@ -34,3 +46,8 @@ def headers(api_key: str, key: uuid.UUID | str | None = None, **extra: str) -> d
     if key is not None:
         result["Idempotency-Key"] = str(key)
     return result
+
+
+def close_pool(app: Flask) -> None:
+    """Close the connection pool flask-idem opened for ``app`` in this process."""
+    get_state(app).pool.close()

@@ -9,6 +9,8 @@ from flask import Flask
 
 from flask_idem import Idempotency
 
+from .helpers import close_pool
+
 
 def test_init_db_is_idempotent(app: Flask) -> None:
     """`flask idem init-db` can run twice."""
@@ -44,7 +46,7 @@ def test_database_errors_are_one_clean_line() -> None:
     try:
         result = app.test_cli_runner().invoke(args=["idem", "init-db"])
     finally:
-        app.extensions["idem"].store.close()
+        close_pool(app)
     assert result.exit_code == 1
     assert "database error: PoolTimeout" in result.output
     assert "s3cr3t" not in result.output and "secretdb" not in result.output

@@ -22,7 +22,7 @@ from flask_idem.errors import (
     problem,
 )
 
-from .helpers import count
+from .helpers import close_pool, count
 from .notes_app import build_app, post
 
 SECRET = "hunter2-c0rrect-h0rse"
@@ -64,7 +64,7 @@ def test_application_can_override_rendering(database_url: str, db: Any) -> None:
         assert response.status_code == 400
         assert response.json == {"mine": 400}
     finally:
-        app.extensions["idem"].store.close()
+        close_pool(app)
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_unreachable_database_leaks_no_connection_settings(db: Any, logs: pytest
     try:
         response = post(app, "/notes", uuid.uuid4(), {"body": "x"})
     finally:
-        app.extensions["idem"].store.close()
+        close_pool(app)
     assert response.status_code == 503
     assert response.headers["Retry-After"] == "1"
     body = response.get_data(as_text=True)

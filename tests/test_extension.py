@@ -11,7 +11,10 @@ from flask import Flask
 
 from flask_idem import Idempotency
 from flask_idem.errors import ConfigurationError
-from flask_idem.extension import Settings
+from flask_idem.settings import Settings
+from flask_idem.state import get_state
+
+from .helpers import close_pool
 
 URL = "postgresql://localhost/unused"
 
@@ -81,7 +84,7 @@ def test_environment_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     app = Flask(__name__)
     app.config.from_prefixed_env()
     Idempotency(app, scope=lambda: 1)
-    assert app.extensions["idem"].settings.key_ttl == 3600.0
+    assert get_state(app).settings.key_ttl == 3600.0
 
 
 def test_app_factory_and_second_init() -> None:
@@ -90,7 +93,7 @@ def test_app_factory_and_second_init() -> None:
     first, second = make(), make(IDEM_KEY_TTL=60)
     idem.init_app(first)
     idem.init_app(second)
-    assert first.extensions["idem"] is not second.extensions["idem"]
+    assert get_state(first) is not get_state(second)
     assert "idem" in first.cli.commands
     with pytest.raises(ConfigurationError, match="once"):
         idem.init_app(first)
@@ -150,4 +153,44 @@ def test_scope_must_return_a_bigint(database_url: str, db: Any) -> None:
         with pytest.raises(TypeError, match="bigint"):
             app.test_client().post("/x", headers={"Idempotency-Key": "5f1e6a3c-2b7d-4c8e-9a01-3d4f5e6a7b8c"})
     finally:
-        app.extensions["idem"].store.close()
+        close_pool(app)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://shop:s3cret-pw@db.internal:5432/shop",
+        "host=db.internal dbname=shop user=shop password=s3cret-pw",
+    ],
+    ids=["url", "key-value"],
+)
+def test_settings_repr_hides_the_password(url: str) -> None:
+    """The settings' repr names the database but never shows its password."""
+    shown = repr(Settings.from_config({"IDEM_DATABASE_URL": url}))
+    assert "s3cret-pw" not in shown
+    assert "db.internal" in shown and "***" in shown
+
+
+def test_close_closes_the_current_applications_pool(database_url: str) -> None:
+    """idem.close() closes the pool of the application in context; the next use opens a new one."""
+    idem = Idempotency(scope=lambda: 1)
+    app = make(IDEM_DATABASE_URL=database_url)
+    idem.init_app(app)
+    with app.app_context():
+        first = idem.pool
+        with first.connection() as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        idem.close()
+        assert first.closed
+        second = idem.pool
+        assert second is not first and not second.closed
+        idem.close()
+
+
+def test_flow_lease_timeout_takes_a_timedelta() -> None:
+    """Flow(lease_timeout=...) accepts a timedelta like ttl= does, and refuses a non-positive one."""
+    from flask_idem import Flow
+
+    assert Flow("a", lease_timeout=timedelta(seconds=90)).lease_timeout == 90.0
+    with pytest.raises(ConfigurationError, match="lease_timeout"):
+        Flow("b", lease_timeout=timedelta(0))

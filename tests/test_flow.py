@@ -19,7 +19,7 @@ from flask_idem import Idempotency
 from flask_idem.errors import ConfigurationError
 from flask_idem.flow import Flow, OutcomeUnknown, Run
 
-from .helpers import count
+from .helpers import close_pool, count
 from .notes_app import ORG, org_from_header, post
 
 
@@ -106,7 +106,7 @@ def ledger() -> Ledger:
 def flow_app(database_url: str, db: psycopg.Connection[Any], ledger: Ledger) -> Iterator[Flask]:
     app = build_flow_app(database_url, ledger)
     yield app
-    app.extensions["idem"].store.close()
+    close_pool(app)
 
 
 def row(db: psycopg.Connection[Any]) -> tuple[Any, ...]:
@@ -365,7 +365,7 @@ def test_recovery_leaves_unknown_flows_alone(
     try:
         assert recover(other).claimed == 0
     finally:
-        other.extensions["idem"].store.close()
+        close_pool(other)
     assert row(db)[0] == "processing"
     assert db.execute("SELECT needs_attention FROM idempotency_keys").fetchone() == (False,)
 

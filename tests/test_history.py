@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,11 @@ from .history import run
 pytestmark = pytest.mark.slow
 
 
-def test_no_duplicates_no_losses_under_faults(tmp_path: Path) -> None:
+def test_no_duplicates_no_losses_under_faults() -> None:
     """Orders and payments under worker kills, PostgreSQL restarts and gateway faults stay exactly-once."""
-    report = run(tmp_path, duration=15.0, clients=4, seed=7, fault_interval=2.0, max_faults=8)
+    # Outside pytest's 0700 directories: the embedded server runs as a user of its own.
+    with tempfile.TemporaryDirectory(prefix="flask-idem-history-") as workdir:
+        report = run(Path(workdir), duration=15.0, clients=4, seed=7, fault_interval=2.0, max_faults=8)
     print(report.summary())
     assert report.faults, "the nemesis injected nothing"
     assert report.operations, "the clients did nothing"

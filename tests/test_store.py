@@ -12,7 +12,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from flask_idem.store import Connection, Store, lock_id
+from flask_idem.pool import Connection, ProcessPool
+from flask_idem.store import KeyedRequest, KeyRef, Lease, Store, lock_id
 
 from .helpers import PREPARE_THRESHOLD
 
@@ -21,28 +22,27 @@ SHA = b"\x01" * 32
 
 @pytest.fixture
 def store(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Store]:
-    store = Store(database_url, max_size=20, prepare_threshold=PREPARE_THRESHOLD)
+    store = Store(ProcessPool(database_url, max_size=20, prepare_threshold=PREPARE_THRESHOLD))
     yield store
-    store.close()
+    store.pool.close()
 
 
 def reserve(store: Store, conn: Any, key: uuid.UUID, **extra: Any) -> Any:
-    args = {"org_id": 1, "key": key, "request_sha": SHA, "method": "POST", "path": "/x", "ttl": 60.0}
-    return store.reserve(conn, **{**args, **extra})
+    return store.reserve(conn, KeyedRequest(1, key, SHA, "POST", "/x"), ttl=60.0, **extra)
 
 
 def test_init_schema_twice_and_custom_table(database_url: str, db: psycopg.Connection[Any]) -> None:
     """The DDL is idempotent and honours a schema-qualified table name."""
     db.execute("CREATE SCHEMA IF NOT EXISTS idem_custom")
-    custom = Store(database_url, table="idem_custom.keys", prepare_threshold=PREPARE_THRESHOLD)
+    custom = Store(ProcessPool(database_url, prepare_threshold=PREPARE_THRESHOLD), table="idem_custom.keys")
     try:
         custom.init_schema()
         custom.init_schema()
-        with custom.connection() as conn, conn.transaction():
+        with custom.pool.connection() as conn, conn.transaction():
             assert reserve(custom, conn, uuid.uuid4()).reserved
         assert db.execute("SELECT count(*) FROM idem_custom.keys").fetchone() == (1,)
     finally:
-        custom.close()
+        custom.pool.close()
         db.execute("DROP SCHEMA idem_custom CASCADE")
 
 
@@ -50,7 +50,7 @@ def test_init_schema_twice_and_custom_table(database_url: str, db: psycopg.Conne
 def test_bad_table_names(table: str) -> None:
     """A table name that is not 'table' or 'schema.table' is refused."""
     with pytest.raises(ValueError):
-        Store("postgresql://unused", table=table)
+        Store(ProcessPool("postgresql://unused"), table=table)
 
 
 def test_concurrent_reservations_have_one_winner(store: Store) -> None:
@@ -61,7 +61,7 @@ def test_concurrent_reservations_have_one_winner(store: Store) -> None:
     outcomes: list[str] = []
 
     def attempt() -> None:
-        with store.connection() as conn, conn.transaction():
+        with store.pool.connection() as conn, conn.transaction():
             barrier.wait(10)
             found = reserve(store, conn, key)
             outcomes.append("won" if found.reserved else "in flight" if found.record is None else "seen")
@@ -127,7 +127,7 @@ def test_claims_are_disjoint(store: Store, db: psycopg.Connection[Any]) -> None:
     results: dict[str, list[Any]] = {}
 
     def claim(name: str, hold: bool) -> None:
-        with store.connection() as conn, conn.transaction():
+        with store.pool.connection() as conn, conn.transaction():
             results[name] = store.claim_stranded(
                 conn, token=uuid.uuid4(), lease=60, limit=4, deadline=3600, flows=["f"]
             )
@@ -150,19 +150,19 @@ def test_lease_guard(store: Store, db: psycopg.Connection[Any]) -> None:
     """Only the holder of the current lease token can record, finish or release."""
     key = uuid.uuid4()
     mine, theirs = uuid.uuid4(), uuid.uuid4()
-    with store.connection() as conn, conn.transaction():
-        assert reserve(store, conn, key, flow="f", lease_token=mine, lease=60).reserved
-    ids = {"org_id": 1, "key": key}
-    with store.connection() as conn, conn.transaction():
-        assert not store.take_over(conn, **ids, token=theirs, lease=60)  # lease still live
-        assert store.record_step(conn, **ids, token=mine, step="s", result={"n": 1}, lease=60)
-        assert not store.record_step(conn, **ids, token=theirs, step="s", result={"n": 2}, lease=60)
+    with store.pool.connection() as conn, conn.transaction():
+        assert reserve(store, conn, key, flow="f", lease=Lease(1, key, mine, 60)).reserved
+    mine_lease, their_lease = Lease(1, key, mine, 60), Lease(1, key, theirs, 60)
+    with store.pool.connection() as conn, conn.transaction():
+        assert not store.take_over(conn, their_lease)  # lease still live
+        assert store.record_step(conn, mine_lease, "s", {"n": 1})
+        assert not store.record_step(conn, their_lease, "s", {"n": 2})
     db.execute("UPDATE idempotency_keys SET lease_expires_at = now() - interval '1 second'")
-    with store.connection() as conn, conn.transaction():
-        assert store.take_over(conn, **ids, token=theirs, lease=60)
-        assert not store.finish(conn, **ids, token=mine, response={"status": 200})
-        assert not store.release(conn, **ids, token=mine, error="late", retry_in=1)
-        assert store.finish(conn, **ids, token=theirs, response={"status": 200, "headers": [], "body": ""})
+    with store.pool.connection() as conn, conn.transaction():
+        assert store.take_over(conn, their_lease)
+        assert not store.complete(conn, mine_lease, {"status": 200})
+        assert not store.release(conn, mine_lease, error="late", retry_in=1)
+        assert store.complete(conn, their_lease, {"status": 200, "headers": [], "body": ""})
     assert db.execute("SELECT status, state, attempts FROM idempotency_keys").fetchone() == (
         "completed",
         {"s": {"n": 1}},
@@ -173,20 +173,20 @@ def test_lease_guard(store: Store, db: psycopg.Connection[Any]) -> None:
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_pool_is_per_process(store: Store) -> None:
     """A forked child gets a pool of its own instead of the parent's connections."""
-    parent_pool = store.pool
+    parent_pool = store.pool.pool
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child reports whether it got a new pool that works, then exits at once
         try:
-            ok = store.pool is not parent_pool
-            with store.connection() as conn:
+            ok = store.pool.pool is not parent_pool
+            with store.pool.connection() as conn:
                 ok = ok and conn.execute("SELECT 1").fetchone() == (1,)
             os.write(write, b"1" if ok else b"0")
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
     assert os.read(read, 1) == b"1"
-    with store.connection() as conn:  # the parent's pool still works after the child exited
+    with store.pool.connection() as conn:  # the parent's pool still works after the child exited
         assert conn.execute("SELECT 2").fetchone() == (2,)
 
 
@@ -199,7 +199,7 @@ def test_expired_key_flagged_for_a_person_is_kept(store: Store, db: psycopg.Conn
         " VALUES (1, %s, %s, 'POST', '/x', 'failed', '{\"status\": 500}', now() - interval '1 hour', true)",
         (key, SHA),
     )
-    with store.connection() as conn, conn.transaction():
+    with store.pool.connection() as conn, conn.transaction():
         found = reserve(store, conn, key)
     assert not found.reserved
     assert found.record is not None and found.record.status == "failed"
@@ -227,12 +227,10 @@ def test_racing_reservations_on_rotating_keys(store: Store, db: psycopg.Connecti
         while time.monotonic() < deadline:
             key = uuid.UUID(int=int(time.monotonic() * 200))  # a new key every 5 ms
             try:
-                with store.connection() as conn, conn.transaction():
+                with store.pool.connection() as conn, conn.transaction():
                     found = reserve(store, conn, key)
                     if found.reserved:
-                        store.complete(
-                            conn, org_id=1, key=key, response={"status": 201, "headers": [], "body": ""}
-                        )
+                        store.complete(conn, KeyRef(1, key), {"status": 201, "headers": [], "body": ""})
                         with lock:
                             won[key] = won.get(key, 0) + 1
                     else:
@@ -253,7 +251,7 @@ def test_racing_reservations_on_rotating_keys(store: Store, db: psycopg.Connecti
 
 def test_store_statements_share_one_cursor_per_pooled_connection(database_url: str, store: Store) -> None:
     """The pool's connections keep one cursor for the store; a plain psycopg connection works too."""
-    with store.connection() as conn:
+    with store.pool.connection() as conn:
         assert isinstance(conn, Connection)
         with conn.transaction():
             assert reserve(store, conn, uuid.uuid4()).reserved
@@ -261,7 +259,7 @@ def test_store_statements_share_one_cursor_per_pooled_connection(database_url: s
         assert first is not None and not first.closed
         with conn.transaction():
             assert reserve(store, conn, uuid.uuid4()).reserved
-            store.complete(conn, org_id=1, key=uuid.uuid4(), response={"status": 200})
+            store.complete(conn, KeyRef(1, uuid.uuid4()), {"status": 200})
         assert conn._store_cursor is first
         first.close()  # whoever closes it, the next statement gets a new one
         with conn.transaction():

@@ -26,6 +26,8 @@ from typing import Any
 
 from flask import Flask
 
+from flask_idem.pool import ProcessPool
+
 __all__ = ["create_app"]
 
 
@@ -48,9 +50,10 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     if not app.config.get("DATABASE_URL"):
         app.config["DATABASE_URL"] = embedded_url(Path(app.instance_path) / "pgdata")
 
-    store = app.extensions["gateway"] = Store(
+    pool = ProcessPool(
         app.config["DATABASE_URL"], name="gateway", prepare_threshold=app.config["PREPARE_THRESHOLD"]
     )
+    store = app.extensions["gateway"] = Store(pool)
     store.init_schema()
     problems.register(app)
     app.register_blueprint(charges.bp)

@@ -7,15 +7,17 @@ from datetime import datetime
 from importlib.resources import files
 from typing import Any
 
-import psycopg
 from flask import current_app
-from psycopg.rows import TupleRow
+from psycopg.rows import class_row
 
-from flask_idem.store import ProcessPool
+from flask_idem.pool import ProcessPool
 
 __all__ = ["Charge", "Fault", "Store", "current_store"]
 
-Connection = psycopg.Connection[TupleRow]
+_SELECT_CHARGE = (
+    "SELECT id, idem_key AS idempotency_key, amount, currency, source, status, created_at"
+    " FROM gateway_charges"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +59,18 @@ class Fault:
         return {"id": self.id, "mode": self.mode, "remaining": self.remaining, "delay": self.delay}
 
 
-class Store(ProcessPool):
-    """The gateway's tables, and the per-process pool their connections come from (flask-idem's
-    :class:`~flask_idem.store.ProcessPool`, whose arguments it takes)."""
+class Store:
+    """The gateway's tables, and the per-process pool their connections come from.
+
+    :param pool: flask-idem's :class:`~flask_idem.pool.ProcessPool`, one pool per worker process.
+    """
+
+    def __init__(self, pool: ProcessPool) -> None:
+        self.pool = pool
+
+    def close(self) -> None:
+        """Close this process's pool (a later use opens a new one)."""
+        self.pool.close()
 
     def init_schema(self) -> None:
         """Create the gateway's tables if missing; safe when several workers start at once."""
@@ -79,54 +90,46 @@ class Store(ProcessPool):
         exactly one creates it: the others wait on the unique index, then read the committed row.
         """
         with self.pool.connection() as conn, conn.transaction():
-            row = conn.execute(
+            cursor = conn.cursor(row_factory=class_row(Charge))
+            row = cursor.execute(
                 "INSERT INTO gateway_charges (idem_key, amount, currency, source, status)"
                 " VALUES (%s, %s, %s, %s, %s)"
                 " ON CONFLICT (idem_key) DO NOTHING"
-                " RETURNING id, idem_key, amount, currency, source, status, created_at",
+                " RETURNING id, idem_key AS idempotency_key, amount, currency, source, status, created_at",
                 (key, amount, currency, source, status),
             ).fetchone()
             if row is not None:
-                return Charge(*row), True
-            row = conn.execute(
-                "SELECT id, idem_key, amount, currency, source, status, created_at"
-                " FROM gateway_charges WHERE idem_key = %s",
-                (key,),
-            ).fetchone()
+                return row, True
+            row = cursor.execute(_SELECT_CHARGE + " WHERE idem_key = %s", (key,)).fetchone()
         assert row is not None, "a conflicting charge is never deleted"
-        return Charge(*row), False
+        return row, False
 
     def charge_by_key(self, key: str) -> Charge | None:
         """The charge made with ``key``, if any."""
-        with self.pool.connection() as conn:
-            row = conn.execute(
-                "SELECT id, idem_key, amount, currency, source, status, created_at"
-                " FROM gateway_charges WHERE idem_key = %s",
-                (key,),
-            ).fetchone()
-        return None if row is None else Charge(*row)
+        with self.pool.connection() as conn, conn.cursor(row_factory=class_row(Charge)) as cursor:
+            return cursor.execute(_SELECT_CHARGE + " WHERE idem_key = %s", (key,)).fetchone()
 
     def charges(self) -> list[Charge]:
         """Every charge, oldest first."""
-        with self.pool.connection() as conn:
-            rows = conn.execute(
-                "SELECT id, idem_key, amount, currency, source, status, created_at"
-                " FROM gateway_charges ORDER BY created_at, id"
-            ).fetchall()
-        return [Charge(*row) for row in rows]
+        with self.pool.connection() as conn, conn.cursor(row_factory=class_row(Charge)) as cursor:
+            return cursor.execute(_SELECT_CHARGE + " ORDER BY created_at, id").fetchall()
 
     # -- faults ------------------------------------------------------------------------------------
 
     def add_fault(self, *, mode: str, count: int, delay: float) -> Fault:
         """Queue ``mode`` for the next ``count`` charge requests, behind the earlier entries."""
         with self.pool.connection() as conn, conn.transaction():
-            row = conn.execute(
-                "INSERT INTO gateway_faults (mode, remaining, delay) VALUES (%s, %s, %s)"
-                " RETURNING id, mode, remaining, delay",
-                (mode, count, delay),
-            ).fetchone()
+            row = (
+                conn.cursor(row_factory=class_row(Fault))
+                .execute(
+                    "INSERT INTO gateway_faults (mode, remaining, delay) VALUES (%s, %s, %s)"
+                    " RETURNING id, mode, remaining, delay",
+                    (mode, count, delay),
+                )
+                .fetchone()
+            )
         assert row is not None
-        return Fault(*row)
+        return row
 
     def take_fault(self) -> Fault | None:
         """Consume one use of the oldest queued entry; ``None`` when the queue is empty.
@@ -137,12 +140,13 @@ class Store(ProcessPool):
         """
         with self.pool.connection() as conn, conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext('example_app.gateway.faults'))")
-            row = conn.execute(
-                "SELECT id, mode, remaining, delay FROM gateway_faults ORDER BY id LIMIT 1"
-            ).fetchone()
-            if row is None:
+            fault = (
+                conn.cursor(row_factory=class_row(Fault))
+                .execute("SELECT id, mode, remaining, delay FROM gateway_faults ORDER BY id LIMIT 1")
+                .fetchone()
+            )
+            if fault is None:
                 return None
-            fault = Fault(*row)
             if fault.remaining == 1:
                 conn.execute("DELETE FROM gateway_faults WHERE id = %s", (fault.id,))
             else:
@@ -151,11 +155,10 @@ class Store(ProcessPool):
 
     def faults(self) -> list[Fault]:
         """The queued entries, next first."""
-        with self.pool.connection() as conn:
-            rows = conn.execute(
+        with self.pool.connection() as conn, conn.cursor(row_factory=class_row(Fault)) as cursor:
+            return cursor.execute(
                 "SELECT id, mode, remaining, delay FROM gateway_faults ORDER BY id"
             ).fetchall()
-        return [Fault(*row) for row in rows]
 
     def clear_faults(self) -> int:
         """Remove every queued entry; return how many there were."""

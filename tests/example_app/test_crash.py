@@ -20,7 +20,7 @@ import requests
 
 from example_app import create_app
 
-from ..helpers import ROOT, headers, wait_for_http
+from ..helpers import ROOT, close_pool, headers, wait_for_http
 from .test_payments import add_fault, charges, payment_statuses
 
 pytestmark = pytest.mark.slow
@@ -84,7 +84,7 @@ def test_worker_killed_between_charge_and_record(
         try:
             result = app.test_cli_runner().invoke(args=["idem", "recover"])
         finally:
-            app.extensions["idem"].store.close()
+            close_pool(app)
         assert "Claimed 1: 1 completed" in result.output, result.output
         retry = requests.post(base + "/payments", timeout=30, **payment)
         assert retry.status_code == 200
@@ -122,7 +122,7 @@ def test_two_recovery_processes_share_the_work(
         )
         assert answer.status_code == 503
         keys.append(str(key))
-    app.extensions["idem"].store.close()
+    close_pool(app)
     db.execute("UPDATE idempotency_keys SET next_attempt_at = now() WHERE status = 'processing'")
     env = {**os.environ, "FLASK_DATABASE_URL": database_url, "FLASK_GATEWAY_URL": gateway_url}
     command = [sys.executable, "-m", "flask", "--app", "example_app", "idem", "recover", "--limit", "3"]

@@ -13,7 +13,7 @@ from flask.testing import FlaskClient
 
 from flask_idem.errors import PROBLEM_JSON
 
-from ..helpers import count, headers
+from ..helpers import close_pool, count, headers
 
 ORDER = {"amount": 1250, "currency": "EUR"}
 
@@ -75,7 +75,7 @@ def test_changed_amount_with_replay_policy(
         first = client.post("/orders", json=ORDER, headers=headers(api_key, key))
         second = client.post("/orders", json={**ORDER, "amount": 5}, headers=headers(api_key, key))
     finally:
-        app.extensions["idem"].store.close()
+        close_pool(app)
     assert (first.status_code, second.status_code) == (201, 200)
     assert second.json == first.json
     assert second.json["amount"] == 1250

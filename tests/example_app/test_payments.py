@@ -18,7 +18,7 @@ from example_app import create_app
 from example_app.cli import create_org
 from flask_idem.errors import PROBLEM_JSON
 
-from ..helpers import count, headers
+from ..helpers import close_pool, count, headers
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def make_shop(shop_config: dict[str, Any]) -> Iterator[Callable[..., Flask]]:
 
     yield make
     for app in apps:
-        app.extensions["idem"].store.close()
+        close_pool(app)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from schemathesis import GenerationMode
 from example_app import create_app
 from example_app.cli import create_org
 
-from ..helpers import headers
+from ..helpers import close_pool, headers
 
 OPERATIONS = [
     ("POST", "/orders"),
@@ -43,7 +43,7 @@ def shop(shop_config: dict[str, Any]) -> Iterator[Flask]:
     """The shop, paying through the test gateway."""
     app = create_app(shop_config)
     yield app
-    app.extensions["idem"].store.close()
+    close_pool(app)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from example_app.auth import new_api_key
 from example_app.cli import create_org
 from flask_idem.fingerprint import fingerprint
 
-from ..helpers import count, headers
+from ..helpers import close_pool, count, headers
 from ..notes_app import post
 
 ORDER = {"amount": 1250, "currency": "EUR"}
@@ -40,7 +40,7 @@ def shop(shop_config: dict[str, Any]) -> Iterator[Flask]:
     """The shop, paying through the test gateway, which may take up to 5 s to answer."""
     app = create_app({**shop_config, "GATEWAY_TIMEOUT": 5.0})
     yield app
-    app.extensions["idem"].store.close()
+    close_pool(app)
 
 
 @pytest.fixture

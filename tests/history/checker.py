@@ -28,6 +28,7 @@ from flask_idem.client import IdempotentClient, RequestsTransport, RetryPolicy
 from flask_idem.flow import Run
 from flask_idem.recovery import recover
 
+from ..helpers import close_pool
 from .cluster import LEASE_TIMEOUT, Cluster, wait_until_postgres_answers
 from .workload import EXPECTED, Op, perform
 
@@ -80,7 +81,7 @@ def settle(cluster: Cluster, history: list[Op], report: Report) -> None:
                     break
                 time.sleep(LEASE_TIMEOUT + 0.2)
     finally:
-        app.extensions["idem"].store.close()
+        close_pool(app)
     with requests.Session() as session:
         client = IdempotentClient(RequestsTransport(session), policy=RESOLVE_POLICY, rng=random.Random(0))
         for op in history:

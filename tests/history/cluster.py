@@ -25,6 +25,7 @@ from example_app import create_app
 from example_app.cli import create_org
 from example_app.db import init_db
 
+from ..helpers import close_pool
 from ..servers import gunicorn
 
 #: Lease and gateway timeout of the shop under test: short, so crashes are resolved within a run.
@@ -107,7 +108,7 @@ def running_cluster(workdir: Path, *, seed: int, orgs: int = 2) -> Iterator[Clus
         with app.app_context():
             init_db()
             api_keys = [create_org(f"org-{i}")[1] for i in range(orgs)]
-        app.extensions["idem"].store.close()
+        close_pool(app)
         gateway_url, _ = stack.enter_context(
             gunicorn(
                 workdir / "gateway.log",

@@ -1,27 +1,76 @@
-"""Checked by mypy (``files`` in setup.cfg), never run: the public API reads well to a type checker."""
+"""Checked by mypy (``files`` in setup.cfg), never run: the public API reads well to a type checker.
+
+Each block uses one part of the public surface the way the documentation shows it, with the types a user
+would write down; a change that makes any of it ill-typed fails ``tests/test_layers.py``.
+"""
 
 from __future__ import annotations
 
+import random
 import uuid
+from datetime import timedelta
+from typing import Any
 
-from flask import Flask
+import requests
+from flask import Flask, Response
+from flask.testing import FlaskClient
 from psycopg import Connection
 from psycopg.rows import TupleRow
+from psycopg_pool import ConnectionPool
+from werkzeug.exceptions import Conflict, HTTPException
+from werkzeug.test import TestResponse
 
-from flask_idem import HEADER, Idempotency, IdempotencyError
+from flask_idem import (
+    HEADER,
+    REPLAYED_HEADER,
+    ConfigurationError,
+    DatabaseFailed,
+    DatabaseUnavailable,
+    Flow,
+    Idempotency,
+    IdempotencyError,
+    InvalidBody,
+    InvalidKey,
+    KeyInUse,
+    KeyMismatch,
+    MissingKey,
+    NoScope,
+    OnMismatch,
+    OperationFailed,
+    OutcomePending,
+    OutcomeUnknown,
+    Run,
+    ScopeFunc,
+)
+from flask_idem.client import (
+    AttemptInfo,
+    CallFailed,
+    FlaskTransport,
+    IdempotentClient,
+    Rejected,
+    RequestsTransport,
+    RetriesExhausted,
+    RetryBudget,
+    RetryPolicy,
+    set_testing,
+)
+from flask_idem.errors import PROBLEM_JSON, database_error, problem
+from flask_idem.recovery import RecoveryReport, backoff, recover, run_forever
 
 
 def org() -> int | None:
     return 1
 
 
-idem = Idempotency(scope=org)
+scope: ScopeFunc = org
+policy: OnMismatch = "replay"
+idem = Idempotency(scope=scope)
 app = Flask(__name__)
 idem.init_app(app)
 
 
 @app.post("/orders")
-@idem.idempotent(ttl=3600, on_mismatch="replay", required=True)
+@idem.idempotent(ttl=3600, on_mismatch=policy, required=True)
 def create() -> tuple[dict[str, str], int]:
     conn: Connection[TupleRow] = idem.connection
     key: uuid.UUID | None = idem.key
@@ -29,5 +78,112 @@ def create() -> tuple[dict[str, str], int]:
     return {"key": str(key)}, 201
 
 
-header: str = HEADER
-error: type[Exception] = IdempotencyError
+@app.post("/notes")
+@idem.idempotent(ttl=timedelta(hours=1), on_mismatch="reject", scope=lambda: 2)
+def create_note() -> Response:
+    return Response(status=204)
+
+
+with app.app_context():
+    pool: ConnectionPool[Any] = idem.pool
+    idem.create_table()
+    idem.close()
+
+# -- multi-step flows: both forms of Flow.call, the finish step, what a step sees --------------------------
+
+pay = Flow("payments.create", lease_timeout=timedelta(seconds=30))
+other = Flow("refunds.create", lease_timeout=10.0)
+
+
+@pay.call
+def charge(run: Run) -> dict[str, Any]:
+    derived: str = run.derived_key()
+    if run.resumed:
+        raise OutcomeUnknown("gateway unreachable")
+    return {"id": derived, "amount": run.intent["amount"]}
+
+
+@pay.call(resolve=lambda run: None)
+def confirm(run: Run) -> dict[str, Any]:
+    return {"confirmed": run.results["charge"]["id"]}
+
+
+@pay.step
+def record(run: Run) -> None:
+    run.connection.execute("SELECT 1")
+
+
+@pay.finish
+def done(run: Run) -> tuple[dict[str, Any], int]:
+    return {"id": run.intent["payment_id"]}, 201
+
+
+@app.post("/payments")
+@idem.idempotent(flow=pay)
+def create_payment() -> dict[str, Any]:
+    return {"payment_id": 1, "amount": 1250}
+
+
+report: RecoveryReport = recover(app, limit=10, rng=random.Random(1))
+claimed: int = report.claimed
+wait: float = backoff(3, base=2.0, cap=300.0, rng=random.Random(1))
+run_forever(app, interval=5.0, on_pass=lambda r: print(r.claimed))
+
+# -- errors: every exported class is an IdempotencyError and a Werkzeug HTTPException -----------------------
+
+errors: tuple[type[IdempotencyError], ...] = (
+    MissingKey,
+    InvalidKey,
+    InvalidBody,
+    NoScope,
+    KeyInUse,
+    KeyMismatch,
+    DatabaseUnavailable,
+    OutcomePending,
+    OperationFailed,
+    DatabaseFailed,
+)
+http_error: type[HTTPException] = KeyInUse
+conflict: type[Conflict] = KeyInUse
+in_use = KeyInUse(retry_after=2)
+body: dict[str, Any] = in_use.to_dict()
+rendered: Response = problem(in_use)
+config_error: type[RuntimeError] = ConfigurationError
+headers: tuple[str, str, str] = (HEADER, REPLAYED_HEADER, PROBLEM_JSON)
+
+
+@app.errorhandler(KeyInUse)
+def key_in_use(e: KeyInUse) -> Response:
+    return problem(e)
+
+
+def translate(e: Exception) -> IdempotencyError | None:
+    import psycopg
+
+    return database_error(e) if isinstance(e, psycopg.Error) else None
+
+
+# -- the client helper over requests and over Flask's test client --------------------------------------
+
+with set_testing(True):
+    http = IdempotentClient(
+        RequestsTransport(),
+        policy=RetryPolicy(attempts=5, deadline=30.0, base=0.1, cap=5.0),
+        budget=RetryBudget(),
+        on_attempt=lambda info: print(info.number),
+        rng=random.Random(7),
+    )
+    try:
+        answer: requests.Response = http.post("http://127.0.0.1:5000/orders", json={"amount": 1250})
+    except Rejected as e:
+        status: int | None = e.status
+    except (RetriesExhausted, CallFailed):
+        pass
+
+    test_client: FlaskClient = app.test_client()
+    local = IdempotentClient(FlaskTransport(test_client))
+    in_process: TestResponse = local.request("POST", "/orders", json={}, key=uuid.uuid4())
+
+
+def seen(info: AttemptInfo) -> None:
+    print(info.number, info.status, info.wait)

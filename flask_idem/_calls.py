@@ -1,0 +1,60 @@
+"""Calling application code: inside one of the extension's transactions, and with its 4xx rendered.
+
+Shared by the atomic path (:mod:`._view`), the multi-step engine (:mod:`._engine`) and the recovery job.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg
+from flask import Response, current_app, has_request_context, request
+from psycopg import pq
+from werkzeug.exceptions import HTTPException
+
+from .errors import DatabaseFailed
+from .pool import Connection, ProcessPool
+
+__all__ = ["in_transaction", "render"]
+
+logger = logging.getLogger("flask_idem")
+
+T = TypeVar("T")
+
+
+def in_transaction(pool: ProcessPool, body: Callable[[Connection], T]) -> T:
+    """Run ``body`` in one transaction on a pooled connection and commit, unless it fails.
+
+    The transaction is rolled back instead when ``body`` raises, when it returns a 5xx response, and
+    when application code inside it swallowed a database error (the transaction is then unusable, so
+    whatever success it reports is false: :class:`.DatabaseFailed`). The result is returned only after
+    COMMIT succeeded, so a client never hears "created" for writes that were rolled back.
+    """
+    with pool.connection() as conn, conn.transaction() as tx:
+        result = body(conn)
+        if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+            logger.error(
+                "Application code in %r went on after a database error inside its transaction;"
+                " the transaction was rolled back.",
+                request.endpoint if has_request_context() else "a command",
+            )
+            raise DatabaseFailed()
+        if isinstance(result, Response) and result.status_code >= 500:
+            raise psycopg.Rollback(tx)
+    return result
+
+
+def render(call: Callable[[], Any]) -> Any:
+    """Call application code; a client-error exception it raises becomes its response.
+
+    ``abort(404)`` and other 4xx exceptions are a view's normal way of answering, so they are rendered by
+    the application's error handlers and stored like a returned 4xx. Server errors propagate.
+    """
+    try:
+        return call()
+    except HTTPException as e:
+        if e.code is None or e.code >= 500:
+            raise
+        return current_app.make_response(current_app.handle_user_exception(e))

@@ -1,0 +1,164 @@
+"""The ``IDEM_*`` settings of one application, read and checked once by ``init_app``.
+
+Also the types of the options a route can override (:data:`ScopeFunc`, :data:`OnMismatch`) and their
+validators, shared by the configuration and by :meth:`.Idempotency.idempotent`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from typing import Any, Literal, TypeAlias
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from .errors import ConfigurationError
+
+__all__ = [
+    "DEFAULT_REPLAY_HEADERS",
+    "OnMismatch",
+    "ScopeFunc",
+    "Settings",
+    "parse_on_mismatch",
+    "parse_seconds",
+]
+
+#: The scope callable: returns the authenticated organisation's id, or ``None`` when the request is not
+#: authenticated (answered 401).
+ScopeFunc: TypeAlias = Callable[[], "int | None"]
+
+#: What to do with a reused key whose request differs: refuse it (422) or replay the first answer.
+OnMismatch: TypeAlias = Literal["reject", "replay"]
+
+#: Response headers stored with a response and sent again on replay (``IDEM_REPLAY_HEADERS``). Cookies
+#: are deliberately absent: a replay must not hand out the first caller's session.
+DEFAULT_REPLAY_HEADERS = (
+    "Content-Type",
+    "Content-Language",
+    "Content-Location",
+    "Location",
+    "ETag",
+    "Last-Modified",
+    "Link",
+)
+
+_MISMATCH_CHOICES: tuple[OnMismatch, ...] = ("reject", "replay")
+
+
+def parse_seconds(name: str, value: Any) -> float:
+    """``value`` (a number or a ``timedelta``) as positive seconds; ``name`` is the setting it came from."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigurationError(f"{name} must be a positive number of seconds, not {value!r}.")
+    return float(value)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"{name} must be a non-negative integer, not {value!r}.")
+    return value
+
+
+def parse_on_mismatch(name: str, value: Any) -> OnMismatch:
+    """``value`` as an :data:`OnMismatch` policy; ``name`` is the setting it came from."""
+    for choice in _MISMATCH_CHOICES:
+        if value == choice:
+            return choice
+    raise ConfigurationError(f"{name} must be 'reject' or 'replay', not {value!r}.")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The ``IDEM_*`` configuration of one application, read and checked once by ``init_app``.
+
+    See the configuration page of the documentation for each key, its default and its meaning.
+    """
+
+    database_url: str = field(repr=False)
+    table: str = "idempotency_keys"
+    key_ttl: float = 24 * 3600.0
+    on_mismatch: OnMismatch = "reject"
+    require_key: bool = True
+    retry_after: int = 1
+    replay_headers: frozenset[str] = frozenset(h.lower() for h in DEFAULT_REPLAY_HEADERS)
+    pool_min_size: int = 1
+    pool_max_size: int = 10
+    pool_timeout: float = 5.0
+    prepare_threshold: int | None = 5
+    lease_timeout: float = 30.0
+    recovery_deadline: float = 3600.0
+    recovery_backoff: float = 2.0
+    recovery_backoff_cap: float = 300.0
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
+        return f"Settings(database_url={_redacted(self.database_url)!r}, {shown})"
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Settings:
+        """Build the settings from a Flask config, with an actionable error for each bad value."""
+        url = config.get("IDEM_DATABASE_URL")
+        if not url or not isinstance(url, str):
+            raise ConfigurationError(
+                "Set IDEM_DATABASE_URL to a PostgreSQL URL such as"
+                " 'postgresql://user@localhost/app' before calling init_app()."
+            )
+        defaults = cls(database_url=url)
+        min_size = _positive_int("IDEM_POOL_MIN_SIZE", config.get("IDEM_POOL_MIN_SIZE", 1))
+        max_size = _positive_int("IDEM_POOL_MAX_SIZE", config.get("IDEM_POOL_MAX_SIZE", 10))
+        if max_size < max(min_size, 1):
+            raise ConfigurationError("IDEM_POOL_MAX_SIZE must be at least 1 and IDEM_POOL_MIN_SIZE.")
+        headers = config.get("IDEM_REPLAY_HEADERS", DEFAULT_REPLAY_HEADERS)
+        if not isinstance(headers, (list, tuple, set, frozenset)) or not all(
+            isinstance(h, str) for h in headers
+        ):
+            raise ConfigurationError("IDEM_REPLAY_HEADERS must be a list of header names.")
+        if "set-cookie" in (h.lower() for h in headers):
+            raise ConfigurationError(
+                "IDEM_REPLAY_HEADERS must not include Set-Cookie: a replay would hand one client's"
+                " cookies to whoever retries."
+            )
+        table = config.get("IDEM_TABLE", defaults.table)
+        parts = table.split(".") if isinstance(table, str) else []
+        if not 1 <= len(parts) <= 2 or not all(parts):
+            raise ConfigurationError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}.")
+        require_key = config.get("IDEM_REQUIRE_KEY", defaults.require_key)
+        if not isinstance(require_key, bool):
+            raise ConfigurationError(f"IDEM_REQUIRE_KEY must be true or false, not {require_key!r}.")
+        threshold = config.get("IDEM_PREPARE_THRESHOLD", defaults.prepare_threshold)
+        if threshold is not None:
+            threshold = _positive_int("IDEM_PREPARE_THRESHOLD", threshold)
+        return cls(
+            database_url=url,
+            table=table,
+            key_ttl=parse_seconds("IDEM_KEY_TTL", config.get("IDEM_KEY_TTL", defaults.key_ttl)),
+            on_mismatch=parse_on_mismatch(
+                "IDEM_ON_MISMATCH", config.get("IDEM_ON_MISMATCH", defaults.on_mismatch)
+            ),
+            require_key=require_key,
+            prepare_threshold=threshold,
+            retry_after=max(1, _positive_int("IDEM_RETRY_AFTER", config.get("IDEM_RETRY_AFTER", 1))),
+            replay_headers=frozenset(h.lower() for h in headers),
+            pool_min_size=min_size,
+            pool_max_size=max_size,
+            pool_timeout=parse_seconds("IDEM_POOL_TIMEOUT", config.get("IDEM_POOL_TIMEOUT", 5.0)),
+            **{
+                name: parse_seconds(
+                    f"IDEM_{name.upper()}", config.get(f"IDEM_{name.upper()}", getattr(defaults, name))
+                )
+                for name in ("lease_timeout", "recovery_deadline", "recovery_backoff", "recovery_backoff_cap")
+            },
+        )
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its password, for display."""
+    try:
+        params = conninfo_to_dict(url)
+    except Exception:  # not a conninfo psycopg understands: show nothing of it
+        return "<unparsable>"
+    if "password" in params:
+        params["password"] = "***"
+    return make_conninfo("", **params)
