@@ -6,6 +6,7 @@ from .errors import DatabaseUnavailable as DatabaseUnavailable
 from .errors import IdempotencyError as IdempotencyError
 from .errors import InvalidBody as InvalidBody
 from .errors import InvalidKey as InvalidKey
+from .errors import KeyExpired as KeyExpired
 from .errors import KeyInUse as KeyInUse
 from .errors import KeyMismatch as KeyMismatch
 from .errors import MissingKey as MissingKey
@@ -32,6 +33,7 @@ __all__ = [
     "IdempotencyError",
     "InvalidBody",
     "InvalidKey",
+    "KeyExpired",
     "KeyInUse",
     "KeyMismatch",
     "MissingKey",

@@ -17,7 +17,7 @@ from flask import Request, Response, current_app, g, request
 
 from . import _engine
 from ._calls import in_transaction, render
-from .errors import IdempotencyError, KeyInUse, KeyMismatch, MissingKey, NoScope, database_error
+from .errors import IdempotencyError, KeyExpired, KeyInUse, KeyMismatch, MissingKey, NoScope, database_error
 from .fingerprint import fingerprint
 from .flow import INTENT, Flow, Run, run_from_record
 from .keys import HEADER, parse_key
@@ -236,12 +236,32 @@ def _answer_existing(
     The error is returned, not raised, so that the caller can end its transaction with a COMMIT: a
     ROLLBACK would make psycopg forget the connection's prepared statements, and nothing was written.
     """
+    retention = {
+        "retention": {
+            "response_seconds": options.key_ttl(settings),
+            "tombstone_seconds": settings.tombstone_ttl,
+        }
+    }
     if record is None:
-        return KeyInUse(retry_after=settings.retry_after)
+        return KeyInUse(retry_after=settings.retry_after, members=retention)
     if not hmac.compare_digest(record.request_sha, request_sha):
         on_mismatch = settings.on_mismatch if options.on_mismatch is None else options.on_mismatch
         if on_mismatch != "replay":
-            return KeyMismatch()
+            return KeyMismatch(members=retention)
     if record.response is None:
-        return KeyInUse(retry_after=settings.retry_after)
+        return KeyInUse(retry_after=settings.retry_after, members=retention)
+    if record.stale:
+        return _tombstone_answer(record.response, retention)
     return replay_response(record.response)
+
+
+def _tombstone_answer(stored: Mapping[str, Any], retention: dict[str, Any]) -> Response | IdempotencyError:
+    """The answer to a retry whose stored response expired: never a second run.
+
+    ``303 See Other`` to the ``Location`` the first answer had ("the result of your request is over
+    there"), or ``410 Gone`` when it had none.
+    """
+    for name, value in stored.get("headers", ()):
+        if name.lower() == "location":
+            return Response(status=303, headers={"Location": value})
+    return KeyExpired(members=retention)

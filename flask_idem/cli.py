@@ -57,13 +57,14 @@ def init_db() -> None:
 )
 @_database_errors
 def purge(batch_size: int) -> None:
-    """Delete finished keys whose retention period (IDEM_KEY_TTL) has passed.
+    """Turn keys past their retention period (IDEM_KEY_TTL) into tombstones, and delete old tombstones.
 
-    Rows still processing and rows flagged for a person are never deleted. Prints how many rows were
-    removed.
+    A tombstone keeps the key, the request's fingerprint, the first answer's status and Location for
+    IDEM_TOMBSTONE_TTL more, so that a late retry is never run again. Rows still processing and rows
+    flagged for a person are never touched. Prints how many rows were deleted and tombstoned.
     """
-    removed = get_state().store.purge(batch_size=batch_size)
-    click.echo(f"Purged {removed} expired key(s).")
+    deleted, tombstoned = get_state().store.purge(batch_size=batch_size)
+    click.echo(f"Purged {deleted} expired key(s); {tombstoned} turned into tombstones.")
 
 
 @idem_cli.command("recover")

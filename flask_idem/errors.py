@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import traceback
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -24,6 +25,7 @@ from flask import Response, has_request_context, request
 from werkzeug.exceptions import (
     BadRequest,
     Conflict,
+    Gone,
     HTTPException,
     InternalServerError,
     ServiceUnavailable,
@@ -41,6 +43,7 @@ __all__ = [
     "IdempotencyError",
     "InvalidBody",
     "InvalidKey",
+    "KeyExpired",
     "KeyInUse",
     "KeyMismatch",
     "MissingKey",
@@ -78,9 +81,17 @@ class IdempotencyError(HTTPException):
     #: Seconds for ``Retry-After`` (typed as Werkzeug's own attribute of the same name).
     retry_after: datetime | int | None
 
-    def __init__(self, detail: str | None = None, *, retry_after: int | None = None) -> None:
+    def __init__(
+        self,
+        detail: str | None = None,
+        *,
+        retry_after: int | None = None,
+        members: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__(description=detail or self.default_detail)
         self.retry_after = retry_after
+        #: Extension members of the problem body (RFC 9457, section 3.2), such as ``retention``.
+        self.members: dict[str, Any] = dict(members or {})
 
     def to_dict(self) -> dict[str, Any]:
         """Return the problem details object of this error."""
@@ -92,7 +103,7 @@ class IdempotencyError(HTTPException):
         }
         if isinstance(self.retry_after, int):
             body["retry_after"] = self.retry_after
-        return body
+        return {**self.members, **body}
 
     def get_body(self, environ: Any = None, scope: Any = None) -> str:
         """The problem details as JSON text (used by Werkzeug to render the exception)."""
@@ -171,6 +182,22 @@ class KeyMismatch(IdempotencyError, UnprocessableEntity):
     default_detail = (
         "This Idempotency-Key was already used for a request with a different method, path, query or body. "
         "A retry must repeat the original request exactly; a new operation needs a new key."
+    )
+
+
+class KeyExpired(IdempotencyError, Gone):
+    """410: the key's stored answer is past its retention period; only a tombstone of it is left.
+
+    The first request was carried out and will not be repeated. Its answer had no ``Location`` to send
+    the client to (otherwise the answer is ``303 See Other`` there). A new operation needs a new key.
+    """
+
+    problem_type = _TYPE_PREFIX + "key-expired"
+    title = "The stored answer for this Idempotency-Key has expired"
+    default_detail = (
+        "The request first sent with this Idempotency-Key was carried out, and its answer is older than "
+        "the retention period, so it is no longer kept. The operation will not be carried out again; a "
+        "new operation needs a new key."
     )
 
 

@@ -46,12 +46,21 @@ DEFAULT_REPLAY_HEADERS = (
 _MISMATCH_CHOICES: tuple[OnMismatch, ...] = ("reject", "replay")
 
 
-def parse_seconds(name: str, value: Any) -> float:
-    """``value`` (a number or a ``timedelta``) as positive seconds; ``name`` is the setting it came from."""
+def parse_seconds(name: str, value: Any, *, zero: bool = False) -> float:
+    """``value`` (a number or a ``timedelta``) as positive seconds; ``name`` is the setting it came from.
+
+    :param zero: whether 0 is allowed too.
+    """
     if isinstance(value, timedelta):
         value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigurationError(f"{name} must be a positive number of seconds, not {value!r}.")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value < 0
+        or (value == 0 and not zero)
+    ):
+        kind = "a non-negative" if zero else "a positive"
+        raise ConfigurationError(f"{name} must be {kind} number of seconds, not {value!r}.")
     return float(value)
 
 
@@ -91,6 +100,8 @@ class Settings:
     recovery_deadline: float = 3600.0
     recovery_backoff: float = 2.0
     recovery_backoff_cap: float = 300.0
+    #: How long a key is remembered after its stored response expired (``IDEM_TOMBSTONE_TTL``).
+    tombstone_ttl: float = 30 * 24 * 3600.0
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -144,6 +155,9 @@ class Settings:
             pool_min_size=min_size,
             pool_max_size=max_size,
             pool_timeout=parse_seconds("IDEM_POOL_TIMEOUT", config.get("IDEM_POOL_TIMEOUT", 5.0)),
+            tombstone_ttl=parse_seconds(
+                "IDEM_TOMBSTONE_TTL", config.get("IDEM_TOMBSTONE_TTL", defaults.tombstone_ttl), zero=True
+            ),
             **{
                 name: parse_seconds(
                     f"IDEM_{name.upper()}", config.get(f"IDEM_{name.upper()}", getattr(defaults, name))

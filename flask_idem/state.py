@@ -45,7 +45,8 @@ class IdemState:
             timeout=settings.pool_timeout,
             prepare_threshold=settings.prepare_threshold,
         )
-        return cls(settings=settings, pool=pool, store=Store(pool, table=settings.table), flows=flows)
+        store = Store(pool, table=settings.table, tombstone_ttl=settings.tombstone_ttl)
+        return cls(settings=settings, pool=pool, store=store, flows=flows)
 
 
 def get_state(app: Flask | None = None) -> IdemState:

@@ -82,8 +82,12 @@ class KeyRecord:
     request_sha: bytes
     status: str
     response: dict[str, Any] | None
-    #: Past its retention period, finished, and not flagged for a person: the key may be used anew.
+    #: Past its retention period and its tombstone's, finished, and not flagged for a person: the key
+    #: may be used anew.
     expired: bool
+    #: Past its retention period but not its tombstone's: the stored response is gone (or about to be),
+    #: and a retry is told where the result is, or that it expired.
+    stale: bool
     #: Multi-step rows: whether a worker holds the request now, the flow, and what it recorded.
     lease_live: bool = False
     flow: str | None = None
@@ -167,11 +171,16 @@ class Store:
 
     :param pool: where :meth:`init_schema`, :meth:`stuck` and :meth:`purge` borrow connections.
     :param table: the key table's name, optionally schema-qualified (``"idem.keys"``).
+    :param tombstone_ttl: seconds a key is remembered, as a tombstone, after its stored response
+        expired; 0 forgets it at once.
     """
 
-    def __init__(self, pool: ProcessPool, *, table: str = "idempotency_keys") -> None:
+    def __init__(
+        self, pool: ProcessPool, *, table: str = "idempotency_keys", tombstone_ttl: float = 0.0
+    ) -> None:
         self._sql = _Statements(table)
         self.pool = pool
+        self.tombstone_ttl = tombstone_ttl
 
     # -- schema ----------------------------------------------------------------------------------------
 
@@ -206,6 +215,7 @@ class Store:
             "method": request.method,
             "path": request.path,
             "ttl": ttl,
+            "tomb": self.tombstone_ttl,
             "lock": lock_id(request.org_id, request.key),
         }
         statement = self._sql.reserve
@@ -314,19 +324,29 @@ class Store:
 
     # -- retention -------------------------------------------------------------------------------------
 
-    def purge(self, *, batch_size: int = 1000) -> int:
-        """Delete expired finished rows in batches of ``batch_size``, each its own short transaction.
+    def purge(self, *, batch_size: int = 1000) -> tuple[int, int]:
+        """Turn finished rows past retention into tombstones, and delete rows past their tombstone's.
 
-        ``processing`` rows and rows flagged for a person are never deleted, whatever their age.
-        Returns how many rows were removed.
+        Both steps work in batches of ``batch_size`` rows, each batch its own short transaction that
+        skips rows another transaction has locked (``FOR UPDATE SKIP LOCKED``), so writers never wait.
+        ``processing`` rows and rows flagged for a person are never touched, whatever their age. With a
+        tombstone period of 0 no tombstone is kept: expired rows are deleted.
+
+        :returns: how many rows were deleted and how many were turned into tombstones.
         """
-        removed = 0
-        while True:
-            with self.pool.connection() as conn, conn.transaction():
-                count = _cursor(conn).execute(self._sql.purge, {"limit": batch_size}).rowcount
-            removed += count
-            if count < batch_size:
-                return removed
+        params = {"limit": batch_size, "tomb": self.tombstone_ttl}
+        done = {"deleted": 0, "tombstoned": 0}
+        steps = [("deleted", self._sql.purge)]
+        if self.tombstone_ttl > 0:
+            steps.append(("tombstoned", self._sql.tombstone))
+        for name, statement in steps:
+            while True:
+                with self.pool.connection() as conn, conn.transaction():
+                    count = _cursor(conn).execute(statement, params).rowcount
+                done[name] += count
+                if count < batch_size:
+                    break
+        return done["deleted"], done["tombstoned"]
 
 
 class _Statements:
@@ -345,11 +365,20 @@ class _Statements:
 
         # The columns a later request reads (named as KeyRecord's fields), and the guard of every write
         # under a lease.
+        # A finished row is "stale" once its response passed retention, and "expired" (the key may be
+        # used anew) once its tombstone's period passed too. A row the purge turned into a tombstone
+        # has had its expires_at moved to the tombstone's end (see `tombstone` below).
+        finished = sql.SQL("k.status <> 'processing' AND NOT k.needs_attention")
+        gone = sql.SQL(
+            "k.expires_at + CASE WHEN k.response ? 'tombstone' THEN interval '0'"
+            " ELSE make_interval(secs => %(tomb)s) END <= now()"
+        )
         record = sql.SQL(
             "k.request_sha, k.status, k.response,"
-            " k.expires_at <= now() AND k.status <> 'processing' AND NOT k.needs_attention AS expired,"
+            " {finished} AND {gone} AS expired,"
+            " {finished} AND (k.response ? 'tombstone' OR k.expires_at <= now()) AS stale,"
             " coalesce(k.lease_expires_at > now(), false) AS lease_live, k.flow, k.step, k.state"
-        )
+        ).format(finished=finished, gone=gone)
         mine = sql.SQL(
             " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
             " AND status = 'processing' AND lease_token = %(token)s"
@@ -357,7 +386,11 @@ class _Statements:
 
         def q(text: LiteralString, **more: sql.Composable) -> bytes:
             # Rendered once: executing a Composed would compose it again on every call.
-            return sql.SQL(text).format(**names, record=record, mine=mine, **more).as_bytes(None)
+            return (
+                sql.SQL(text)
+                .format(**names, record=record, mine=mine, finished=finished, gone=gone, **more)
+                .as_bytes(None)
+            )
 
         ddl = files(__package__).joinpath("schema.sql").read_text("utf-8")
         self.schema = sql.SQL(ddl).format(**names).as_bytes(None)
@@ -387,9 +420,8 @@ class _Statements:
             " WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s"
         )
         self.delete_expired = q(
-            "DELETE FROM {table}"
-            " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
-            " AND expires_at <= now() AND status <> 'processing' AND NOT needs_attention"
+            "DELETE FROM {table} AS k"
+            " WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s AND {finished} AND {gone}"
         )
         self.complete = q(
             "UPDATE {table} SET status = 'completed', response = %(response)s"
@@ -441,8 +473,23 @@ class _Statements:
         )
         self.purge = q(
             "DELETE FROM {table} WHERE (org_id, idem_key) IN ("
-            " SELECT org_id, idem_key FROM {table}"
-            " WHERE expires_at <= now() AND status <> 'processing' AND NOT needs_attention"
-            " ORDER BY expires_at LIMIT %(limit)s"
+            " SELECT org_id, idem_key FROM {table} AS k"
+            " WHERE k.expires_at <= now() AND {finished} AND {gone}"
+            " ORDER BY k.expires_at LIMIT %(limit)s"
             " FOR UPDATE SKIP LOCKED)"
+        )
+        # What a tombstone keeps of the response: its status and Location, no body and no other header
+        # (they may carry personal data). Its expires_at moves to the end of the tombstone's period, out
+        # of the range the next purge walks.
+        self.tombstone = q(
+            "UPDATE {table} AS k SET expires_at = k.expires_at + make_interval(secs => %(tomb)s),"
+            " response = jsonb_build_object("
+            "  'tombstone', true, 'status', k.response->'status',"
+            "  'headers', coalesce((SELECT jsonb_agg(h) FROM jsonb_array_elements(k.response->'headers') AS h"
+            "                       WHERE lower(h->>0) = 'location'), '[]'::jsonb))"
+            " FROM (SELECT org_id, idem_key FROM {table} AS k"
+            "       WHERE k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'"
+            "       ORDER BY k.expires_at LIMIT %(limit)s"
+            "       FOR UPDATE SKIP LOCKED) AS due"
+            " WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key"
         )

@@ -22,10 +22,10 @@ def test_init_db_is_idempotent(app: Flask) -> None:
 
 
 def test_purge_reports_its_count(app: Flask, db: psycopg.Connection[Any]) -> None:
-    """`flask idem purge` prints how many keys it removed."""
+    """`flask idem purge` prints how many keys it removed and how many it turned into tombstones."""
     result = app.test_cli_runner().invoke(args=["idem", "purge", "--batch-size", "10"])
     assert result.exit_code == 0
-    assert result.output.strip() == "Purged 0 expired key(s)."
+    assert result.output.strip() == "Purged 0 expired key(s); 0 turned into tombstones."
 
 
 def test_recover_and_stuck_with_nothing_to_do(app: Flask) -> None:

@@ -224,10 +224,10 @@ def test_optional_key(app: Flask, db: psycopg.Connection[Any]) -> None:
 
 
 def test_expired_key_is_treated_as_new(app: Flask, db: psycopg.Connection[Any]) -> None:
-    """Past its retention period a key is new again: the view runs and its row is replaced."""
+    """Past its retention and tombstone periods a key is new again: the view runs and its row is replaced."""
     key = uuid.uuid4()
     first = post(app, "/notes", key, {"body": "a"})
-    db.execute("UPDATE idempotency_keys SET expires_at = now() - interval '1 second'")
+    db.execute("UPDATE idempotency_keys SET expires_at = now() - interval '30 days 1 second'")
     second = post(app, "/notes", key, {"body": "b"})
     assert (first.status_code, second.status_code) == (201, 201)
     assert count(db, "notes") == 2
@@ -309,7 +309,7 @@ def test_expired_key_being_renewed_is_in_flight(app: Flask, db: psycopg.Connecti
     app.config.update(ENTERED=entered, RELEASE=release)
     release.set()
     assert post(app, "/notes/block", key).status_code == 201
-    db.execute("UPDATE idempotency_keys SET expires_at = now() - interval '1 second'")
+    db.execute("UPDATE idempotency_keys SET expires_at = now() - interval '30 days 1 second'")
     db.execute("DELETE FROM notes")
     entered.clear()
     release.clear()
