@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ class ViewOptions:
     on_mismatch: OnMismatch | None
     ttl: float | None
     flow: Flow | None = None
+    key_from: Callable[[], Sequence[str]] | None = None
 
     def key_ttl(self, settings: Settings) -> float:
         """Seconds a key of this route is kept: the route's ``ttl``, or ``IDEM_KEY_TTL``."""
@@ -70,7 +71,11 @@ def handle(
     req = request._get_current_object()  # type: ignore[attr-defined]  # one proxy lookup, not one per use
     if req.method in SAFE_METHODS:
         return current_app.make_response(view(*args, **kwargs))
-    key = parse_key(req.headers.getlist(HEADER))
+    if options.key_from is None:
+        key = parse_key(req.headers.getlist(HEADER))
+    else:
+        _whole_body(req)  # cached first: a key read from a form must not consume the body fingerprinted
+        key = parse_key(options.key_from())
     try:
         if key is None:
             required = state.settings.require_key if options.required is None else options.required

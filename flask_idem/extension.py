@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -84,6 +84,7 @@ class Idempotency:
         on_mismatch: OnMismatch | None = None,
         ttl: float | timedelta | None = None,
         flow: Flow | None = None,
+        key_from: Callable[[], Sequence[str]] | None = None,
     ) -> Callable[[F], F]:
         """Decorate a view so that retried write requests are answered once.
 
@@ -111,6 +112,11 @@ class Idempotency:
             a short transaction and returns it as a ``dict``, and the flow's steps do the rest, each in
             its own short transaction or, for calls outside, with no transaction at all. A key is
             always required.
+        :param key_from: where the key comes from, for a request that cannot send the header: a function
+            returning the key's values in the request, validated like the header's (one UUID; none means
+            no key), e.g. ``lambda: request.form.getlist("idempotency_key")`` for a plain HTML form.
+            The body is read for the fingerprint before it is called. Default: the
+            ``Idempotency-Key`` header.
         :raises ConfigurationError: at decoration time, when there is no scope or an option is invalid.
         """
         scope = scope or self.scope
@@ -132,6 +138,7 @@ class Idempotency:
             on_mismatch=None if on_mismatch is None else parse_on_mismatch("on_mismatch", on_mismatch),
             ttl=None if ttl is None else parse_seconds("ttl", ttl),
             flow=flow,
+            key_from=key_from,
         )
 
         def decorator(view: F) -> F:

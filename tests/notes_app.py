@@ -41,6 +41,12 @@ def build_app(database_url: str, **config: Any) -> tuple[Flask, Idempotency]:
         note_id = insert(request.get_json()["body"])
         return {"id": note_id, "key": str(idem.key)}, 201, {"Location": f"/notes/{note_id}"}
 
+    @app.post("/notes/form")
+    @idem.idempotent(key_from=lambda: request.form.getlist("idempotency_key"))
+    def create_from_form() -> Any:
+        note_id = insert(request.form["body"])
+        return {"id": note_id, "key": str(idem.key)}, 201
+
     @app.get("/notes")
     @idem.idempotent()
     def listing() -> Any:

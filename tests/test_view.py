@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 from flask import Flask
+from werkzeug.datastructures import MultiDict
 
 from flask_idem.errors import PROBLEM_JSON
 
@@ -357,3 +358,33 @@ def test_prepared_statements_can_be_turned_off(
     for i in range(8):
         assert post(app, "/notes", uuid.uuid4(), {"body": f"n{i}"}).status_code == 201
     assert count(db, "notes") == 8
+
+
+def test_key_from_a_form_field(app: Flask, db: psycopg.Connection[Any]) -> None:
+    """key_from: the key comes from a form field; the whole form is still fingerprinted and replayed."""
+    client = app.test_client()
+    key = str(uuid.uuid4())
+    form = {"idempotency_key": key, "body": "from a form"}
+    first = client.post("/notes/form", data=form, headers=ORG)
+    second = client.post("/notes/form", data=form, headers=ORG)
+    changed = client.post("/notes/form", data={**form, "body": "other"}, headers=ORG)
+    header_only = client.post("/notes/form", data={"body": "x"}, headers={**ORG, "Idempotency-Key": key})
+    assert first.status_code == 201, first.data
+    assert first.json is not None and first.json["key"] == key
+    assert (second.status_code, second.headers["Idempotent-Replayed"]) == (200, "true")
+    assert second.data == first.data
+    assert changed.status_code == 422
+    assert header_only.status_code == 400  # the route reads the form only: no key there
+    assert count(db, "notes") == 1
+
+
+@pytest.mark.parametrize("values", [["not-a-uuid"], [str(uuid.uuid4())] * 2], ids=["not-uuid", "twice"])
+def test_key_from_validates_like_the_header(
+    app: Flask, db: psycopg.Connection[Any], values: list[str]
+) -> None:
+    """A form key that is not exactly one UUID is a 400, and nothing is written."""
+    data = MultiDict([("body", "x")] + [("idempotency_key", v) for v in values])
+    response = app.test_client().post("/notes/form", data=data, headers=ORG)
+    assert response.status_code == 400
+    assert response.mimetype == PROBLEM_JSON
+    assert (key_rows(db), count(db, "notes")) == (0, 0)
