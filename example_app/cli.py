@@ -66,6 +66,7 @@ def serve_command(host: str, port: int, gateway_port: int) -> None:
     _, api_key = create_org("demo")
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     app.config["GATEWAY_URL"] = gateway_url
+    app.config["SHOP_DEMO_API_KEY"] = api_key  # offered on the sign-in page
     env = {
         **os.environ,
         "FLASK_DATABASE_URL": app.config["IDEM_DATABASE_URL"],
@@ -82,6 +83,7 @@ def serve_command(host: str, port: int, gateway_port: int) -> None:
     worker.start()
     base = f"http://{host}:{port}"
     click.echo(
+        f"Shop: open {base} in a browser for the checkout\n"
         f"Gateway simulator: {gateway_url} (faults: POST {gateway_url}/_faults)\n"
         f"Demo API key: {api_key}\n"
         f"Place and pay an order:\n"
