@@ -143,8 +143,8 @@
       inProgress: "Your payment is in progress: the bank has not answered yet. Waiting…",
       async done(response, data, replayed) {
         const text = replayed
-          ? `This payment was already made; here it is (charge ${data.gateway_charge_id}). You were charged once.`
-          : `Paid. Thank you! (charge ${data.gateway_charge_id})`;
+          ? `This payment was already made; here it is. Your card was charged once (${data.gateway_charge_id}).`
+          : `Payment accepted: your card was charged once (${data.gateway_charge_id}).`;
         flashThenGo(replayed ? "info" : "ok", text, window.location.pathname);
       },
     },

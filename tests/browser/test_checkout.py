@@ -24,6 +24,7 @@ from playwright.sync_api import Browser, Page, Request, Route, expect
 
 from ..example_app.test_payments import add_fault, charges, payment_statuses
 from ..helpers import count
+from .conftest import SCREENSHOTS
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +72,11 @@ def place_order(shop: Shop, amount: str = "12.50") -> int:
     return int(page.url.rsplit("/", 1)[1])
 
 
+def snapshot(shop: Shop, name: str) -> None:
+    """A screenshot of the page as it is now, beside the final ones (the docs show some of these)."""
+    shop.page.screenshot(path=SCREENSHOTS / f"{name}.png", full_page=True)
+
+
 def no_secrets_leaked(shop: Shop) -> None:
     """No URL the browser asked for, and no line of the shop's log, holds the API key or a key it sent."""
     secrets = {shop.api_key} | {k for r in shop.requests if (k := r.headers.get("idempotency-key"))}
@@ -107,6 +113,7 @@ def shop(
 def test_double_click_on_pay_charges_once(shop: Shop, gateway_url: str, db: psycopg.Connection[Any]) -> None:
     """Two clicks on "Pay" within milliseconds send the same key twice: one order, one payment, one charge."""
     sign_in(shop)
+    snapshot(shop, "checkout")
     order_id = place_order(shop)
     expect(shop.page.locator("#status")).to_contain_text(f"Order {order_id} placed: 12.50 EUR")
     add_fault(gateway_url, "delay", delay=1.0)  # the first click is still at the bank when the second lands
@@ -140,6 +147,7 @@ def test_reload_during_place_order_then_try_again(shop: Shop, db: psycopg.Connec
     shop.page.reload()
     pending = shop.page.locator("[data-pending-for=order]")
     expect(pending).to_contain_text("We did not hear back about your order of 42.00 EUR.")
+    snapshot(shop, "checkout-no-answer")
     pending.get_by_role("button", name="Try again").click()
     shop.page.wait_for_url(re.compile(r".*/checkout/\d+$"))
     expect(shop.page.locator("#status")).to_contain_text("was already placed; here it is")
@@ -147,6 +155,27 @@ def test_reload_during_place_order_then_try_again(shop: Shop, db: psycopg.Connec
     assert len(shop.keys("/orders")) == 1
     rows = db.execute("SELECT id, amount FROM orders").fetchall()
     assert rows == [(int(shop.page.url.rsplit("/", 1)[1]), 4200)]
+    no_secrets_leaked(shop)
+
+
+def test_declined_then_paid_with_a_new_key(shop: Shop, gateway_url: str, db: psycopg.Connection[Any]) -> None:
+    """A decline is a final answer; paying again with another card is a new operation with a new key."""
+    sign_in(shop)
+    place_order(shop)
+    shop.page.check("input[value=tok_card_decline]")
+    shop.page.click("#pay")
+    expect(shop.page.locator("#status")).to_contain_text("Your card was declined. Nothing was charged.")
+    expect(shop.page.locator("#payment-state")).to_have_text("Your card was declined. Nothing was charged.")
+    shop.page.check("input[value=tok_mastercard]")
+    shop.page.click("#pay")
+    expect(shop.page.locator("#payment-state")).to_have_text("Paid. Thank you!")
+    assert len(shop.posts("/payments")) == 2
+    assert len(shop.keys("/payments")) == 2
+    assert payment_statuses(db) == ["declined", "succeeded"]
+    assert [c["status"] for c in charges(gateway_url)] == ["declined", "succeeded"]
+    shop.page.click("text=Orders")
+    expect(shop.page.locator("tbody tr")).to_have_count(1)
+    expect(shop.page.locator("tbody")).to_contain_text("succeeded")
     no_secrets_leaked(shop)
 
 
