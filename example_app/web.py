@@ -63,6 +63,15 @@ TEST_CARDS = {
     "tok_card_decline": "Card that the bank declines",
 }
 
+#: How the orders page names each payment state (``None``: no payment yet).
+PAYMENT_LABELS = {
+    None: "not paid",
+    "pending": "in progress",
+    "succeeded": "paid",
+    "declined": "declined",
+    "failed": "failed",
+}
+
 #: Sent with every page and static file of the front end. No inline script or style is allowed, no
 #: other site may frame the pages, and scripts may only talk to the shop itself.
 SECURITY_HEADERS = {
@@ -369,7 +378,7 @@ def orders_page() -> str:
     keys = ("id", "amount", "currency", "created_at", "payment", "charge_id", "needs_attention")
     orders = [dict(zip(keys, row, strict=True)) for row in rows]
     flagged = [o for o in orders if o["needs_attention"]]
-    return render_template("orders.html", orders=orders, flagged=flagged)
+    return render_template("orders.html", orders=orders, flagged=flagged, payment_labels=PAYMENT_LABELS)
 
 
 @bp.errorhandler(HTTPException)

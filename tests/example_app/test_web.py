@@ -321,7 +321,7 @@ def test_orders_page_lists_each_order_once_and_flags(
     rows = re.findall(r'<a href="/checkout/(\d+)">', html)
     assert rows == [str(i) for i in reversed(ids)]
     assert "1 payment needs a person" in html and f"order {ids[1]}" in html
-    assert re.search(rf'/checkout/{ids[0]}">.*?badge-succeeded', html, re.DOTALL)
+    assert re.search(rf'/checkout/{ids[0]}">.*?badge-succeeded">paid<', html, re.DOTALL)
     assert html.count("needs a person</span>") == 1
 
 
