@@ -351,7 +351,8 @@ def record(run: Run) -> ResponseReturnValue:
         "UPDATE payments SET status = %s, gateway_charge_id = %s, updated_at = now() WHERE id = %s",
         (status, outcome["charge_id"], run.intent["payment_id"]),
     )
-    return redirect(url_for(".order_page", order_id=run.intent["order_id"]), 303)
+    # Absolute endpoint: the recovery job runs this step outside any request to the blueprint.
+    return redirect(url_for("web.order_page", order_id=run.intent["order_id"]), 303)
 
 
 #: Each order once, with its latest payment, and whether flask-idem flagged that payment for a person.

@@ -377,3 +377,36 @@ def test_instance_secret_is_made_once(tmp_path: Path) -> None:
     assert _instance_secret(path) == first
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert list(path.parent.iterdir()) == [path]
+
+
+def test_pay_form_with_unknown_outcome_is_finished_by_recovery(
+    shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """Gateway fails after charging: a 503 page with the same form; recovery finishes; a resend replays."""
+    client = signed_in(shop, org[1])
+    front = client.get("/", headers=HTML)
+    token = field(front, "csrf_token")
+    order = client.post(
+        "/checkout",
+        data={
+            "csrf_token": token,
+            "idempotency_key": field(front, "idempotency_key"),
+            "amount": "4",
+            "currency": "EUR",
+        },
+    )
+    page = client.get(order.headers["Location"], headers=HTML)
+    data = {"csrf_token": token, "idempotency_key": field(page, "idempotency_key"), "source": "tok_visa"}
+    add_fault(gateway_url, "fail_after")
+    unknown = client.post(order.headers["Location"] + "/pay", data=data, headers=HTML)
+    assert unknown.status_code == 503
+    assert field(unknown, "idempotency_key") == data["idempotency_key"]
+    assert payment_statuses(db) == ["pending"]
+    db.execute("UPDATE idempotency_keys SET next_attempt_at = now() WHERE status = 'processing'")
+    result = shop.test_cli_runner().invoke(args=["idem", "recover"])
+    assert "Claimed 1: 1 completed" in result.output, result.output
+    again = client.post(order.headers["Location"] + "/pay", data=data, headers=HTML)
+    assert (again.status_code, again.headers["Idempotent-Replayed"]) == (303, "true")
+    assert again.headers["Location"] == order.headers["Location"]
+    assert len(charges(gateway_url)) == 1
+    assert payment_statuses(db) == ["succeeded"]
