@@ -22,7 +22,7 @@ from example_app.cli import create_org
 from example_app.web import SECURITY_HEADERS, _instance_secret
 from flask_idem.errors import PROBLEM_JSON
 
-from ..helpers import count
+from ..helpers import close_pool, count
 from .test_payments import add_fault, charges, payment_statuses
 
 HTML = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}
@@ -33,7 +33,7 @@ def shop(shop_config: dict[str, Any]) -> Iterator[Flask]:
     """The shop paying through the test gateway, with a demo key to offer on the sign-in page."""
     app = create_app({**shop_config, "GATEWAY_TIMEOUT": 5.0, "SECRET_KEY": "test", "SHOP_DEMO_API_KEY": None})
     yield app
-    app.extensions["idem"].store.close()
+    close_pool(app)
 
 
 @pytest.fixture
