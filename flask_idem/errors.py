@@ -298,7 +298,7 @@ def database_error(
     where = (request.endpoint or request.path) if has_request_context() else "a command"
     if isinstance(error, psycopg.errors.UndefinedTable):
         _logger.error(
-            "Database error in %s: %s (SQLSTATE 42P01)%s; rolled back and answered 500.",
+            "Database error in %s: UndefinedTable, %s (SQLSTATE 42P01)%s; rolled back and answered 500.",
             where,
             error.diag.message_primary,
             missing_table_hint(error, key_table),

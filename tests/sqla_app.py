@@ -83,7 +83,7 @@ bp = Blueprint("orders", __name__)
 
 @bp.before_request
 def authenticate() -> None:
-    """``Authorization: Bearer <API key>``, looked up through ``db.session`` (which begins its transaction)."""
+    """``Authorization: Bearer <API key>``, looked up through ``db.session`` (which begins a transaction)."""
     api_key = request.headers.get("Authorization", "").removeprefix("Bearer ")
     org_id = db.session.scalar(
         select(Org.id).where(

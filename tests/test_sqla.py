@@ -1,4 +1,4 @@
-"""Flask-SQLAlchemy: ``Idempotency(sqlalchemy=db)``, the orders route through ``db.session`` (tests.sqla_app)."""
+"""Flask-SQLAlchemy: ``Idempotency(sqlalchemy=db)``; the orders route through ``db.session`` (sqla_app)."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def test_commit_refused_is_a_500_problem(
 def test_rollback_inside_the_view_fails_the_request(
     sqla: Flask, org_key: str, db: psycopg.Connection[Any], path: str
 ) -> None:
-    """db.session.rollback() would drop the key's reservation: the request fails even if the error is caught."""
+    """db.session.rollback() drops the key's reservation: the request fails even if the error is caught."""
     key = uuid.uuid4()
     with pytest.raises(SessionCommitRefused):
         post(sqla, path, org_key, key)
