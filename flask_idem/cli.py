@@ -15,6 +15,7 @@ from flask.cli import AppGroup
 from psycopg.conninfo import conninfo_to_dict
 
 from .errors import missing_table_hint
+from .pool import ProcessPool
 from .recovery import RecoveryReport, recover, run_forever
 from .state import get_state
 
@@ -53,13 +54,19 @@ def _check_connection() -> None:
     server's own reason at once, not as a pool timeout after the pool's retries.
 
     The reason is libpq's message (host, port, user or database, and what went wrong); a password is
-    never part of it, and is blanked out should it appear.
+    never part of it, and is blanked out should it appear. With SQLAlchemy the engine makes that
+    connection, with its own connection arguments (its pool does not retry).
     """
-    url = get_state().settings.database_url
+    state = get_state()
+    url = state.settings.database_url
     params = conninfo_to_dict(url)
     timeout = int(params.get("connect_timeout") or _CONNECT_TIMEOUT)
     try:
-        psycopg.connect(url, connect_timeout=timeout).close()
+        if isinstance(state.pool, ProcessPool):
+            psycopg.connect(url, connect_timeout=timeout).close()
+        else:
+            with state.pool.connection():
+                pass
     except psycopg.OperationalError as e:
         reason = str(e).strip()
         password = params.get("password")

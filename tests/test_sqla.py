@@ -16,6 +16,7 @@ import pytest
 import requests
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
+from psycopg.conninfo import make_conninfo
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import scoped_session, sessionmaker
 
@@ -211,12 +212,42 @@ def test_flow_steps_use_the_session(
     assert checked_out(sqla) == 0
 
 
+def test_recovery_finishes_a_flow_through_the_session(
+    sqla: Flask, org_key: str, db: psycopg.Connection[Any]
+) -> None:
+    """`flask idem recover` resumes a stranded flow; its finish step writes through db.session."""
+    sqla.config["SEND_FAULTS"] = ["mailer unreachable"]
+    key = uuid.uuid4()
+    assert post(sqla, "/receipts", org_key, key).status_code == 503
+    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
+    result = sqla.test_cli_runner().invoke(args=["idem", "recover"])
+    assert "Claimed 1: 1 completed" in result.output, result.output
+    replay = post(sqla, "/receipts", org_key, key)
+    assert (replay.status_code, replay.json["amount"]) == (200, 1251)
+    assert db.execute("SELECT amount FROM orders").fetchall() == [(1251,)]
+    assert checked_out(sqla) == 0
+
+
 def test_cli_runs_on_the_engine(sqla: Flask) -> None:
     """`flask idem` commands work without IDEM_DATABASE_URL: they use the engine's database."""
     runner = sqla.test_cli_runner()
     assert "is ready" in runner.invoke(args=["idem", "init-db"]).output
     assert runner.invoke(args=["idem", "stuck"]).output.strip() == "0 row(s)."
     assert "Claimed 0" in runner.invoke(args=["idem", "recover"]).output
+
+
+def test_cli_reports_a_missing_database_through_the_engine(database_url: str) -> None:
+    """With SQLAlchemy, the command's first connection is the engine's, and its reason is printed."""
+    url = make_conninfo(database_url, dbname="no_such_db_for_sqla")
+    app = sqla_app.create_app({"TESTING": True, "DATABASE_URL": url})
+    try:
+        result = app.test_cli_runner().invoke(args=["idem", "stuck"])
+    finally:
+        with app.app_context():
+            sqla_app.db.engine.dispose()
+    assert result.exit_code == 1
+    assert "cannot connect to the database: connection failed:" in result.output
+    assert 'database "no_such_db_for_sqla" does not exist' in result.output
 
 
 def test_setup_mistakes_are_refused(database_url: str) -> None:
