@@ -182,6 +182,16 @@ def raw_and_orm() -> Any:
     return {"seen_by_raw": row[0] if row else None}, 201
 
 
+@bp.post("/orders/duplicate")
+@idem.idempotent()
+def duplicate() -> Any:
+    """A unique violation at flush, not caught: SQLAlchemy's IntegrityError leaves the view."""
+    order = _new_order()
+    db.session.add(Order(org_id=g.org_id, idempotency_key=idem.key, amount=1, currency=order.currency))
+    db.session.flush()
+    return {}, 201
+
+
 @bp.post("/orders/block")
 @idem.idempotent()
 def block() -> Any:

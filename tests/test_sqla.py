@@ -191,6 +191,15 @@ def test_view_error_rolls_back_its_orm_writes(sqla: Flask, org_key: str, db: psy
     assert checked_out(sqla) == 0
 
 
+def test_sqlalchemy_error_is_a_problem(sqla: Flask, org_key: str, db: psycopg.Connection[Any]) -> None:
+    """An IntegrityError from the view's flush is answered like the psycopg error it wraps: a 500 problem."""
+    answer = post(sqla, "/orders/duplicate", org_key, uuid.uuid4())
+    assert (answer.status_code, answer.mimetype) == (500, PROBLEM_JSON)
+    assert answer.json["type"] == "urn:flask-idem:problem:database-error"
+    assert count(db, "orders") == 0
+    assert count(db, "idempotency_keys") == 0
+
+
 def test_flow_steps_use_the_session(
     sqla: Flask, org_key: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
