@@ -19,6 +19,7 @@ from .flow import OutcomeUnknown as OutcomeUnknown
 from .flow import Run as Run
 from .keys import HEADER as HEADER
 from .replay import REPLAYED_HEADER as REPLAYED_HEADER
+from .scopes import scope_id as scope_id
 from .settings import OnMismatch as OnMismatch
 from .settings import ScopeFunc as ScopeFunc
 
@@ -44,4 +45,5 @@ __all__ = [
     "OutcomeUnknown",
     "Run",
     "ScopeFunc",
+    "scope_id",
 ]

@@ -14,10 +14,11 @@ from typing import Any, TypeVar
 import psycopg
 from flask import Response, current_app, has_request_context, request
 from psycopg import pq
+from psycopg.rows import TupleRow
 from werkzeug.exceptions import HTTPException
 
 from .errors import DatabaseFailed
-from .pool import Connection, ProcessPool
+from .pool import ConnectionSource
 
 __all__ = ["entering_app_code", "in_transaction", "render"]
 
@@ -44,8 +45,15 @@ def entering_app_code() -> None:
         progress.app_code_ran = True
 
 
-def in_transaction(pool: ProcessPool, body: Callable[[Connection], T]) -> T:
-    """Run ``body`` in one transaction on a pooled connection and commit, unless it fails.
+class _Discard(Exception):
+    """Ends a transaction with a ROLLBACK and carries the result out of it (a 5xx response)."""
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+
+def in_transaction(source: ConnectionSource, body: Callable[[psycopg.Connection[TupleRow]], T]) -> T:
+    """Run ``body`` in one transaction of ``source`` and commit, unless it fails.
 
     The transaction is rolled back instead when ``body`` raises, when it returns a 5xx response, and
     when application code inside it swallowed a database error (the transaction is then unusable, so
@@ -60,9 +68,9 @@ def in_transaction(pool: ProcessPool, body: Callable[[Connection], T]) -> T:
     for attempt in range(2):
         progress = _Progress()
         token = _progress.set(progress)
-        conn: Connection | None = None
+        conn: psycopg.Connection[TupleRow] | None = None
         try:
-            with pool.connection() as conn, conn.transaction() as tx:
+            with source.transaction() as conn:
                 result = body(conn)
                 if conn.info.transaction_status == pq.TransactionStatus.INERROR:
                     logger.error(
@@ -72,9 +80,12 @@ def in_transaction(pool: ProcessPool, body: Callable[[Connection], T]) -> T:
                     )
                     raise DatabaseFailed()
                 if isinstance(result, Response) and result.status_code >= 500:
-                    raise psycopg.Rollback(tx)
+                    raise _Discard(result)
                 progress.committing = True
             return result
+        except _Discard as discarded:
+            kept: T = discarded.result
+            return kept
         except psycopg.OperationalError:
             if (
                 attempt
@@ -84,7 +95,7 @@ def in_transaction(pool: ProcessPool, body: Callable[[Connection], T]) -> T:
                 or progress.committing
             ):
                 raise
-            pool.connection_lost(conn)
+            source.connection_lost(conn)
             logger.info("A pooled connection was dead before any work was done; running again.")
         finally:
             _progress.reset(token)

@@ -7,18 +7,17 @@ recovery job. Every transaction here is short and no connection is held during a
 from __future__ import annotations
 
 import logging
-import traceback
 from functools import partial
 from typing import Any
 
 import psycopg
 from flask import Response, current_app
+from psycopg.rows import TupleRow
 from werkzeug.exceptions import HTTPException
 
 from ._calls import entering_app_code, in_transaction, render
 from .errors import KeyInUse, OutcomePending
 from .flow import Flow, OutcomeUnknown, Run, Step
-from .pool import Connection
 from .replay import record_response
 from .state import IdemState
 from .store import Lease
@@ -59,8 +58,8 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
         response = in_transaction(pool, partial(_finish, state, flow, run, lease))
     except _LeaseLost:
         raise KeyInUse(retry_after=state.settings.retry_after) from None
-    except _Unknown:
-        _release(state, lease, "OutcomeUnknown", retry_in)
+    except _Unknown as e:
+        _release(state, lease, str(e), retry_in)
         raise OutcomePending(retry_after=state.settings.retry_after) from None
     except BaseException as e:
         _release(state, lease, type(e).__name__, retry_in)
@@ -70,13 +69,17 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
     return response
 
 
-def _record(state: IdemState, lease: Lease, step: str, result: Any, conn: Connection) -> None:
+def _record(
+    state: IdemState, lease: Lease, step: str, result: Any, conn: psycopg.Connection[TupleRow]
+) -> None:
     """Record the result of a call step, if this worker still holds the lease."""
     if not state.store.record_step(conn, lease, step, result):
         raise _LeaseLost()
 
 
-def _db_step(state: IdemState, step: Step, run: Run, lease: Lease, conn: Connection) -> Response | None:
+def _db_step(
+    state: IdemState, step: Step, run: Run, lease: Lease, conn: psycopg.Connection[TupleRow]
+) -> Response | None:
     """One database step in the caller's transaction; a 4xx it raises ends the request with that answer."""
     if not state.store.hold(conn, lease):
         raise _LeaseLost()
@@ -98,7 +101,9 @@ def _db_step(state: IdemState, step: Step, run: Run, lease: Lease, conn: Connect
     return None
 
 
-def _finish(state: IdemState, flow: Flow, run: Run, lease: Lease, conn: Connection) -> Response:
+def _finish(
+    state: IdemState, flow: Flow, run: Run, lease: Lease, conn: psycopg.Connection[TupleRow]
+) -> Response:
     if not state.store.hold(conn, lease):
         raise _LeaseLost()
     assert flow.finisher is not None
@@ -113,7 +118,9 @@ def _finish(state: IdemState, flow: Flow, run: Run, lease: Lease, conn: Connecti
     return response
 
 
-def _store_final(state: IdemState, conn: Connection, lease: Lease, response: Response) -> None:
+def _store_final(
+    state: IdemState, conn: psycopg.Connection[TupleRow], lease: Lease, response: Response
+) -> None:
     if not state.store.complete(conn, lease, record_response(response, state.settings.replay_headers)):
         raise _LeaseLost()
 
@@ -126,18 +133,22 @@ def _call_outside(step: Step, run: Run) -> Any:
             if found is not None:
                 return found
         return step.func(run)
+    except OutcomeUnknown as e:
+        logger.warning("Outcome of step %r of %s unknown: %s", step.name, run.flow, e or "(no message)")
+        raise _Unknown("OutcomeUnknown") from e
     except Exception as e:
-        if isinstance(e, OutcomeUnknown):
-            logger.warning("Outcome of step %r of %s unknown: %s.", step.name, run.flow, type(e).__name__)
-        else:
-            logger.error(
-                "Step %r of %s raised %s; treated as outcome unknown.\n%s",
-                step.name,
-                run.flow,
-                type(e).__name__,
-                "".join(traceback.format_tb(e.__traceback__)),
-            )
-        raise _Unknown() from e
+        # Not the step saying "I cannot tell": most likely a bug in the step. The outcome is treated as
+        # unknown all the same (the call may have happened), and the full traceback is logged.
+        logger.error(
+            "Step %r of %s failed with %s: %s. This is not OutcomeUnknown, so it may be a bug in the"
+            " step; the outcome is treated as unknown and the request will be retried.",
+            step.name,
+            run.flow,
+            type(e).__name__,
+            e,
+            exc_info=e,
+        )
+        raise _Unknown(f"{type(e).__name__} (error in step)") from e
 
 
 def _release(state: IdemState, lease: Lease, error: str, retry_in: float) -> None:

@@ -14,14 +14,23 @@ from typing import Any
 
 import psycopg
 from flask import Request, Response, current_app, g, request
+from psycopg.rows import TupleRow
 
 from . import _engine
 from ._calls import in_transaction, render
-from .errors import IdempotencyError, KeyExpired, KeyInUse, KeyMismatch, MissingKey, NoScope, database_error
+from .errors import (
+    ConfigurationError,
+    IdempotencyError,
+    KeyExpired,
+    KeyInUse,
+    KeyMismatch,
+    MissingKey,
+    NoScope,
+    database_error,
+)
 from .fingerprint import fingerprint
 from .flow import INTENT, Flow, Run, run_from_record
 from .keys import HEADER, parse_key
-from .pool import Connection
 from .replay import record_response, replay_response
 from .settings import OnMismatch, ScopeFunc, Settings
 from .state import IdemState
@@ -39,7 +48,7 @@ _CURRENT_ATTR = "_flask_idem_current"
 class Current:
     """What a running idempotent view can ask about its request (kept on :data:`flask.g`)."""
 
-    connection: Connection
+    connection: psycopg.Connection[TupleRow]
     org_id: int | None
     key: uuid.UUID | None
 
@@ -98,7 +107,9 @@ def handle(
             return _atomic(state, options, attempt)
         return _multistep(state, options, options.flow, attempt)
     except psycopg.Error as e:
-        raise database_error(e, retry_after=state.settings.retry_after) from None
+        raise database_error(
+            e, retry_after=state.settings.retry_after, key_table=state.settings.table
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +121,7 @@ class _Attempt:
     kwargs: Mapping[str, Any]
     request: KeyedRequest
 
-    def call(self, conn: Connection) -> Any:
+    def call(self, conn: psycopg.Connection[TupleRow]) -> Any:
         """Call the view on ``conn`` (:func:`_call_view`)."""
         return _call_view(conn, self.request.org_id, self.request.key, self.view, self.args, self.kwargs)
 
@@ -119,7 +130,7 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
     """Reserve, run the view and store its response in one transaction."""
     keyed, settings = attempt.request, state.settings
 
-    def body(conn: Connection) -> Response | IdempotencyError:
+    def body(conn: psycopg.Connection[TupleRow]) -> Response | IdempotencyError:
         found = state.store.reserve(conn, keyed, ttl=options.key_ttl(settings))
         if not found.reserved:
             return _answer_existing(settings, options, found.record, keyed.request_sha)
@@ -149,7 +160,7 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
     seconds = flow.lease_timeout or settings.lease_timeout
     lease = Lease(keyed.org_id, keyed.key, token=uuid.uuid4(), seconds=seconds)
 
-    def begin(conn: Connection) -> Response | IdempotencyError | Run:
+    def begin(conn: psycopg.Connection[TupleRow]) -> Response | IdempotencyError | Run:
         found = state.store.reserve(conn, keyed, ttl=options.key_ttl(settings), flow=flow.name, lease=lease)
         if found.reserved:
             intent = attempt.call(conn)
@@ -197,7 +208,7 @@ def _whole_body(req: Request) -> bytes:
 
 
 def _call_view(
-    conn: Connection,
+    conn: psycopg.Connection[TupleRow],
     org_id: int | None,
     key: uuid.UUID | None,
     view: Callable[..., Any],
@@ -218,8 +229,9 @@ def current() -> Current:
     if found is None:
         raise RuntimeError(
             "idem.connection and idem.key are only available while an @idem.idempotent() view"
-            " handles a write request. Elsewhere, borrow a connection with"
-            " 'with idem.pool.connection() as conn:'."
+            " handles a write request. If this is such a view, check that @idem.idempotent() is placed"
+            " below @app.post(...): above it, Flask registers the undecorated view. Elsewhere, borrow a"
+            " connection with 'with idem.pool.connection() as conn:'."
         )
     return found
 
@@ -229,7 +241,11 @@ def _org_id(scope: ScopeFunc) -> int:
     if org_id is None:
         raise NoScope()
     if type(org_id) is not int or not -(2**63) <= org_id < 2**63:
-        raise TypeError(f"The idempotency scope must return a bigint organisation id, not {org_id!r}")
+        raise ConfigurationError(
+            "The idempotency scope must return an int organisation id that fits a bigint (or None), not"
+            f" {'an out-of-range int' if type(org_id) is int else type(org_id).__name__}. Map UUID and"
+            " text tenant ids with flask_idem.scope_id(): scope=lambda: scope_id(tenant_id)."
+        )
     return org_id
 
 

@@ -12,7 +12,10 @@ import click
 import psycopg
 from flask import current_app
 from flask.cli import AppGroup
+from psycopg.conninfo import conninfo_to_dict
 
+from .errors import missing_table_hint
+from .pool import ProcessPool
 from .recovery import RecoveryReport, recover, run_forever
 from .state import get_state
 
@@ -20,22 +23,56 @@ __all__ = ["idem_cli"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: Seconds the first connection of a command may take, unless the URL sets connect_timeout.
+_CONNECT_TIMEOUT = 5
+
 idem_cli = AppGroup("idem", help="Manage the idempotency key table of flask-idem.")
 
 
 def _database_errors(command: F) -> F:
-    """Report a database error as one line without its message, which may quote settings or values."""
+    """Check the database can be reached first; report a database error as one line without its
+    message, which may quote settings or values."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _check_connection()
         try:
             return command(*args, **kwargs)
         except psycopg.Error as e:
+            hint = ""
+            if isinstance(e, psycopg.errors.UndefinedTable):
+                hint = missing_table_hint(e, get_state().settings.table) or f": {e.diag.message_primary}"
             raise click.ClickException(
-                f"database error: {type(e).__name__} (SQLSTATE {e.sqlstate or 'none'})"
+                f"database error: {type(e).__name__} (SQLSTATE {e.sqlstate or 'none'}){hint}"
             ) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _check_connection() -> None:
+    """Make one direct connection, so that a database that cannot be reached is reported with the
+    server's own reason at once, not as a pool timeout after the pool's retries.
+
+    The reason is libpq's message (host, port, user or database, and what went wrong); a password is
+    never part of it, and is blanked out should it appear. With SQLAlchemy the engine makes that
+    connection, with its own connection arguments (its pool does not retry).
+    """
+    state = get_state()
+    url = state.settings.database_url
+    params = conninfo_to_dict(url)
+    timeout = int(params.get("connect_timeout") or _CONNECT_TIMEOUT)
+    try:
+        if isinstance(state.pool, ProcessPool):
+            psycopg.connect(url, connect_timeout=timeout).close()
+        else:
+            with state.pool.connection():
+                pass
+    except psycopg.OperationalError as e:
+        reason = str(e).strip()
+        password = params.get("password")
+        if password:
+            reason = reason.replace(str(password), "***")
+        raise click.ClickException(f"cannot connect to the database: {reason}") from None
 
 
 @idem_cli.command("init-db")

@@ -50,6 +50,7 @@ __all__ = [
     "NoScope",
     "OperationFailed",
     "OutcomePending",
+    "missing_table_hint",
     "problem",
 ]
 
@@ -278,19 +279,31 @@ def problem(error: HTTPException) -> Response:
 _logger = logging.getLogger("flask_idem")
 
 
-def database_error(error: psycopg.Error, *, retry_after: int = 1) -> IdempotencyError:
+def database_error(
+    error: psycopg.Error, *, retry_after: int = 1, key_table: str | None = None
+) -> IdempotencyError:
     """The HTTP error for a driver error: 503 when retrying may help, 500 otherwise.
 
     The error is logged by class and SQLSTATE only. Its message is never logged or sent, because
     PostgreSQL quotes row values in it (``DETAIL: Key (...)=(...) already exists``) and libpq quotes
-    connection settings. The 500 case logs the stack frames, which hold code, not values.
-    Applications can route their own database errors through it::
+    connection settings. The 500 case logs the stack frames, which hold code, not values. A missing
+    table is the exception: its message names the table only, and is logged, with the fix when the
+    table is ``key_table`` (the extension's). Applications can route their own database errors
+    through it::
 
         @app.errorhandler(psycopg.Error)
         def db_error(e):
             return flask_idem.errors.problem(flask_idem.errors.database_error(e))
     """
     where = (request.endpoint or request.path) if has_request_context() else "a command"
+    if isinstance(error, psycopg.errors.UndefinedTable):
+        _logger.error(
+            "Database error in %s: UndefinedTable, %s (SQLSTATE 42P01)%s; rolled back and answered 500.",
+            where,
+            error.diag.message_primary,
+            missing_table_hint(error, key_table),
+        )
+        return DatabaseFailed()
     if isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError)):
         _logger.warning(
             "Database unavailable in %s: %s (SQLSTATE %s); answered 503.",
@@ -307,3 +320,13 @@ def database_error(error: psycopg.Error, *, retry_after: int = 1) -> Idempotency
         "".join(traceback.format_tb(error.__traceback__)),
     )
     return DatabaseFailed()
+
+
+def missing_table_hint(error: psycopg.errors.UndefinedTable, key_table: str | None) -> str:
+    """``". Create the key table ..."`` when ``error`` is about the key table ``key_table``, else ``""``."""
+    if key_table is None or f'"{key_table.rsplit(".", 1)[-1]}"' not in (error.diag.message_primary or ""):
+        return ""
+    return (
+        f". The key table {key_table} does not exist: create it with 'flask idem init-db'"
+        " (or idem.create_table())"
+    )

@@ -9,20 +9,27 @@ from __future__ import annotations
 import functools
 import inspect
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import psycopg
 from flask import Flask, Response
+from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from . import _view
 from .cli import idem_cli
 from .errors import ConfigurationError
 from .flow import Flow
-from .pool import Connection
+from .pool import Connection, ConnectionSource, ProcessPool
 from .settings import OnMismatch, ScopeFunc, Settings, parse_on_mismatch, parse_seconds
 from .state import EXTENSION_NAME, IdemState, get_state
+
+if TYPE_CHECKING:
+    from flask_sqlalchemy import SQLAlchemy
+    from sqlalchemy.orm import scoped_session
 
 __all__ = ["Idempotency"]
 
@@ -42,18 +49,37 @@ class Idempotency:
             idem.init_app(app)
             return app
 
-    and opt routes in with :meth:`idempotent`.
+    and opt routes in with :meth:`idempotent`. An application that writes through Flask-SQLAlchemy names
+    its extension instead of a database URL, and its views keep using ``db.session``
+    (:doc:`/sqlalchemy`)::
+
+        db = SQLAlchemy(model_class=Base)
+        idem = Idempotency(scope=current_org_id, sqlalchemy=db)
 
     :param app: initialise this application at once.
     :param scope: a function called during a request that returns the authenticated organisation's id
-        (an ``int`` that fits a ``bigint``), or ``None`` when the request is not authenticated (answered
-        401). Keys belong to that organisation: the same key from two organisations names two operations.
-        It must derive the organisation from the credentials, never from the request body.
+        (an ``int`` that fits a ``bigint``; see :func:`flask_idem.scope_id` for UUID and text ids), or
+        ``None`` when the request is not authenticated (answered 401). Keys belong to that organisation:
+        the same key from two organisations names two operations. It must derive the organisation from
+        the credentials, never from the request body.
+    :param sqlalchemy: the Flask-SQLAlchemy extension (or a SQLAlchemy ``scoped_session`` bound to an
+        engine) whose session idempotent views write through. The key store then runs in the session's
+        transaction, on the engine's psycopg 3 connections; ``IDEM_DATABASE_URL`` must not be set.
     """
 
-    def __init__(self, app: Flask | None = None, *, scope: ScopeFunc | None = None) -> None:
+    def __init__(
+        self,
+        app: Flask | None = None,
+        *,
+        scope: ScopeFunc | None = None,
+        sqlalchemy: SQLAlchemy | scoped_session[Any] | None = None,
+    ) -> None:
         self.scope = scope
+        self.sqlalchemy = sqlalchemy
         self._flows: dict[str, Flow] = {}
+        #: Every decorated view and its wrapper, to find a wrapper that never became a route.
+        self._wrappers: dict[Callable[..., Any], Callable[..., Any]] = {}
+        self._apps: weakref.WeakSet[Flask] = weakref.WeakSet()
         if app is not None:
             self.init_app(app)
 
@@ -61,7 +87,11 @@ class Idempotency:
         """Read the ``IDEM_*`` configuration of ``app``, set up its key store and add ``flask idem``.
 
         The pool is not opened here but on first use in each process, so this is safe to call in the
-        master of a pre-fork server.
+        master of a pre-fork server. With ``sqlalchemy=``, call ``db.init_app(app)`` first.
+
+        The first request the application handles checks that every decorated view is the one its route
+        calls (:meth:`idempotent` placed below ``@app.post``); a misplaced decorator fails every request
+        with a :class:`ConfigurationError` that names the view, rather than leaving it unprotected.
 
         :raises ConfigurationError: when the configuration is invalid, or when ``app`` was already
             initialised by an :class:`Idempotency` instance.
@@ -71,10 +101,48 @@ class Idempotency:
                 "This application already has flask-idem set up. Call init_app() once per"
                 " application; create one Idempotency() and share it between modules."
             )
-        settings = Settings.from_config(app.config)
-        app.extensions[EXTENSION_NAME] = IdemState.create(settings, self._flows)
+        source: ConnectionSource | None = None
+        if self.sqlalchemy is None:
+            settings = Settings.from_config(app.config)
+        else:
+            from .sqla import SessionSource  # SQLAlchemy is an optional dependency
+
+            if app.config.get("IDEM_DATABASE_URL"):
+                raise ConfigurationError(
+                    "IDEM_DATABASE_URL is set, but with sqlalchemy= the key store runs on the"
+                    " SQLAlchemy engine's connections, in the session's transaction. Remove it."
+                )
+            sessions = SessionSource.for_app(app, self.sqlalchemy)
+            settings = Settings.from_config(app.config, database_url=sessions.conninfo)
+            source = sessions
+        app.extensions[EXTENSION_NAME] = IdemState.create(settings, self._flows, source)
         if "idem" not in app.cli.commands:
             app.cli.add_command(idem_cli)
+        app.before_request(self._placement_check(app))
+        self._apps.add(app)
+
+    def _placement_check(self, app: Flask) -> Callable[[], None]:
+        """A ``before_request`` hook that refuses to serve while a decorated view is not its route's view.
+
+        ``@idem.idempotent()`` placed above ``@app.post(...)`` lets Flask register the undecorated view
+        and returns a wrapper that nothing calls: the route would run with no idempotency at all. The
+        views are compared once, at the first request, when every blueprint is registered.
+        """
+        misplaced: list[str] | None = None
+
+        def check() -> None:
+            nonlocal misplaced
+            if misplaced is None:
+                routed = set(app.view_functions.values())
+                misplaced = sorted(
+                    f"{view.__module__}.{view.__qualname__}"
+                    for view, wrapper in self._wrappers.items()
+                    if view in routed and wrapper not in routed
+                )
+            if misplaced:
+                raise ConfigurationError(_misplaced_message(misplaced))
+
+        return check
 
     def idempotent(
         self,
@@ -151,6 +219,10 @@ class Idempotency:
             def wrapper(*args: Any, **kwargs: Any) -> Response:
                 return _view.handle(get_state(), view, args, kwargs, options)
 
+            self._wrappers[view] = wrapper
+            for app in self._apps:
+                if view in app.view_functions.values():
+                    raise ConfigurationError(_misplaced_message([f"{view.__module__}.{view.__qualname__}"]))
             return wrapper  # type: ignore[return-value]
 
         return decorator
@@ -163,17 +235,18 @@ class Idempotency:
         """Close the current application's connection pool in this process.
 
         Call it when an application is done with (at the end of a test, or before a process exits
-        without ``atexit``); a later use opens a new pool.
+        without ``atexit``); a later use opens a new pool. With ``sqlalchemy=`` there is no pool of the
+        extension's own, and this does nothing: the engine is the application's.
         """
         get_state().pool.close()
 
     @property
-    def connection(self) -> Connection:
+    def connection(self) -> psycopg.Connection[TupleRow]:
         """The psycopg connection of the running idempotent view, inside its transaction.
 
         Use it for every write the view makes, so that those writes commit together with the key
         record. Do not commit or roll back yourself; nested ``with conn.transaction():`` blocks
-        (savepoints) are fine.
+        (savepoints) are fine. With ``sqlalchemy=`` it is the connection under ``db.session``.
 
         :raises RuntimeError: outside an idempotent view handling a write request.
         """
@@ -198,5 +271,22 @@ class Idempotency:
                 rows = conn.execute("SELECT ...").fetchall()
 
         It is opened on first use in each process, so it is safe in a pre-fork server's master.
+
+        :raises ConfigurationError: with ``sqlalchemy=``, where the application's engine is the pool.
         """
-        return get_state().pool.pool
+        source = get_state().pool
+        if not isinstance(source, ProcessPool):
+            raise ConfigurationError(
+                "This application uses SQLAlchemy (Idempotency(sqlalchemy=...)): flask-idem has no pool"
+                " of its own. Use db.session, or db.engine for connections."
+            )
+        return source.pool
+
+
+def _misplaced_message(views: list[str]) -> str:
+    return (
+        f"@idem.idempotent() is not the view its route calls for {', '.join(views)}: it is placed above"
+        " the route decorator, so Flask registered the undecorated view and the route has no"
+        " idempotency at all. Put @idem.idempotent() below @app.post(...) (or @bp.post(...)):"
+        " the route decorator must be the outermost one."
+    )

@@ -46,8 +46,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar, overload
 
+import psycopg
+from psycopg.rows import TupleRow
+
 from .errors import ConfigurationError
-from .pool import Connection
 from .settings import parse_seconds
 
 __all__ = ["Flow", "OutcomeUnknown", "Run"]
@@ -82,7 +84,7 @@ class Run:
     results: dict[str, Any] = field(default_factory=dict)
     last_step: str | None = None
     resumed: bool = False
-    _connection: Connection | None = field(default=None, repr=False)
+    _connection: psycopg.Connection[TupleRow] | None = field(default=None, repr=False)
 
     @property
     def intent(self) -> Any:
@@ -90,7 +92,7 @@ class Run:
         return self.results[INTENT]
 
     @property
-    def connection(self) -> Connection:
+    def connection(self) -> psycopg.Connection[TupleRow]:
         """The connection of the running :meth:`Flow.step` or :meth:`Flow.finish` step, in its transaction.
 
         :raises RuntimeError: in a :meth:`Flow.call` step, which must not hold a connection.

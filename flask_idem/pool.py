@@ -1,7 +1,10 @@
-"""The per-process connection pool: one psycopg pool in each process, opened on first use.
+"""Where the extension's connections and transactions come from, and the per-process pool that gives them.
 
-Shared by the key store and by an application's own database work (:attr:`.Idempotency.pool`); the
-shop's payment gateway simulator uses it too.
+:class:`ConnectionSource` is what the rest of the extension asks for a connection or a transaction. The
+default source is :class:`ProcessPool`: one psycopg pool in each process, opened on first use, shared by the
+key store and by an application's own database work (:attr:`.Idempotency.pool`); the shop's payment
+gateway simulator uses it too. An application built on SQLAlchemy uses :class:`.sqla.SessionSource`
+instead, so that the key and the view's ORM work share the session's transaction.
 
 A database restart (or a failover, or a PgBouncer restart) leaves every idle pooled connection dead. The
 pool notices that without a round trip: an idle connection has nothing to read, so a socket that is
@@ -20,15 +23,43 @@ import select
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import pq
 from psycopg.rows import DictRow, TupleRow
 from psycopg_pool import ConnectionPool
 
-__all__ = ["Connection", "ProcessPool"]
+__all__ = ["Connection", "ConnectionSource", "ProcessPool"]
+
+
+class ConnectionSource(Protocol):
+    """Where the extension gets its connections: a pool of its own, or an application's SQLAlchemy session.
+
+    Every connection is a psycopg 3 connection; the key store's statements run on any of them.
+    """
+
+    def connection(self) -> AbstractContextManager[psycopg.Connection[TupleRow]]:
+        """A connection for the duration of a ``with`` block, with no transaction of the caller's open.
+
+        The caller opens its own with ``conn.transaction()`` when it needs one.
+        """
+        ...
+
+    def transaction(self) -> AbstractContextManager[psycopg.Connection[TupleRow]]:
+        """A connection inside a new transaction, committed when the block ends and rolled back when it
+        raises. Application code in the block writes through the same transaction."""
+        ...
+
+    def close(self) -> None:
+        """Let go of this process's connections; a later use opens new ones."""
+        ...
+
+    def connection_lost(self, conn: psycopg.Connection[Any]) -> None:
+        """Note that ``conn`` was found closed by the server (a restart): replace the others of its age."""
+        ...
+
 
 logger = logging.getLogger("flask_idem")
 
@@ -183,4 +214,25 @@ class ProcessPool:
     def connection(self) -> Iterator[Connection]:
         """Borrow a connection from the pool for the duration of a ``with`` block."""
         with self.pool.connection() as conn:
+            yield conn
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """Borrow a connection and run the ``with`` block in one transaction on it.
+
+        A connection found dead at BEGIN (the server closed it since it was opened) is replaced once:
+        nothing was sent on it that could have taken effect.
+        """
+        with ExitStack() as stack:
+            conn = stack.enter_context(self.pool.connection())
+            try:
+                stack.enter_context(conn.transaction())
+            except psycopg.OperationalError:
+                if not (conn.closed or conn.broken):
+                    raise
+                self.connection_lost(conn)
+                logger.info("A pooled connection was dead before any work was done; running again.")
+                stack.close()  # the dead connection goes back to the pool, which discards it
+                conn = stack.enter_context(self.pool.connection())
+                stack.enter_context(conn.transaction())
             yield conn

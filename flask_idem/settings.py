@@ -6,11 +6,13 @@ validators, shared by the configuration and by :meth:`.Idempotency.idempotent`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Literal, TypeAlias
 
+import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .errors import ConfigurationError
@@ -20,6 +22,7 @@ __all__ = [
     "OnMismatch",
     "ScopeFunc",
     "Settings",
+    "check_database_url",
     "parse_on_mismatch",
     "parse_seconds",
 ]
@@ -42,6 +45,9 @@ DEFAULT_REPLAY_HEADERS = (
     "Last-Modified",
     "Link",
 )
+
+#: The URL schemes libpq accepts.
+_SCHEMES = ("postgresql", "postgres")
 
 _MISMATCH_CHOICES: tuple[OnMismatch, ...] = ("reject", "replay")
 
@@ -108,14 +114,19 @@ class Settings:
         return f"Settings(database_url={_redacted(self.database_url)!r}, {shown})"
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> Settings:
-        """Build the settings from a Flask config, with an actionable error for each bad value."""
-        url = config.get("IDEM_DATABASE_URL")
+    def from_config(cls, config: Mapping[str, Any], *, database_url: str | None = None) -> Settings:
+        """Build the settings from a Flask config, with an actionable error for each bad value.
+
+        :param database_url: the database when it does not come from ``IDEM_DATABASE_URL`` (the
+            SQLAlchemy engine's).
+        """
+        url = database_url or config.get("IDEM_DATABASE_URL")
         if not url or not isinstance(url, str):
             raise ConfigurationError(
                 "Set IDEM_DATABASE_URL to a PostgreSQL URL such as"
                 " 'postgresql://user@localhost/app' before calling init_app()."
             )
+        check_database_url(url)
         defaults = cls(database_url=url)
         min_size = _positive_int("IDEM_POOL_MIN_SIZE", config.get("IDEM_POOL_MIN_SIZE", 1))
         max_size = _positive_int("IDEM_POOL_MAX_SIZE", config.get("IDEM_POOL_MAX_SIZE", 10))
@@ -165,6 +176,32 @@ class Settings:
                 for name in ("lease_timeout", "recovery_deadline", "recovery_backoff", "recovery_backoff_cap")
             },
         )
+
+
+def check_database_url(url: str) -> None:
+    """Refuse (:class:`ConfigurationError`) anything but a PostgreSQL URL or a libpq key=value string.
+
+    A malformed URL would otherwise be found only by the pool, which retries it until every request
+    times out with a 503 "retry later": a permanent mistake dressed as a passing fault. The message
+    never repeats the value, which may hold a password.
+    """
+    scheme, sep, _ = url.partition("://")
+    if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme) and scheme.lower() not in _SCHEMES:
+        hint = (
+            " That is a SQLAlchemy URL: pass Idempotency(sqlalchemy=db) instead, or drop the '+driver'."
+            if scheme.lower().startswith(("postgresql+", "postgres+"))
+            else ""
+        )
+        raise ConfigurationError(
+            f"IDEM_DATABASE_URL must be a PostgreSQL URL (postgresql://...), not a {scheme!r} URL.{hint}"
+        )
+    try:
+        conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        raise ConfigurationError(
+            "IDEM_DATABASE_URL is not a PostgreSQL connection string. Use a URL such as"
+            " 'postgresql://user:password@host:5432/dbname' or libpq's 'host=... dbname=...' form."
+        ) from None
 
 
 def _redacted(url: str) -> str:

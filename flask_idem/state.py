@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from flask import Flask, current_app
 
 from .flow import Flow
-from .pool import ProcessPool
+from .pool import ConnectionSource, ProcessPool
 from .settings import Settings
 from .store import Store
 
@@ -29,16 +29,23 @@ class IdemState:
     """The extension's state for one application."""
 
     settings: Settings
-    #: This application's per-process pool: the key store's and :attr:`.Idempotency.pool`.
-    pool: ProcessPool
+    #: Where this application's connections and transactions come from: its per-process pool (the key
+    #: store's and :attr:`.Idempotency.pool`), or its SQLAlchemy session (:mod:`.sqla`).
+    pool: ConnectionSource
     store: Store
     #: The flows of multi-step routes by name, for the recovery job (shared with the extension object).
     flows: Mapping[str, Flow]
 
     @classmethod
-    def create(cls, settings: Settings, flows: Mapping[str, Flow]) -> IdemState:
-        """The state of an application configured with ``settings``; its pool opens on first use."""
-        pool = ProcessPool(
+    def create(
+        cls, settings: Settings, flows: Mapping[str, Flow], source: ConnectionSource | None = None
+    ) -> IdemState:
+        """The state of an application configured with ``settings``.
+
+        Its connections come from ``source`` when given, and otherwise from a pool of its own, opened on
+        first use.
+        """
+        pool = source or ProcessPool(
             settings.database_url,
             min_size=settings.pool_min_size,
             max_size=settings.pool_max_size,

@@ -12,8 +12,9 @@ lock is released by the same COMMIT or ROLLBACK that ends the reservation, it ne
 works behind PgBouncer in transaction mode), and it costs nothing extra because it is evaluated inside the
 ``INSERT`` statement itself.
 
-The store *has* a :class:`~flask_idem.pool.ProcessPool` for the statements it runs on its own (schema,
-``stuck``, ``purge``); the others run on the caller's connection, inside the caller's transaction.
+The store *has* a :class:`~flask_idem.pool.ConnectionSource` (its pool, or a SQLAlchemy engine's) for the
+statements it runs on its own (schema, ``stuck``, ``purge``); the others run on the caller's connection,
+inside the caller's transaction.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from psycopg import sql
 from psycopg.rows import DictRow, class_row, dict_row
 from psycopg.types.json import Jsonb
 
-from .pool import Connection, ProcessPool
+from .pool import Connection, ConnectionSource
 
 __all__ = [
     "KeyRecord",
@@ -176,7 +177,7 @@ class Store:
     """
 
     def __init__(
-        self, pool: ProcessPool, *, table: str = "idempotency_keys", tombstone_ttl: float = 0.0
+        self, pool: ConnectionSource, *, table: str = "idempotency_keys", tombstone_ttl: float = 0.0
     ) -> None:
         self._sql = _Statements(table)
         self.pool = pool

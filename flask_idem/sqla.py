@@ -1,0 +1,195 @@
+"""SQLAlchemy sessions as the source of the extension's transactions (``Idempotency(sqlalchemy=db)``).
+
+An application built on Flask-SQLAlchemy (or on a plain SQLAlchemy ``scoped_session``) writes through
+``db.session``. For those writes to commit together with the idempotency key, the key store's statements
+run on the session's own connection, inside the session's transaction: :class:`SessionSource` opens (or
+joins) the session's transaction, hands the key store the psycopg connection underneath it, and ends the
+transaction with ``session.commit()`` or ``session.rollback()`` when the view (or the flow step) is done.
+The engine must use the psycopg 3 driver (``postgresql+psycopg://``); the key store then uses the engine's
+pool, and the extension opens no pool of its own.
+
+Inside such a transaction the session belongs to the extension: ``db.session.commit()`` is refused with
+:class:`SessionCommitRefused` (the commit is the extension's, when the view returns), and
+``db.session.rollback()``, which would undo the key reservation too, fails the request the same way. See
+the SQLAlchemy page of the documentation for why.
+
+SQLAlchemy is imported only when this module is, so the extension does not depend on it otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+from psycopg.rows import TupleRow
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session, SessionTransaction, scoped_session
+
+from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from flask import Flask
+    from flask_sqlalchemy import SQLAlchemy
+
+__all__ = ["SessionCommitRefused", "SessionSource", "conninfo_of"]
+
+#: ``session.info`` keys: the root transaction the extension opened, and whether it is ending it itself.
+_OPEN = "flask_idem.transaction"
+_ENDING = "flask_idem.ending"
+
+
+class SessionCommitRefused(RuntimeError):
+    """Application code committed or rolled back the session inside an idempotent transaction.
+
+    The view's writes, its key and its stored response are committed together by the extension when the
+    view returns; a commit of the view's own would make its writes durable without the key (a crash after
+    it and a retry make a duplicate), and a rollback would drop the key reservation with the writes.
+    """
+
+
+class SessionSource:
+    """The transactions of a SQLAlchemy session, and the connections of its engine's pool.
+
+    :param session: the ``scoped_session`` the application writes through (Flask-SQLAlchemy's
+        ``db.session``); calling it gives the session of the current context.
+    :param engine: the engine of that session's default bind: the key store's own statements (``init-db``,
+        ``purge``, ``stuck``) borrow its connections.
+    """
+
+    def __init__(self, session: scoped_session[Any], engine: Engine) -> None:
+        if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg":
+            raise ConfigurationError(
+                "flask-idem runs its statements on the session's own connection, so the engine must use"
+                f" the psycopg 3 driver: use a 'postgresql+psycopg://' URL, not {engine.url.drivername!r}."
+            )
+        self._session: Callable[[], Session] = session
+        self.engine = engine
+        for name, listener in (("before_commit", _refuse_commit), ("after_transaction_end", _refuse_end)):
+            if not event.contains(session, name, listener):
+                event.listen(session, name, listener)
+
+    @classmethod
+    def for_app(cls, app: Flask, sqlalchemy: SQLAlchemy | scoped_session[Any]) -> SessionSource:
+        """The source for ``app``: Flask-SQLAlchemy's ``db`` (after ``db.init_app(app)``) or a
+        ``scoped_session`` whose ``sessionmaker`` is bound to an engine."""
+        if isinstance(sqlalchemy, scoped_session):
+            bind = sqlalchemy.session_factory.kw.get("bind")
+            if not isinstance(bind, Engine):
+                raise ConfigurationError(
+                    "Pass sqlalchemy= a scoped_session whose sessionmaker is bound to an engine"
+                    " (sessionmaker(engine)), or the Flask-SQLAlchemy extension."
+                )
+            return cls(sqlalchemy, bind)
+        if app.extensions.get("sqlalchemy") is not sqlalchemy:
+            raise ConfigurationError(
+                "Call db.init_app(app) before idem.init_app(app): flask-idem runs on the engine and the"
+                " session of the Flask-SQLAlchemy extension passed as sqlalchemy=."
+            )
+        with app.app_context():
+            engine = sqlalchemy.engine
+        return cls(sqlalchemy.session, engine)
+
+    @property
+    def conninfo(self) -> str:
+        """The engine's database as a libpq connection string (what ``IDEM_DATABASE_URL`` would be)."""
+        return conninfo_of(self.engine)
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[TupleRow]]:
+        """A connection of the engine's pool, outside any session, returned to the pool afterwards."""
+        with _driver_errors():
+            raw = self.engine.raw_connection()
+        try:
+            conn: psycopg.Connection[TupleRow] = raw.driver_connection  # type: ignore[assignment]
+            yield conn
+        finally:
+            raw.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[psycopg.Connection[TupleRow]]:
+        """The session's transaction (begun now, or the one the request already began), committed with
+        ``session.commit()`` when the block ends and rolled back when it raises.
+
+        Anything the session did earlier in the request (an authentication hook's query, say) belongs
+        to the same transaction and commits with it.
+        """
+        session = self._session()
+        if _OPEN in session.info:
+            raise RuntimeError("An idempotent transaction is already open on this session.")
+        with _driver_errors():
+            try:
+                raw = session.connection().connection.driver_connection
+                root = session.info[_OPEN] = session.get_transaction()
+                yield raw  # type: ignore[misc]
+                if session.get_transaction() is not root:  # application code caught the error and went on
+                    raise SessionCommitRefused("The session's transaction ended inside the view.")
+                session.info[_ENDING] = True
+                session.commit()
+            except BaseException:
+                session.info[_ENDING] = True
+                try:
+                    session.rollback()
+                except DBAPIError:  # a dead connection (now invalidated): the first error is the news
+                    session.close()
+                raise
+            finally:
+                session.info.pop(_OPEN, None)
+                session.info.pop(_ENDING, None)
+
+    def close(self) -> None:
+        """Nothing to do: the engine and its pool belong to the application (Flask-SQLAlchemy)."""
+
+    def connection_lost(self, conn: psycopg.Connection[Any]) -> None:
+        """Nothing to do: the session's rollback met the dead connection, and SQLAlchemy's pool
+        invalidated it then, with every connection opened before it."""
+
+
+def conninfo_of(engine: Engine) -> str:
+    """The libpq connection string of ``engine``'s URL, password included (never display it)."""
+    url = engine.url
+    params: dict[str, Any] = url.translate_connect_args(username="user", database="dbname")
+    params.update(url.query)
+    return make_conninfo("", **params)
+
+
+@contextmanager
+def _driver_errors() -> Iterator[None]:
+    """SQLAlchemy's wrapper of a psycopg error is replaced by the psycopg error itself.
+
+    The extension translates driver errors into HTTP errors at one boundary (503 for a database that
+    cannot be reached, 500 otherwise), which knows psycopg's classes.
+    """
+    try:
+        yield
+    except DBAPIError as e:
+        if isinstance(e.orig, psycopg.Error):
+            raise e.orig from e
+        raise
+
+
+def _refuse_commit(session: Session) -> None:
+    """``before_commit``: refuse a commit of the root transaction the extension opened."""
+    if _OPEN in session.info and not session.info.get(_ENDING) and not session.in_nested_transaction():
+        raise SessionCommitRefused(
+            "db.session.commit() inside an @idem.idempotent() view or a flow step: the view's writes,"
+            " its idempotency key and its stored response are committed together when it returns."
+            " Remove the commit; use db.session.flush() where you need generated ids, and"
+            " db.session.begin_nested() for a savepoint."
+        )
+
+
+def _refuse_end(session: Session, transaction: SessionTransaction) -> None:
+    """``after_transaction_end``: the root transaction the extension opened ended without it."""
+    if session.info.get(_OPEN) is transaction and not session.info.get(_ENDING):
+        session.info[_ENDING] = True  # the transaction is gone: nothing is left to commit
+        raise SessionCommitRefused(
+            "db.session.rollback() (or close()) inside an @idem.idempotent() view or a flow step undid"
+            " the idempotency key's reservation with the view's writes; the request failed. To fail a"
+            " request, raise an exception or abort(); to undo part of the work, use"
+            " db.session.begin_nested()."
+        )
