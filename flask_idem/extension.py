@@ -223,6 +223,7 @@ class Idempotency:
             for app in self._apps:
                 if view in app.view_functions.values():
                     raise ConfigurationError(_misplaced_message([f"{view.__module__}.{view.__qualname__}"]))
+            wrapper._flask_idem = options  # type: ignore[attr-defined]  # read by flask_idem.openapi
             return wrapper  # type: ignore[return-value]
 
         return decorator

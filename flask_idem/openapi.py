@@ -1,0 +1,282 @@
+"""The idempotency contract in an OpenAPI 3 document: an `apispec`_ plugin.
+
+The IETF draft "The Idempotency-Key HTTP Header Field" asks a resource to publish its idempotency
+behaviour. :class:`IdempotencyPlugin` does it from the routes themselves: every write operation (``post``,
+``put``, ``patch``, ``delete``) of a view decorated with :meth:`.Idempotency.idempotent` gets
+
+- the ``Idempotency-Key`` header parameter, required or not as the route is configured (a multi-step
+  route always requires it), with the key's retention period in its description;
+- the ``Idempotent-Replayed`` header on its success responses, and a ``200`` replay of a ``201``;
+- the ``400``, ``409``, ``422`` and ``503`` problem responses (``application/problem+json``, a shared
+  ``Problem`` schema), the ``409`` and ``503`` with their ``Retry-After`` header;
+- an ``x-idempotency`` object with the same facts for machines.
+
+apispec is an optional dependency: install ``flask-idem[openapi]``.
+
+.. _apispec: https://apispec.readthedocs.io/
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from apispec import APISpec, BasePlugin
+from flask import Flask, current_app, has_app_context
+from werkzeug.routing import Rule
+
+from ._view import ViewOptions
+from .errors import PROBLEM_JSON, ConfigurationError
+from .keys import HEADER
+from .replay import REPLAYED_HEADER
+from .state import get_state
+
+__all__ = ["PROBLEM_SCHEMA", "IdempotencyPlugin"]
+
+#: The operations a decorated view protects; reads pass through it untouched.
+WRITE_METHODS = ("post", "put", "patch", "delete")
+
+#: The ``Problem`` schema component registered when the document has none of that name (RFC 9457).
+PROBLEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "An RFC 9457 problem document; extension members may follow.",
+    "properties": {
+        "type": {"type": "string", "description": "A URI reference: about:blank or urn:flask-idem:..."},
+        "title": {"type": "string"},
+        "status": {"type": "integer", "minimum": 400, "maximum": 599},
+        "detail": {"type": "string"},
+        "retry_after": {"type": "integer", "description": "Seconds, as in the Retry-After header."},
+    },
+    "required": ["type", "title", "status"],
+    "additionalProperties": True,
+}
+
+_RETRY_AFTER = {
+    "description": "Seconds to wait before retrying with the same Idempotency-Key.",
+    "required": True,
+    "schema": {"type": "integer"},
+}
+
+_REPLAYED_SCHEMA = {"type": "string", "enum": ["true"]}
+
+_MAYBE_REPLAYED = {
+    "description": "Present on a replay: an earlier request with this key got this answer.",
+    "required": False,
+    "schema": _REPLAYED_SCHEMA,
+}
+
+_CONFLICT = (
+    "A request with the same Idempotency-Key is still being processed; retry with the same key after"
+    " Retry-After seconds to receive its result."
+)
+_MISMATCH = (
+    "The Idempotency-Key was already used for a different request (another method, path, query or body)."
+)
+_UNAVAILABLE = (
+    "Unavailable for now: the database cannot be reached, or a call this request depends on ended without"
+    " a known outcome. Retry with the same key after Retry-After seconds; it is never carried out twice."
+)
+
+
+class IdempotencyPlugin(BasePlugin):
+    """Add flask-idem's contract to the operations of decorated views.
+
+    With flask-smorest, one argument of :class:`flask_smorest.Api`::
+
+        api = Api(app, spec_kwargs={"extra_plugins": [IdempotencyPlugin(app)]})
+
+    With apispec and apispec-webframeworks' ``FlaskPlugin``, one more plugin; then pass each view (and
+    the application, unless you are in an application context) to :meth:`apispec.APISpec.path`::
+
+        spec = APISpec("Shop", "1.0", "3.0.3", plugins=[FlaskPlugin(), IdempotencyPlugin(app)])
+        spec.path(view=create_order, operations={"post": {...}})
+
+    A view is found from the ``view`` argument of :meth:`~apispec.APISpec.path`, or from its ``rule``
+    (what flask-smorest passes). Operations are described only if they are in the document already:
+    the plugin completes them, it does not invent them. What the document already says wins: an
+    existing ``400``, ``409``, ``422`` or ``503`` response is kept (a ``409`` or ``503`` gains the
+    ``Retry-After`` header), and an existing ``Idempotency-Key`` parameter is left alone.
+
+    :param app: the application whose configuration (``IDEM_REQUIRE_KEY``, ``IDEM_KEY_TTL``,
+        ``IDEM_ON_MISMATCH``) and routes are read; else the ``app`` passed to ``spec.path``, else the
+        current application.
+    :param problem_schema: the name of the schema component that describes problem documents. If the
+        document has none of that name when it is first needed, :data:`PROBLEM_SCHEMA` is registered
+        under it; register your own first to describe more members.
+    """
+
+    def __init__(self, app: Flask | None = None, *, problem_schema: str = "Problem") -> None:
+        self._app = app
+        self.problem_schema = problem_schema
+        self._spec: APISpec | None = None
+
+    def init_spec(self, spec: APISpec) -> None:
+        """Keep the spec, to register the ``Problem`` schema on first use.
+
+        :raises ConfigurationError: for an OpenAPI 2 document.
+        """
+        if spec.openapi_version.major < 3:
+            raise ConfigurationError("IdempotencyPlugin describes OpenAPI 3 documents only.")
+        self._spec = spec
+
+    def operation_helper(
+        self,
+        path: str | None = None,
+        operations: dict[Any, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Complete the write operations of a decorated view (called by :meth:`apispec.APISpec.path`)."""
+        view, rule = kwargs.get("view"), kwargs.get("rule")
+        if not operations or (view is None and not isinstance(rule, Rule)):
+            return
+        app = self._application(kwargs.get("app"))
+        if view is None:
+            assert isinstance(rule, Rule)
+            view = app.view_functions.get(rule.endpoint)
+        for method, operation in operations.items():
+            options = _options(view, method) if method in WRITE_METHODS else None
+            if options is not None:
+                self._complete(operation, _Contract(app, options))
+
+    def _application(self, app: Flask | None) -> Flask:
+        if app is not None:
+            return app
+        if self._app is not None:
+            return self._app
+        if has_app_context():
+            result: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+            return result
+        raise ConfigurationError(
+            "IdempotencyPlugin needs the application: pass IdempotencyPlugin(app), pass app= to"
+            " spec.path(), or build the document in an application context."
+        )
+
+    def _complete(self, operation: dict[str, Any], contract: _Contract) -> None:
+        parameters = operation.setdefault("parameters", [])
+        if not any(isinstance(p, dict) and p.get("name") == HEADER for p in parameters):
+            parameters.append(contract.parameter())
+        responses = operation.setdefault("responses", {})
+        for status in [s for s in responses if str(s).startswith("2")]:
+            response = responses[status]
+            if not isinstance(response, dict):
+                continue
+            if str(status) == "201" and not any(str(s) == "200" for s in responses):
+                responses["200"] = _replay_of(response)
+            else:
+                response.setdefault("headers", {}).setdefault(REPLAYED_HEADER, dict(_MAYBE_REPLAYED))
+        documented = {str(s): s for s in responses}
+        for status, description in contract.problems().items():
+            if status not in documented:
+                responses[status] = self._problem(description, retry=status in ("409", "503"))
+            elif status in ("409", "503") and isinstance(responses[documented[status]], dict):
+                responses[documented[status]].setdefault("headers", {}).setdefault(
+                    "Retry-After", dict(_RETRY_AFTER)
+                )
+        operation["x-idempotency"] = contract.extension()
+
+    def _problem(self, description: str, *, retry: bool) -> dict[str, Any]:
+        response: dict[str, Any] = {
+            "description": description,
+            "content": {PROBLEM_JSON: {"schema": self._problem_ref()}},
+        }
+        if retry:
+            response["headers"] = {"Retry-After": dict(_RETRY_AFTER)}
+        return response
+
+    def _problem_ref(self) -> dict[str, str]:
+        spec = self._spec
+        if spec is None:
+            raise ConfigurationError("IdempotencyPlugin was not initialised by an APISpec.")
+        components = spec.components
+        name = self.problem_schema
+        if name not in components.schemas and name not in components.schemas_lazy:
+            components.schema(name, copy.deepcopy(PROBLEM_SCHEMA))
+        return components.get_ref("schema", name)
+
+
+def _options(view: Any, method: str) -> ViewOptions | None:
+    """The options :meth:`.Idempotency.idempotent` left on ``view`` (or on a ``MethodView``'s method)."""
+    options = getattr(view, "_flask_idem", None)
+    view_class = getattr(view, "view_class", None)
+    if options is None and view_class is not None:
+        options = getattr(getattr(view_class, method, None), "_flask_idem", None)
+    return options if isinstance(options, ViewOptions) else None
+
+
+def _replay_of(created: dict[str, Any]) -> dict[str, Any]:
+    """The ``200`` a retry gets for a stored ``201``: the same body and headers, marked as a replay."""
+    replay = copy.deepcopy(created)
+    replay["description"] = (
+        "A replay: the 201 answer of the first request with this Idempotency-Key, sent again unchanged"
+        " except for the status."
+    )
+    replay.setdefault("headers", {})[REPLAYED_HEADER] = {
+        "description": "This answer was stored by an earlier request with the same key.",
+        "required": True,
+        "schema": _REPLAYED_SCHEMA,
+    }
+    return replay
+
+
+class _Contract:
+    """What one decorated route promises: the route's options over the application's settings."""
+
+    def __init__(self, app: Flask, options: ViewOptions) -> None:
+        settings = get_state(app).settings
+        self.multi_step = options.flow is not None
+        self.required: bool = self.multi_step or (
+            settings.require_key if options.required is None else options.required
+        )
+        self.ttl = int(options.key_ttl(settings))
+        self.on_mismatch: str = options.on_mismatch or settings.on_mismatch
+
+    def parameter(self) -> dict[str, Any]:
+        """The ``Idempotency-Key`` header parameter."""
+        description = (
+            "A UUID the client generates once per operation and repeats on every retry; the structured-field"
+            ' form "<uuid>" (in double quotes) is accepted too. The key and its answer are kept for'
+            f" {_duration(self.ttl)}: a retry within that time gets the first answer again."
+        )
+        if not self.required:
+            description += " Without the header the request runs once, unprotected against retries."
+        return {
+            "name": HEADER,
+            "in": "header",
+            "required": self.required,
+            "description": description,
+            "schema": {"type": "string", "format": "uuid"},
+        }
+
+    def problems(self) -> dict[str, str]:
+        """The statuses the extension itself may answer, with their descriptions."""
+        result = {
+            "400": (
+                f"The {HEADER} header is {'missing or ' if self.required else ''}not one UUID,"
+                " or the JSON body cannot be parsed."
+            ),
+            "409": _CONFLICT,
+            "503": _UNAVAILABLE,
+        }
+        if self.on_mismatch == "reject":
+            result["422"] = _MISMATCH
+        return dict(sorted(result.items()))
+
+    def extension(self) -> dict[str, Any]:
+        """The ``x-idempotency`` object: the policy, for machines."""
+        return {
+            "header": HEADER,
+            "required": self.required,
+            "keyRetentionSeconds": self.ttl,
+            "fingerprint": ["method", "path", "query", "body"],
+            "onMismatch": self.on_mismatch,
+            "multiStep": self.multi_step,
+        }
+
+
+def _duration(seconds: int) -> str:
+    """``86400`` -> ``"1 day"``: the largest unit that divides the period."""
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
+        if seconds % size == 0:
+            count = seconds // size
+            return f"{count} {unit}{'' if count == 1 else 's'}"
+    raise AssertionError("unreachable: every integer divides by 1")
