@@ -16,7 +16,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     :meth:`flask.Config.from_prefixed_env`), then from ``test_config``. Without a database URL, an embedded
     PostgreSQL is started with its data in the instance folder.
     """
-    from . import db, orders, payments, problems, web
+    from . import api, db, orders, payments, problems, web
     from .cli import shop_cli
     from .extensions import idem
 
@@ -37,11 +37,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
 
     idem.init_app(app)
     problems.register(app)
-    from .openapi import register as register_openapi  # apispec: a dev dependency, as the shop is
-
-    register_openapi(app)
-    app.register_blueprint(orders.bp)
-    app.register_blueprint(payments.bp)
+    api.register(app, orders.bp, payments.bp)
     web.init_app(app)  # the checkout pages (example_app/web.py)
     app.cli.add_command(shop_cli)
     return app

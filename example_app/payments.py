@@ -14,35 +14,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, g, request, url_for
-from marshmallow import Schema, fields, validate
+from flask import g, url_for
+from psycopg.rows import dict_row
 from werkzeug.exceptions import HTTPException, NotFound, UnprocessableEntity
 
 from flask_idem.flow import Flow, Run
 
 from . import gateway_client
+from .api import LOCATION, Blueprint, path_id
 from .auth import authenticate
 from .extensions import idem
 from .problems import KeyAlreadyUsed, problem_exception
-from .schemas import BIGINT_MAX, StrictInteger, load, not_a_card_number
+from .schemas import Payment, PaymentIn
 
-bp = Blueprint("payments", __name__)
+bp = Blueprint("payments", __name__, description="Payments through the gateway, charged once per key.")
 bp.before_request(authenticate)
 
 pay = Flow("shop.payments.create")
-
-
-class PaymentIn(Schema):
-    """``POST /payments``: which order to pay, with which payment token."""
-
-    order_id = StrictInteger(required=True, validate=validate.Range(min=1, max=BIGINT_MAX))
-    source = fields.String(
-        required=True,
-        validate=[
-            validate.Regexp(r"tok_[A-Za-z0-9_]{1,60}\Z", error="Must be a payment token such as tok_visa."),
-            not_a_card_number,
-        ],
-    )
 
 
 class OrderAlreadyPaid(UnprocessableEntity):
@@ -64,26 +52,17 @@ class PaymentFailed(UnprocessableEntity):
     description = "The payment gateway refused this payment."
 
 
-_payment_in = PaymentIn()
-
-
-def _payment(row: tuple[Any, ...]) -> dict[str, Any]:
-    payment_id, order_id, amount, currency, status, charge_id = row
-    return {
-        "id": payment_id,
-        "order_id": order_id,
-        "amount": amount,
-        "currency": currency,
-        "status": status,
-        "gateway_charge_id": charge_id,
-    }
-
-
-@bp.post("/payments")
+@bp.route("/payments", methods=["POST"])
 @idem.idempotent(flow=pay)
-def create_payment() -> dict[str, Any]:
-    """Pay an order: 201 with the payment, 402 if declined, 404 for an order of another organisation."""
-    data = load(_payment_in, request.get_json())
+@bp.arguments(PaymentIn, example={"order_id": 1, "source": "tok_visa"})
+@bp.alt_response(201, schema=Payment, description="Created.", headers=LOCATION, success=True)
+@bp.problems(401, 402, 404, 413, 415, 422, 500)
+def create_payment(data: dict[str, Any]) -> dict[str, Any]:
+    """Pay an order through the gateway
+
+    201 with the payment, 402 if declined, 404 for an order of another organisation. The answer is
+    made by the flow's last step (:func:`record`); this view returns the intent.
+    """
     conn = idem.connection
     order = conn.execute(
         "SELECT amount, currency FROM orders WHERE id = %s AND org_id = %s FOR UPDATE",
@@ -138,29 +117,41 @@ def charge(run: Run) -> dict[str, Any]:
 def record(run: Run) -> tuple[dict[str, Any], int, dict[str, str]]:
     """Record the gateway's answer on the payment and answer the client."""
     outcome = run.results["charge"]
-    row = run.connection.execute(
-        "UPDATE payments SET status = %s, gateway_charge_id = %s, updated_at = now() WHERE id = %s"
-        " RETURNING id, order_id, amount, currency, status, gateway_charge_id",
-        (outcome["status"], outcome["charge_id"], run.intent["payment_id"]),
-    ).fetchone()
-    assert row is not None
+    payment = (
+        run.connection.cursor(row_factory=dict_row)
+        .execute(
+            "UPDATE payments SET status = %s, gateway_charge_id = %s, updated_at = now() WHERE id = %s"
+            " RETURNING id, order_id, amount, currency, status, gateway_charge_id",
+            (outcome["status"], outcome["charge_id"], run.intent["payment_id"]),
+        )
+        .fetchone()
+    )
+    assert payment is not None
     if outcome["status"] == "declined":
-        raise problem_exception(PaymentDeclined(), payment_id=row[0])
+        raise problem_exception(PaymentDeclined(), payment_id=payment["id"])
     if outcome["status"] != "succeeded":
-        raise problem_exception(PaymentFailed(), payment_id=row[0])
-    payment = _payment(row)
-    return payment, 201, {"Location": url_for("payments.get_payment", payment_id=row[0])}
+        raise problem_exception(PaymentFailed(), payment_id=payment["id"])
+    return payment, 201, {"Location": url_for("payments.get_payment", payment_id=payment["id"])}
 
 
-@bp.get("/payments/<int:payment_id>")
+@bp.route("/payments/<int:payment_id>", parameters=[path_id("payment_id")])
+@bp.response(200, Payment, description="OK.")
+@bp.problems(401, 404, 500, 503)
 def get_payment(payment_id: int) -> dict[str, Any]:
-    """One payment of the authenticated organisation; another organisation's payment is 404."""
+    """One payment
+
+    Another organisation's payment is 404.
+    """
     with idem.pool.connection() as conn:
-        row = conn.execute(
-            "SELECT id, order_id, amount, currency, status, gateway_charge_id FROM payments"
-            " WHERE id = %s AND org_id = %s",
-            (payment_id, g.org_id),
-        ).fetchone()
-    if row is None:
+        payment = (
+            conn.cursor(row_factory=dict_row)
+            .execute(
+                "SELECT id, order_id, amount, currency, status, gateway_charge_id FROM payments"
+                " WHERE id = %s AND org_id = %s",
+                (payment_id, g.org_id),
+            )
+            .fetchone()
+        )
+    if payment is None:
         raise NotFound("There is no such payment.")
-    return _payment(row)
+    return payment

@@ -12,7 +12,7 @@ from werkzeug.exceptions import HTTPException, UnprocessableEntity
 from flask_idem.errors import PROBLEM_JSON, database_error, problem
 from flask_idem.state import get_state
 
-__all__ = ["KeyAlreadyUsed", "ValidationFailed", "problem_exception", "register"]
+__all__ = ["KeyAlreadyUsed", "ValidationFailed", "http_error", "problem_exception", "register"]
 
 
 class ValidationFailed(UnprocessableEntity):
@@ -52,7 +52,8 @@ def problem_exception(error: E, **members: Any) -> E:
     return error
 
 
-def _http_error(e: HTTPException) -> Response:
+def http_error(e: HTTPException) -> Response:
+    """``e`` as a problem document, with its extension members and a validation failure's errors."""
     if isinstance(e, ValidationFailed):
         return Response(e.get_body(), e.code, e.get_headers())
     response = problem(e)
@@ -72,5 +73,5 @@ def _db_error(e: psycopg.Error) -> Response:
 
 def register(app: Flask) -> None:
     """Render every HTTP error and every database error of ``app`` as problem+json."""
-    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(HTTPException, http_error)
     app.register_error_handler(psycopg.Error, _db_error)

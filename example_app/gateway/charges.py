@@ -7,13 +7,13 @@ import re
 from typing import Any
 
 from flask import Blueprint, Response, request
-from marshmallow import Schema, fields, validate
 from werkzeug.exceptions import BadRequest, NotFound, UnprocessableEntity
 
 from flask_idem.errors import PROBLEM_JSON
 
-from ..schemas import BIGINT_MAX, StrictInteger, load, not_a_card_number
+from ..schemas import load
 from . import faults
+from .schemas import ChargeIn
 from .store import Charge, current_store
 
 __all__ = ["bp"]
@@ -22,26 +22,6 @@ bp = Blueprint("charges", __name__)
 
 #: Any printable ASCII text up to 255 characters: callers derive keys as they like.
 _KEY = re.compile(r"[ -~]{1,255}\Z")
-
-
-class ChargeIn(Schema):
-    """``POST /charges``: an amount in minor units, an ISO 4217 currency and a payment token."""
-
-    amount = StrictInteger(required=True, validate=validate.Range(min=1, max=BIGINT_MAX))
-    currency = fields.String(
-        required=True,
-        validate=validate.Regexp(r"[A-Z]{3}\Z", error="Must be three uppercase letters."),
-    )
-    source = fields.String(
-        required=True,
-        validate=[
-            validate.Regexp(
-                r"[!-~]{1,255}\Z",
-                error="Must be a payment token: 1 to 255 printable ASCII characters, no spaces.",
-            ),
-            not_a_card_number,
-        ],
-    )
 
 
 class KeyReused(UnprocessableEntity):

@@ -23,27 +23,15 @@ import time
 from typing import Any
 
 from flask import Blueprint, Response, current_app, request
-from marshmallow import Schema, fields, validate
 from werkzeug.exceptions import InternalServerError
 
-from ..schemas import StrictInteger, load
+from ..schemas import load
+from .schemas import MODES, FaultIn
 from .store import Fault, current_store
 
 __all__ = ["MODES", "CannotDrop", "InjectedFault", "after_charge", "before_charge", "bp"]
 
-#: The fault modes, in the order a charge request meets them.
-MODES = ("delay", "fail_before", "fail_after", "drop_after")
-
 bp = Blueprint("faults", __name__)
-
-
-class FaultIn(Schema):
-    """``POST /_faults``: a mode, how many charge requests it affects, and an optional delay."""
-
-    mode = fields.String(required=True, validate=validate.OneOf(MODES))
-    count = StrictInteger(required=True, validate=validate.Range(min=1, max=10_000))
-    # Under gunicorn's default 30 s worker timeout a longer sleep would kill the worker.
-    delay = fields.Float(load_default=0.0, validate=validate.Range(min=0, max=25))
 
 
 class InjectedFault(InternalServerError):

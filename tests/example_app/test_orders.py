@@ -246,3 +246,18 @@ def test_app_factory_is_independent(app: Flask) -> None:
     """Each create_app() has its own extension state and the idem CLI group."""
     assert "idem" in app.extensions
     assert "idem" in app.cli.commands and "shop" in app.cli.commands
+
+
+def test_validation_error_is_answered_under_the_key(
+    client: FlaskClient, api_key: str, db: psycopg.Connection[Any]
+) -> None:
+    """@idem.idempotent() wraps flask-smorest's argument parsing: a 422 validation problem is the view's
+    answer, stored under the key and replayed, and it writes no order."""
+    key = uuid.uuid4()
+    first = client.post("/orders", json={"amount": 0, "currency": "EUR"}, headers=headers(api_key, key))
+    again = client.post("/orders", json={"amount": 0, "currency": "EUR"}, headers=headers(api_key, key))
+    assert (first.status_code, first.mimetype, "amount" in first.json["errors"]) == (422, PROBLEM_JSON, True)
+    assert (again.status_code, again.data, again.headers["Idempotent-Replayed"]) == (422, first.data, "true")
+    assert "Idempotent-Replayed" not in first.headers
+    assert count(db, "orders") == 0
+    assert db.execute("SELECT status FROM idempotency_keys").fetchall() == [("completed",)]
