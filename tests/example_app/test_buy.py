@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from ..helpers import ROOT, count
-from .test_payments import add_fault, charges, payment_statuses
+from ..shop_actions import add_fault, charges, payment_statuses
 
 pytestmark = pytest.mark.slow
 

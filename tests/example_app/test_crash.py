@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -17,27 +16,19 @@ import psutil
 import psycopg
 import pytest
 import requests
-
-from example_app import create_app
+from flask import Flask
 
 from ..helpers import ROOT, close_pool, headers, wait_for_http
-from .test_payments import add_fault, charges, payment_statuses
+from ..shop_actions import add_fault, charges, pay, payment_statuses, place_order, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("finisher", ["recover", "retry"])
 def test_worker_killed_between_charge_and_record(
     live_shop: tuple[str, subprocess.Popen[bytes]],
     make_org: Callable[[str], tuple[int, str]],
-    shop_config: dict[str, Any],
+    make_shop: Callable[..., Flask],
     gateway_url: str,
     db: psycopg.Connection[Any],
     finisher: str,
@@ -64,13 +55,13 @@ def test_worker_killed_between_charge_and_record(
 
     thread = threading.Thread(target=first_attempt)
     thread.start()
-    _wait_for(lambda: len(charges(gateway_url)) == 1)
+    wait_for(lambda: len(charges(gateway_url)) == 1)
     for worker in psutil.Process(master.pid).children():
         os.kill(worker.pid, signal.SIGKILL)
     thread.join(30)
     assert "error" in outcome, outcome  # the client never heard back
     assert payment_statuses(db) == ["pending"]
-    _wait_for(
+    wait_for(
         lambda: (
             db.execute(
                 "SELECT lease_expires_at < now() FROM idempotency_keys WHERE path = '/payments'"
@@ -80,11 +71,7 @@ def test_worker_killed_between_charge_and_record(
     )
     wait_for_http(base + "/orders", master)  # gunicorn has replaced its workers
     if finisher == "recover":
-        app = create_app(shop_config)
-        try:
-            result = app.test_cli_runner().invoke(args=["idem", "recover"])
-        finally:
-            close_pool(app)
+        result = make_shop().test_cli_runner().invoke(args=["idem", "recover"])
         assert "Claimed 1: 1 completed" in result.output, result.output
         retry = requests.post(base + "/payments", timeout=30, **payment)
         assert retry.status_code == 200
@@ -100,29 +87,23 @@ def test_worker_killed_between_charge_and_record(
 
 
 def test_two_recovery_processes_share_the_work(
-    shop_config: dict[str, Any],
+    shop: Flask,
     make_org: Callable[[str], tuple[int, str]],
     database_url: str,
     gateway_url: str,
     db: psycopg.Connection[Any],
 ) -> None:
     """Two `flask idem recover` processes at once never handle one row twice; all rows complete once."""
-    app = create_app(shop_config)
-    client = app.test_client()
+    client = shop.test_client()
     _, api_key = make_org("stranded")
     add_fault(gateway_url, "fail_after", count=6)
     keys = []
     for _ in range(6):
-        order = client.post(
-            "/orders", json={"amount": 10, "currency": "EUR"}, headers=headers(api_key, uuid.uuid4())
-        ).json
         key = uuid.uuid4()
-        answer = client.post(
-            "/payments", json={"order_id": order["id"], "source": "tok_visa"}, headers=headers(api_key, key)
-        )
+        answer = pay(client, api_key, place_order(client, api_key, 10), key)
         assert answer.status_code == 503
         keys.append(str(key))
-    close_pool(app)
+    close_pool(shop)
     db.execute("UPDATE idempotency_keys SET next_attempt_at = now() WHERE status = 'processing'")
     env = {**os.environ, "FLASK_DATABASE_URL": database_url, "FLASK_GATEWAY_URL": gateway_url}
     command = [sys.executable, "-m", "flask", "--app", "example_app", "idem", "recover", "--limit", "3"]

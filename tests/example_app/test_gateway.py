@@ -26,6 +26,7 @@ from example_app.gateway import create_app
 from example_app.gateway.store import Store
 
 from ..servers import in_thread
+from ..shop_actions import add_fault
 
 ROOT = Path(__file__).resolve().parents[2]
 CHARGE = {"amount": 1250, "currency": "EUR", "source": "tok_visa"}
@@ -142,11 +143,6 @@ def post_charge(client: FlaskClient, key: str, **changes: Any) -> Any:
 def http_charge(base: str, key: str) -> requests.Response:
     """``POST /charges`` of :data:`CHARGE` over real HTTP."""
     return requests.post(base + "/charges", json=CHARGE, headers={"Idempotency-Key": key}, timeout=10)
-
-
-def add_fault(base: str, **fault: Any) -> None:
-    """Queue a fault over real HTTP."""
-    requests.post(base + "/_faults", json=fault, timeout=10).raise_for_status()
 
 
 # -- charges -------------------------------------------------------------------------------------------

@@ -5,43 +5,20 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
-import requests
 from flask import Flask
-from flask.testing import FlaskClient
 
-from example_app import create_app
 from example_app.cli import create_org
 from flask_idem.errors import PROBLEM_JSON
 
-from ..helpers import close_pool, count, headers
+from ..helpers import count, headers
+from ..shop_actions import add_fault, charges, pay, payment_statuses, place_order, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def make_shop(shop_config: dict[str, Any]) -> Iterator[Callable[..., Flask]]:
-    """Build the shop against the test gateway, with configuration overrides; pools closed afterwards."""
-    apps: list[Flask] = []
-
-    def make(**overrides: Any) -> Flask:
-        app = create_app({**shop_config, **overrides})
-        apps.append(app)
-        return app
-
-    yield make
-    for app in apps:
-        close_pool(app)
-
-
-@pytest.fixture
-def shop(make_shop: Callable[..., Flask]) -> Flask:
-    """The shop, paying through the test gateway."""
-    return make_shop()
 
 
 @pytest.fixture
@@ -49,36 +26,6 @@ def org(shop: Flask) -> tuple[int, str]:
     """An organisation of the shop: its id and API key."""
     with shop.app_context():
         return create_org("payer")
-
-
-def place_order(client: FlaskClient, api_key: str, amount: int = 1250) -> int:
-    response = client.post(
-        "/orders", json={"amount": amount, "currency": "EUR"}, headers=headers(api_key, uuid.uuid4())
-    )
-    assert response.status_code == 201
-    order_id: int = response.json["id"]  # type: ignore[index]
-    return order_id
-
-
-def pay(client: FlaskClient, api_key: str, order_id: int, key: uuid.UUID, source: str = "tok_visa") -> Any:
-    return client.post(
-        "/payments", json={"order_id": order_id, "source": source}, headers=headers(api_key, key)
-    )
-
-
-def charges(gateway_url: str) -> list[dict[str, Any]]:
-    result: list[dict[str, Any]] = requests.get(gateway_url + "/charges", timeout=5).json()["charges"]
-    return result
-
-
-def add_fault(gateway_url: str, mode: str, count: int = 1, delay: float = 0.0) -> None:
-    requests.post(
-        gateway_url + "/_faults", json={"mode": mode, "count": count, "delay": delay}, timeout=5
-    ).raise_for_status()
-
-
-def payment_statuses(db: psycopg.Connection[Any]) -> list[str]:
-    return [row[0] for row in db.execute("SELECT status FROM payments ORDER BY id").fetchall()]
 
 
 def test_pay_an_order(
@@ -268,7 +215,7 @@ def test_duplicate_while_processing_gets_409(
     results: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: results.setdefault("first", pay(client, org[1], order_id, key)))
     thread.start()
-    _wait_for(lambda: len(charges(gateway_url)) == 1)
+    wait_for(lambda: len(charges(gateway_url)) == 1)
     duplicate = pay(client, org[1], order_id, key)
     first_running = thread.is_alive()
     thread.join(10)
@@ -291,8 +238,8 @@ def test_lease_takeover_by_a_retry(
     results: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: results.setdefault("first", pay(client, org[1], order_id, key)))
     thread.start()
-    _wait_for(lambda: len(charges(gateway_url)) == 1)
-    _wait_for(
+    wait_for(lambda: len(charges(gateway_url)) == 1)
+    wait_for(
         lambda: (
             db.execute(
                 "SELECT lease_expires_at < now() FROM idempotency_keys WHERE path = '/payments'"
@@ -324,7 +271,7 @@ def test_slow_gateway_does_not_exhaust_the_pool(
     ]
     for t in threads:
         t.start()
-    _wait_for(lambda: len(charges(gateway_url)) == 4)
+    wait_for(lambda: len(charges(gateway_url)) == 4)
     during = [place_order(client, org[1]) for _ in range(5)]
     still_waiting = sum(t.is_alive() for t in threads)
     for t in threads:
@@ -358,13 +305,6 @@ def test_recovery_gives_up_after_the_deadline(
     db.execute("UPDATE idempotency_keys SET expires_at = now() - interval '31 days'")  # past the tombstone
     assert "Purged 1" in runner.invoke(args=["idem", "purge"]).output  # the order's key, not the flagged one
     assert db.execute("SELECT path FROM idempotency_keys").fetchall() == [("/payments",)]
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_key_reused_after_retention_is_422(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,10 +16,9 @@ from flask import Flask
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from example_app import create_app
 from example_app.cli import create_org
 
-from ..helpers import close_pool, headers
+from ..shop_actions import place_order
 
 OPERATIONS = [
     ("POST", "/orders"),
@@ -39,22 +37,11 @@ CANONICAL_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a
 
 
 @pytest.fixture
-def shop(shop_config: dict[str, Any]) -> Iterator[Flask]:
-    """The shop, paying through the test gateway."""
-    app = create_app(shop_config)
-    yield app
-    close_pool(app)
-
-
-@pytest.fixture
 def shop_key(shop: Flask) -> str:
     """The API key of an organisation whose first order (id 1, the document's example) is there to pay."""
     with shop.app_context():
         key = create_org("schemathesis")[1]
-    response = shop.test_client().post(
-        "/orders", json={"amount": 500, "currency": "EUR"}, headers=headers(key, uuid.uuid4())
-    )
-    assert response.json is not None and response.json["id"] == 1
+    assert place_order(shop.test_client(), key, 500) == 1
     return key
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,17 +14,14 @@ import pytest
 import requests
 from flask import Flask
 from flask.testing import FlaskClient
-from werkzeug.test import TestResponse
 
-from example_app import create_app
 from example_app.auth import new_api_key
 from example_app.cli import create_org
 from flask_idem.fingerprint import fingerprint
 
-from ..helpers import close_pool, count, headers
+from ..helpers import count, headers
 from ..notes_app import post
-
-ORDER = {"amount": 1250, "currency": "EUR"}
+from ..shop_actions import ORDER, add_fault, charges, pay, place_order, queued_faults, wait_for
 
 #: Twelve or more digits, maybe grouped by spaces or dashes: what a card number looks like.
 CARD_NUMBER = re.compile(r"\d(?:[ -]?\d){11}")
@@ -33,14 +29,6 @@ CARD_NUMBER = re.compile(r"\d(?:[ -]?\d){11}")
 NOT_CARD_DATA = re.compile(r"ch_[0-9a-f]{32}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 Org = tuple[int, str]
-
-
-@pytest.fixture
-def shop(shop_config: dict[str, Any]) -> Iterator[Flask]:
-    """The shop, paying through the test gateway, which may take up to 5 s to answer."""
-    app = create_app({**shop_config, "GATEWAY_TIMEOUT": 5.0})
-    yield app
-    close_pool(app)
 
 
 @pytest.fixture
@@ -54,21 +42,6 @@ def orgs(shop: Flask) -> tuple[Org, Org]:
     """Two organisations of the shop, A and B: their ids and API keys."""
     with shop.app_context():
         return create_org("a"), create_org("b")
-
-
-def place_order(client: FlaskClient, api_key: str) -> int:
-    response = client.post("/orders", json=ORDER, headers=headers(api_key, uuid.uuid4()))
-    assert response.status_code == 201
-    order_id: int = response.json["id"]  # type: ignore[index]
-    return order_id
-
-
-def pay(
-    client: FlaskClient, api_key: str, key: uuid.UUID, order_id: int, source: str = "tok_visa"
-) -> TestResponse:
-    return client.post(
-        "/payments", json={"order_id": order_id, "source": source}, headers=headers(api_key, key)
-    )
 
 
 def strings(value: Any, path: str = "") -> Iterator[tuple[str, str]]:
@@ -119,9 +92,9 @@ def test_answer_to_another_org_does_not_depend_on_the_key(
     (_, a_key), (_, b_key) = orgs
     order_id = place_order(shop_client, a_key)
     key = uuid.uuid4()
-    assert pay(shop_client, a_key, key, order_id).status_code == 201
-    used = pay(shop_client, b_key, key, order_id)
-    fresh = pay(shop_client, b_key, uuid.uuid4(), order_id)
+    assert pay(shop_client, a_key, order_id, key).status_code == 201
+    used = pay(shop_client, b_key, order_id, key)
+    fresh = pay(shop_client, b_key, order_id, uuid.uuid4())
     assert used.status_code == fresh.status_code == 404
     assert used.get_data() == fresh.get_data()
     assert sorted(used.headers.items()) == sorted(fresh.headers.items())
@@ -155,34 +128,30 @@ def test_in_flight_key_of_another_org_is_invisible(
 
 
 def test_in_flight_payment_of_another_org_is_invisible(
-    shop: Flask,
-    shop_client: FlaskClient,
+    make_shop: Callable[..., Flask],
     orgs: tuple[Org, Org],
     gateway_url: str,
     db: psycopg.Connection[Any],
 ) -> None:
     """While org A's payment waits on a slow gateway, other orgs' requests with its key run for them alone."""
+    shop = make_shop(GATEWAY_TIMEOUT=5.0)  # the gateway answers A 1.5 s late
+    shop_client = shop.test_client()
     (a_id, a_key), (_, b_key) = orgs
     with shop.app_context():
         c_key = create_org("c")[1]
     a_order, b_order = place_order(shop_client, a_key), place_order(shop_client, b_key)
-    requests.post(
-        gateway_url + "/_faults", json={"mode": "delay", "count": 1, "delay": 1.5}, timeout=5
-    ).raise_for_status()
+    add_fault(gateway_url, "delay", delay=1.5)
     key = uuid.uuid4()
     results: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: results.setdefault("a", pay(shop_client, a_key, key, a_order)))
+    thread = threading.Thread(target=lambda: results.setdefault("a", pay(shop_client, a_key, a_order, key)))
     thread.start()
     try:
-        deadline = time.monotonic() + 5
-        while requests.get(gateway_url + "/_faults", timeout=5).json()["faults"]:  # A is at the gateway
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(lambda: not queued_faults(gateway_url), timeout=5, interval=0.02)  # A is at the gateway
         row = db.execute(
             "SELECT status, step FROM idempotency_keys WHERE org_id = %s AND idem_key = %s", (a_id, key)
         ).fetchone()
-        probe = pay(shop_client, c_key, key, a_order)  # A's very request, from C
-        own = pay(shop_client, b_key, key, b_order)
+        probe = pay(shop_client, c_key, a_order, key)  # A's very request, from C
+        own = pay(shop_client, b_key, b_order, key)
         still_running = thread.is_alive()
     finally:
         thread.join(15)
@@ -192,9 +161,9 @@ def test_in_flight_payment_of_another_org_is_invisible(
     assert own.status_code == 201 and "Idempotent-Replayed" not in own.headers
     assert results["a"].status_code == 201
     assert results["a"].json["id"] != own.json["id"]  # type: ignore[index]
-    assert pay(shop_client, a_key, key, a_order).get_data() == results["a"].get_data()
-    charges = requests.get(gateway_url + "/charges", timeout=5).json()["charges"]
-    assert len(charges) == 2 and len({c["idempotency_key"] for c in charges}) == 2
+    assert pay(shop_client, a_key, a_order, key).get_data() == results["a"].get_data()
+    made = charges(gateway_url)
+    assert len(made) == 2 and len({c["idempotency_key"] for c in made}) == 2
 
 
 @pytest.mark.parametrize(
@@ -276,7 +245,7 @@ def test_stored_payment_holds_no_card_data(
     (a_id, a_key), _ = orgs
     order_id = place_order(shop_client, a_key)
     key = uuid.uuid4()
-    response = pay(shop_client, a_key, key, order_id, source)
+    response = pay(shop_client, a_key, order_id, key, source)
     assert response.status_code == status
     assert response.json is not None and "source" not in response.json
     stored, state = db.execute(
@@ -295,7 +264,7 @@ def test_card_number_as_source_is_never_stored(
     """A card number dressed as a token is refused (422) and leaves no trace in the key table."""
     (_, a_key), _ = orgs
     order_id = place_order(shop_client, a_key)
-    response = pay(shop_client, a_key, uuid.uuid4(), order_id, "tok_4242424242424242")
+    response = pay(shop_client, a_key, order_id, uuid.uuid4(), "tok_4242424242424242")
     assert response.status_code == 422
     rows = db.execute("SELECT response, state FROM idempotency_keys").fetchall()
     assert [card_numbers(value) for row in rows for value in row] == [[]] * (2 * len(rows))

@@ -27,6 +27,7 @@ from example_app.db import init_db
 
 from ..helpers import close_pool
 from ..servers import gunicorn
+from ..shop_actions import add_fault
 
 #: Lease and gateway timeout of the shop under test: short, so crashes are resolved within a run.
 LEASE_TIMEOUT = 2.0
@@ -67,9 +68,7 @@ class Cluster:
 
     def gateway_fault(self, mode: str, delay: float = 0.0) -> None:
         """Queue one gateway fault for the next charge."""
-        requests.post(
-            self.gateway_url + "/_faults", json={"mode": mode, "count": 1, "delay": delay}, timeout=5
-        ).raise_for_status()
+        add_fault(self.gateway_url, mode, delay=delay)
         self._count(f"gateway {mode}" + (" (late)" if delay else ""))
 
     def heal(self, timeout: float = 30.0) -> None:

@@ -1,0 +1,35 @@
+"""The shop's fixtures: the shop paying through the test gateway (``shop``), and ``make_shop`` for a shop
+with other settings. What tests do to the shop is in :mod:`tests.shop_actions`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from flask import Flask
+
+from example_app import create_app
+
+from ..helpers import close_pool
+
+
+@pytest.fixture
+def make_shop(shop_config: dict[str, Any]) -> Iterator[Callable[..., Flask]]:
+    """Build the shop against the test gateway, with configuration overrides; pools closed afterwards."""
+    apps: list[Flask] = []
+
+    def make(**overrides: Any) -> Flask:
+        app = create_app({**shop_config, **overrides})
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        close_pool(app)
+
+
+@pytest.fixture
+def shop(make_shop: Callable[..., Flask]) -> Flask:
+    """The shop, paying through the test gateway."""
+    return make_shop()

@@ -1,0 +1,83 @@
+"""What the shop's tests do to the shop: place an order, pay it, queue a gateway fault, wait for a condition.
+
+Plain functions, imported by the test modules (fixtures live in ``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import requests
+from flask.testing import FlaskClient
+from werkzeug.test import TestResponse
+
+from .helpers import headers
+
+__all__ = [
+    "ORDER",
+    "add_fault",
+    "charges",
+    "pay",
+    "payment_statuses",
+    "place_order",
+    "queued_faults",
+    "wait_for",
+]
+
+#: The body of an ordinary order.
+ORDER = {"amount": 1250, "currency": "EUR"}
+
+
+def place_order(client: FlaskClient, api_key: str, amount: int = 1250) -> int:
+    """Create an order of ``amount`` euro cents with a fresh key; return its id."""
+    response = client.post(
+        "/orders", json={"amount": amount, "currency": "EUR"}, headers=headers(api_key, uuid.uuid4())
+    )
+    assert response.status_code == 201
+    order_id: int = response.json["id"]  # type: ignore[index]
+    return order_id
+
+
+def pay(
+    client: FlaskClient, api_key: str, order_id: int, key: uuid.UUID, source: str = "tok_visa"
+) -> TestResponse:
+    """``POST /payments`` of ``order_id`` under ``key``."""
+    return client.post(
+        "/payments", json={"order_id": order_id, "source": source}, headers=headers(api_key, key)
+    )
+
+
+def charges(gateway_url: str) -> list[dict[str, Any]]:
+    """Every charge the gateway made, oldest first."""
+    result: list[dict[str, Any]] = requests.get(gateway_url + "/charges", timeout=5).json()["charges"]
+    return result
+
+
+def add_fault(gateway_url: str, mode: str, count: int = 1, delay: float = 0.0) -> None:
+    """Queue a gateway fault for the next ``count`` charge requests (over HTTP)."""
+    requests.post(
+        gateway_url + "/_faults", json={"mode": mode, "count": count, "delay": delay}, timeout=5
+    ).raise_for_status()
+
+
+def queued_faults(gateway_url: str) -> list[dict[str, Any]]:
+    """The gateway faults not used up yet."""
+    result: list[dict[str, Any]] = requests.get(gateway_url + "/_faults", timeout=5).json()["faults"]
+    return result
+
+
+def payment_statuses(db: psycopg.Connection[Any]) -> list[str]:
+    """The status of every payment, oldest first."""
+    return [row[0] for row in db.execute("SELECT status FROM payments ORDER BY id").fetchall()]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 15.0, interval: float = 0.05) -> None:
+    """Poll ``condition`` until it holds; fail the test if it does not within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(interval)
