@@ -58,7 +58,7 @@ def test_shop_conforms(shop: Flask, shop_key: str, method: str, path: str, mode:
     """Every generated request gets a documented status, content type, headers and body, never a 5xx."""
     operation = schemathesis.openapi.from_wsgi("/openapi.json", shop)[path][method]
     # Always the organisation's key, so that negative cases reach the body and the Idempotency-Key
-    # (test_hostile.py::test_odd_authorization_headers covers wrong credentials).
+    # (hostile/test_shop.py::test_odd_authorization_headers covers wrong credentials).
     auth = {"Authorization": f"Bearer {shop_key}"}
 
     @given(case=operation.as_strategy(generation_mode=mode))
