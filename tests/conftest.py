@@ -28,6 +28,7 @@ from example_app.db import embedded_url
 from example_app.gateway import create_app as gateway_create_app
 
 from . import pgbouncer
+from .flow_app import Ledger, build_flow_app
 from .helpers import close_pool
 from .notes_app import build_app
 from .servers import gunicorn, in_thread
@@ -117,6 +118,20 @@ def make_app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Callabl
     yield make
     for app in apps:
         close_pool(app)
+
+
+@pytest.fixture
+def ledger() -> Ledger:
+    """The outside party of the flow app, fresh for each test."""
+    return Ledger()
+
+
+@pytest.fixture
+def flow_app(database_url: str, db: psycopg.Connection[Any], ledger: Ledger) -> Iterator[Flask]:
+    """The flow app (:mod:`tests.flow_app`) posting to ``ledger``; its pool is closed afterwards."""
+    app = build_flow_app(database_url, ledger)
+    yield app
+    close_pool(app)
 
 
 @pytest.fixture

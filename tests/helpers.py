@@ -1,4 +1,4 @@
-"""Helpers the tests import: counting rows, request headers, and the prepare threshold in force.
+"""Helpers the tests import: counting rows, request headers, waiting for a condition, the prepare threshold.
 
 Fixtures live in ``conftest.py``; plain functions that tests call live here, so that no test imports a
 conftest module.
@@ -6,7 +6,9 @@ conftest module.
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -26,6 +28,7 @@ __all__ = [
     "free_port",
     "gunicorn",
     "headers",
+    "wait_for",
     "wait_for_http",
 ]
 
@@ -51,3 +54,11 @@ def headers(api_key: str, key: uuid.UUID | str | None = None, **extra: str) -> d
 def close_pool(app: Flask) -> None:
     """Close the connection pool flask-idem opened for ``app`` in this process."""
     get_state(app).pool.close()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 15.0, interval: float = 0.05) -> None:
+    """Poll ``condition`` until it holds; fail the test if it does not within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(interval)

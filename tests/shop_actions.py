@@ -5,9 +5,7 @@ Plain functions, imported by the test modules (fixtures live in ``conftest.py``)
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -15,7 +13,7 @@ import requests
 from flask.testing import FlaskClient
 from werkzeug.test import TestResponse
 
-from .helpers import headers
+from .helpers import headers, wait_for
 
 __all__ = [
     "ORDER",
@@ -73,11 +71,3 @@ def queued_faults(gateway_url: str) -> list[dict[str, Any]]:
 def payment_statuses(db: psycopg.Connection[Any]) -> list[str]:
     """The status of every payment, oldest first."""
     return [row[0] for row in db.execute("SELECT status FROM payments ORDER BY id").fetchall()]
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 15.0, interval: float = 0.05) -> None:
-    """Poll ``condition`` until it holds; fail the test if it does not within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(interval)

@@ -6,113 +6,21 @@ fail; the database is the real one.
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
-from flask import Flask, abort, current_app, request
+from flask import Flask
 
 from flask_idem import Idempotency
 from flask_idem.errors import ConfigurationError
 from flask_idem.flow import Flow, OutcomeUnknown, Run
 
-from .helpers import close_pool, count
-from .notes_app import ORG, org_from_header, post
-
-
-class Ledger:
-    """The outside party: records one entry per key, and fails on demand."""
-
-    def __init__(self) -> None:
-        self.entries: dict[str, int] = {}
-        self.calls: list[str] = []
-        self.fail_next: type[Exception] | None = None
-        self.lose_answer = False
-
-    def record(self, key: str, amount: int) -> dict[str, Any]:
-        self.calls.append("record")
-        if self.fail_next is not None:
-            error, self.fail_next = self.fail_next, None
-            raise error("the ledger is down")
-        self.entries.setdefault(key, amount)
-        if self.lose_answer:  # recorded, but the answer never reaches the caller
-            self.lose_answer = False
-            raise OutcomeUnknown("connection reset")
-        return {"entry": key, "amount": self.entries[key]}
-
-    def find(self, key: str) -> dict[str, Any] | None:
-        self.calls.append("find")
-        return {"entry": key, "amount": self.entries[key]} if key in self.entries else None
-
-
-def build_flow_app(database_url: str, ledger: Ledger, **config: Any) -> Flask:
-    app = Flask(__name__)
-    app.config.from_prefixed_env()
-    app.config.update({"IDEM_DATABASE_URL": database_url, "IDEM_LEASE_TIMEOUT": 30, **config})
-    idem = Idempotency(app, scope=org_from_header)
-    flow = Flow("notes.transfer")
-    steps_run: list[str] = []
-    app.config["STEPS_RUN"] = steps_run
-
-    @flow.step
-    def prepare(run: Run) -> dict[str, Any]:
-        steps_run.append("prepare")
-        if current_app.config.get("PREPARE_ABORT"):
-            abort(409 if current_app.config["PREPARE_ABORT"] == 409 else 410)
-        if current_app.config.get("PREPARE_RAISE"):
-            current_app.config["PREPARE_RAISE"] = False
-            raise RuntimeError("prepare broke")
-        run.connection.execute("INSERT INTO notes (org_id, body) VALUES (%s, 'prepared')", (run.org_id,))
-        return {"prepared": True}
-
-    @flow.call(resolve=lambda run: ledger.find(run.derived_key("post")))
-    def post(run: Run) -> dict[str, Any]:
-        steps_run.append("post")
-        return ledger.record(run.derived_key("post"), run.intent["amount"])
-
-    @flow.finish
-    def done(run: Run) -> Any:
-        steps_run.append("done")
-        if current_app.config.get("FINISH_500"):
-            current_app.config["FINISH_500"] = False
-            return {"error": "later"}, 500
-        return {"entry": run.results["post"]["entry"], "amount": run.results["post"]["amount"]}, 201
-
-    @app.post("/transfers")
-    @idem.idempotent(flow=flow)
-    def transfer() -> Any:
-        amount = request.get_json()["amount"]
-        if amount < 0:
-            return {"error": "negative"}, 400
-        if amount == 0:
-            abort(404)
-        idem.connection.execute(
-            "INSERT INTO notes (org_id, body) VALUES (%s, 'intent')", (org_from_header(),)
-        )
-        return {"amount": amount}
-
-    return app
-
-
-@pytest.fixture
-def ledger() -> Ledger:
-    return Ledger()
-
-
-@pytest.fixture
-def flow_app(database_url: str, db: psycopg.Connection[Any], ledger: Ledger) -> Iterator[Flask]:
-    app = build_flow_app(database_url, ledger)
-    yield app
-    close_pool(app)
-
-
-def row(db: psycopg.Connection[Any]) -> tuple[Any, ...]:
-    found = db.execute("SELECT status, step, attempts, last_error FROM idempotency_keys").fetchone()
-    assert found is not None
-    return tuple(found)
+from .flow_app import Ledger, row
+from .helpers import count
+from .notes_app import ORG, post
 
 
 def test_all_steps_run_once(flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]) -> None:
@@ -288,101 +196,3 @@ def _named(name: str) -> Callable[[Run], None]:
 
     step.__name__ = name
     return step
-
-
-def test_backoff_is_full_jitter_within_the_cap() -> None:
-    """Recovery waits are drawn from [0, min(cap, base * 2**attempt)]."""
-    import random
-
-    from flask_idem.recovery import backoff
-
-    rng = random.Random(7)
-    for attempt in range(12):
-        waits = [backoff(attempt, base=2.0, cap=60.0, rng=rng) for _ in range(200)]
-        ceiling = min(60.0, 2.0 * 2**attempt)
-        assert all(0 <= w <= ceiling for w in waits)
-        assert max(waits) > ceiling * 0.8  # spread over the whole interval, not bunched
-    assert backoff(10_000, base=2.0, cap=60.0, rng=rng) <= 60.0
-
-
-def test_recovery_loop_finishes_stranded_requests(
-    flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]
-) -> None:
-    """`recover --loop` (run_forever) finishes a stranded request and stops when told to."""
-    import threading
-
-    from flask_idem.recovery import run_forever
-
-    key = uuid.uuid4()
-    ledger.lose_answer = True
-    assert post(flow_app, "/transfers", key, {"amount": 3}).status_code == 503
-    assert db.execute("SELECT next_attempt_at > now() FROM idempotency_keys").fetchone() == (True,)
-    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
-    stop = threading.Event()
-    worker = threading.Thread(target=run_forever, args=(flow_app,), kwargs={"interval": 0.05, "stop": stop})
-    worker.start()
-    try:
-        deadline = time.monotonic() + 10
-        while row(db)[0] != "completed":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        worker.join(10)
-    assert not worker.is_alive()
-    assert ledger.calls == ["record", "find"]
-    assert post(flow_app, "/transfers", key, {"amount": 3}).status_code == 200
-
-
-def test_stuck_lists_slow_processing_rows(
-    flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]
-) -> None:
-    """`flask idem stuck` reports a request processing for longer than expected."""
-    ledger.fail_next = OutcomeUnknown
-    key = uuid.uuid4()
-    assert post(flow_app, "/transfers", key, {"amount": 3}).status_code == 503
-    runner = flow_app.test_cli_runner()
-    assert runner.invoke(args=["idem", "stuck"]).output.strip() == "0 row(s)."
-    db.execute("UPDATE idempotency_keys SET created_at = now() - interval '10 minutes'")
-    output = runner.invoke(args=["idem", "stuck", "--older-than", "60"]).output
-    assert f"slow            org=1 key={key} status=processing" in output
-    assert "last_error=OutcomeUnknown" in output
-
-
-def test_recovery_leaves_unknown_flows_alone(
-    flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any], database_url: str
-) -> None:
-    """A recovery job of an application without the flow claims nothing, and flags nothing."""
-    from flask_idem.recovery import recover
-
-    ledger.fail_next = OutcomeUnknown
-    assert post(flow_app, "/transfers", uuid.uuid4(), {"amount": 3}).status_code == 503
-    db.execute("UPDATE idempotency_keys SET next_attempt_at = now(), created_at = now() - interval '1 day'")
-    other = Flask("other")
-    other.config.from_prefixed_env()
-    other.config["IDEM_DATABASE_URL"] = database_url
-    Idempotency(other, scope=lambda: 1)
-    try:
-        assert recover(other).claimed == 0
-    finally:
-        close_pool(other)
-    assert row(db)[0] == "processing"
-    assert db.execute("SELECT needs_attention FROM idempotency_keys").fetchone() == (False,)
-
-
-def test_recovery_reports_a_failed_finish_as_pending(
-    flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]
-) -> None:
-    """When the finish step answers 5xx during recovery, the request is reported pending, not completed."""
-    from flask_idem.recovery import recover
-
-    ledger.fail_next = OutcomeUnknown
-    assert post(flow_app, "/transfers", uuid.uuid4(), {"amount": 3}).status_code == 503
-    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
-    flow_app.config["FINISH_500"] = True
-    report = recover(flow_app)
-    assert (len(report.completed), len(report.pending)) == (0, 1)
-    assert row(db)[0] == "processing"
-    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
-    assert len(recover(flow_app).completed) == 1
-    assert row(db)[0] == "completed"

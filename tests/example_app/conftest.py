@@ -10,6 +10,7 @@ import pytest
 from flask import Flask
 
 from example_app import create_app
+from example_app.cli import create_org
 
 from ..helpers import close_pool
 
@@ -33,3 +34,10 @@ def make_shop(shop_config: dict[str, Any]) -> Iterator[Callable[..., Flask]]:
 def shop(make_shop: Callable[..., Flask]) -> Flask:
     """The shop, paying through the test gateway."""
     return make_shop()
+
+
+@pytest.fixture
+def org(shop: Flask) -> tuple[int, str]:
+    """An organisation of the shop: its id and API key."""
+    with shop.app_context():
+        return create_org("payer")

@@ -21,13 +21,6 @@ from ..shop_actions import add_fault, charges, pay, payment_statuses, place_orde
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def org(shop: Flask) -> tuple[int, str]:
-    """An organisation of the shop: its id and API key."""
-    with shop.app_context():
-        return create_org("payer")
-
-
 def test_pay_an_order(
     shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
 ) -> None:
@@ -181,28 +174,6 @@ def test_unknown_outcome_then_retry(
     assert pay(client, org[1], order_id, key).status_code == 200
 
 
-def test_recover_finishes_a_stranded_payment(
-    shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
-) -> None:
-    """After a fail_after, `flask idem recover` looks the charge up and records it; a retry replays it."""
-    client = shop.test_client()
-    order_id = place_order(client, org[1])
-    add_fault(gateway_url, "fail_after")
-    key = uuid.uuid4()
-    assert pay(client, org[1], order_id, key).status_code == 503
-    runner = shop.test_cli_runner()
-    assert "Claimed 0" in runner.invoke(args=["idem", "recover"]).output  # not due yet: backoff
-    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
-    result = runner.invoke(args=["idem", "recover"])
-    assert result.exit_code == 0, result.output
-    assert "Claimed 1: 1 completed" in result.output
-    assert payment_statuses(db) == ["succeeded"]
-    retry = pay(client, org[1], order_id, key)
-    assert retry.status_code == 200
-    assert retry.json["status"] == "succeeded"
-    assert len(charges(gateway_url)) == 1
-
-
 def test_duplicate_while_processing_gets_409(
     make_shop: Callable[..., Flask], org: tuple[int, str], gateway_url: str
 ) -> None:
@@ -279,32 +250,6 @@ def test_slow_gateway_does_not_exhaust_the_pool(
     assert len(during) == 5
     assert still_waiting == 4
     assert statuses == [201] * 4
-
-
-def test_recovery_gives_up_after_the_deadline(
-    shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
-) -> None:
-    """Stranded past IDEM_RECOVERY_DEADLINE: failed, flagged, listed by `stuck`, replayed as 500."""
-    client = shop.test_client()
-    order_id = place_order(client, org[1])
-    add_fault(gateway_url, "fail_before")
-    key = uuid.uuid4()
-    assert pay(client, org[1], order_id, key).status_code == 503
-    db.execute(
-        "UPDATE idempotency_keys SET created_at = now() - interval '2 hours', next_attempt_at = now()"
-        " WHERE path = '/payments'"
-    )
-    runner = shop.test_cli_runner()
-    assert "1 failed" in runner.invoke(args=["idem", "recover"]).output
-    stuck = runner.invoke(args=["idem", "stuck"]).output
-    assert "NEEDS ATTENTION" in stuck and str(key) in stuck
-    replay = pay(client, org[1], order_id, key)
-    assert replay.status_code == 500
-    assert replay.json["type"] == "urn:flask-idem:problem:operation-failed"
-    assert charges(gateway_url) == []
-    db.execute("UPDATE idempotency_keys SET expires_at = now() - interval '31 days'")  # past the tombstone
-    assert "Purged 1" in runner.invoke(args=["idem", "purge"]).output  # the order's key, not the flagged one
-    assert db.execute("SELECT path FROM idempotency_keys").fetchall() == [("/payments",)]
 
 
 def test_key_reused_after_retention_is_422(
