@@ -8,15 +8,18 @@ with its data in the instance folder, so a fresh machine needs no database serve
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, LiteralString
 
+import psycopg
 from flask import Flask
+from psycopg.rows import dict_row
 
 from .extensions import idem
 
-__all__ = ["database_url", "embedded_url", "init_db"]
+__all__ = ["database_url", "embedded_url", "fetch_all", "fetch_one", "init_db"]
 
 _servers: dict[Path, Any] = {}
 
@@ -55,3 +58,23 @@ def init_db() -> None:
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('example_app.init_db'))")
         conn.execute(ddl)
     idem.create_table()
+
+
+def fetch_one(
+    query: LiteralString, params: Sequence[Any], *, conn: psycopg.Connection[Any] | None = None
+) -> dict[str, Any] | None:
+    """The first row of ``query`` as a ``dict`` of its columns, or ``None``.
+
+    :param conn: where to run it, such as :attr:`flask_idem.Idempotency.connection` inside an idempotent
+        view; by default a connection of the pool, outside any transaction of the view's.
+    """
+    if conn is not None:
+        return conn.cursor(row_factory=dict_row).execute(query, params).fetchone()
+    with idem.pool.connection() as pooled:
+        return pooled.cursor(row_factory=dict_row).execute(query, params).fetchone()
+
+
+def fetch_all(query: LiteralString, params: Sequence[Any]) -> list[dict[str, Any]]:
+    """Every row of ``query`` as a ``dict`` of its columns, on a connection of the pool."""
+    with idem.pool.connection() as conn:
+        return conn.cursor(row_factory=dict_row).execute(query, params).fetchall()

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from flask import g, url_for
-from psycopg.rows import dict_row
 from werkzeug.exceptions import NotFound
 
 from .api import LOCATION, Blueprint, path_id
 from .auth import authenticate
+from .db import fetch_all, fetch_one
 from .extensions import idem
 from .problems import KeyAlreadyUsed
 from .schemas import Order, OrderIn, OrderList
@@ -28,16 +28,13 @@ def create_order(data: dict[str, Any]) -> tuple[dict[str, Any], int, dict[str, s
 
     A retry with the same ``Idempotency-Key`` gets the first answer again.
     """
-    order = (
-        idem.connection.cursor(row_factory=dict_row)
-        .execute(
-            "INSERT INTO orders (org_id, idempotency_key, amount, currency)"
-            " VALUES (%s, %s, %s, %s)"
-            " ON CONFLICT (org_id, idempotency_key) DO NOTHING"
-            " RETURNING id, amount, currency, created_at",
-            (g.org_id, idem.key, data["amount"], data["currency"]),
-        )
-        .fetchone()
+    order = fetch_one(
+        "INSERT INTO orders (org_id, idempotency_key, amount, currency)"
+        " VALUES (%s, %s, %s, %s)"
+        " ON CONFLICT (org_id, idempotency_key) DO NOTHING"
+        " RETURNING id, amount, currency, created_at",
+        (g.org_id, idem.key, data["amount"], data["currency"]),
+        conn=idem.connection,
     )
     if order is None:
         raise KeyAlreadyUsed()
@@ -52,15 +49,10 @@ def get_order(order_id: int) -> dict[str, Any]:
 
     Another organisation's order is 404.
     """
-    with idem.pool.connection() as conn:
-        order = (
-            conn.cursor(row_factory=dict_row)
-            .execute(
-                "SELECT id, amount, currency, created_at FROM orders WHERE id = %s AND org_id = %s",
-                (order_id, g.org_id),
-            )
-            .fetchone()
-        )
+    order = fetch_one(
+        "SELECT id, amount, currency, created_at FROM orders WHERE id = %s AND org_id = %s",
+        (order_id, g.org_id),
+    )
     if order is None:
         raise NotFound("There is no such order.")
     return order
@@ -71,13 +63,7 @@ def get_order(order_id: int) -> dict[str, Any]:
 @bp.problems(401, 500, 503)
 def list_orders() -> dict[str, Any]:
     """The organisation's orders, oldest first"""
-    with idem.pool.connection() as conn:
-        orders = (
-            conn.cursor(row_factory=dict_row)
-            .execute(
-                "SELECT id, amount, currency, created_at FROM orders WHERE org_id = %s ORDER BY id",
-                (g.org_id,),
-            )
-            .fetchall()
-        )
+    orders = fetch_all(
+        "SELECT id, amount, currency, created_at FROM orders WHERE org_id = %s ORDER BY id", (g.org_id,)
+    )
     return {"orders": orders}

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from flask import g, url_for
-from psycopg.rows import dict_row
 from werkzeug.exceptions import HTTPException, NotFound, UnprocessableEntity
 
 from flask_idem.flow import Flow, Run
@@ -23,6 +22,7 @@ from flask_idem.flow import Flow, Run
 from . import gateway_client
 from .api import LOCATION, Blueprint, path_id
 from .auth import authenticate
+from .db import fetch_one
 from .extensions import idem
 from .problems import KeyAlreadyUsed, problem_exception
 from .schemas import Payment, PaymentIn
@@ -117,14 +117,11 @@ def charge(run: Run) -> dict[str, Any]:
 def record(run: Run) -> tuple[dict[str, Any], int, dict[str, str]]:
     """Record the gateway's answer on the payment and answer the client."""
     outcome = run.results["charge"]
-    payment = (
-        run.connection.cursor(row_factory=dict_row)
-        .execute(
-            "UPDATE payments SET status = %s, gateway_charge_id = %s, updated_at = now() WHERE id = %s"
-            " RETURNING id, order_id, amount, currency, status, gateway_charge_id",
-            (outcome["status"], outcome["charge_id"], run.intent["payment_id"]),
-        )
-        .fetchone()
+    payment = fetch_one(
+        "UPDATE payments SET status = %s, gateway_charge_id = %s, updated_at = now() WHERE id = %s"
+        " RETURNING id, order_id, amount, currency, status, gateway_charge_id",
+        (outcome["status"], outcome["charge_id"], run.intent["payment_id"]),
+        conn=run.connection,
     )
     assert payment is not None
     if outcome["status"] == "declined":
@@ -142,16 +139,11 @@ def get_payment(payment_id: int) -> dict[str, Any]:
 
     Another organisation's payment is 404.
     """
-    with idem.pool.connection() as conn:
-        payment = (
-            conn.cursor(row_factory=dict_row)
-            .execute(
-                "SELECT id, order_id, amount, currency, status, gateway_charge_id FROM payments"
-                " WHERE id = %s AND org_id = %s",
-                (payment_id, g.org_id),
-            )
-            .fetchone()
-        )
+    payment = fetch_one(
+        "SELECT id, order_id, amount, currency, status, gateway_charge_id FROM payments"
+        " WHERE id = %s AND org_id = %s",
+        (payment_id, g.org_id),
+    )
     if payment is None:
         raise NotFound("There is no such payment.")
     return payment

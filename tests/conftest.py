@@ -29,7 +29,7 @@ from example_app.gateway import create_app as gateway_create_app
 
 from . import pgbouncer
 from .flow_app import Ledger, build_flow_app
-from .helpers import close_pool
+from .helpers import app_factory, close_pool
 from .notes_app import build_app
 from .servers import gunicorn, in_thread
 
@@ -108,16 +108,8 @@ def db(database_url: str, direct_database_url: str) -> Iterator[psycopg.Connecti
 @pytest.fixture
 def make_app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Callable[..., Flask]]:
     """Build the test application with extra configuration; its pool is closed afterwards."""
-    apps: list[Flask] = []
-
-    def make(**config: Any) -> Flask:
-        app, _ = build_app(database_url, **config)
-        apps.append(app)
-        return app
-
-    yield make
-    for app in apps:
-        close_pool(app)
+    with app_factory(lambda **config: build_app(database_url, **config)[0]) as make:
+        yield make
 
 
 @pytest.fixture

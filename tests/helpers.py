@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -23,6 +24,7 @@ from .servers import ROOT, free_port, gunicorn, wait_for_http
 __all__ = [
     "PREPARE_THRESHOLD",
     "ROOT",
+    "app_factory",
     "close_pool",
     "count",
     "free_port",
@@ -62,3 +64,19 @@ def wait_for(condition: Callable[[], bool], timeout: float = 15.0, interval: flo
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(interval)
+
+
+@contextmanager
+def app_factory(build: Callable[..., Flask]) -> Iterator[Callable[..., Flask]]:
+    """``build`` (keyword configuration in, application out), remembering what it built: on exit, the
+    flask-idem pool of every application it made is closed."""
+    apps: list[Flask] = []
+
+    def make(**config: Any) -> Flask:
+        app = build(**config)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        close_pool(app)

@@ -5,6 +5,7 @@ Plain functions, imported by the test modules (fixtures live in ``conftest.py``)
 
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any
 
@@ -19,10 +20,13 @@ __all__ = [
     "ORDER",
     "add_fault",
     "charges",
+    "lease_expired",
     "pay",
+    "paying_in_background",
     "payment_statuses",
     "place_order",
     "queued_faults",
+    "stranded_payment",
     "wait_for",
 ]
 
@@ -49,6 +53,18 @@ def pay(
     )
 
 
+def paying_in_background(
+    client: FlaskClient, api_key: str, order_id: int, key: uuid.UUID, gateway_url: str
+) -> tuple[threading.Thread, dict[str, TestResponse]]:
+    """Start paying in a thread; return once the gateway has made the charge, while the payment is still
+    under way. Returns the thread, and the dict where its answer will be, under ``"first"``."""
+    results: dict[str, TestResponse] = {}
+    thread = threading.Thread(target=lambda: results.setdefault("first", pay(client, api_key, order_id, key)))
+    thread.start()
+    wait_for(lambda: len(charges(gateway_url)) == 1)
+    return thread, results
+
+
 def charges(gateway_url: str) -> list[dict[str, Any]]:
     """Every charge the gateway made, oldest first."""
     result: list[dict[str, Any]] = requests.get(gateway_url + "/charges", timeout=5).json()["charges"]
@@ -71,3 +87,23 @@ def queued_faults(gateway_url: str) -> list[dict[str, Any]]:
 def payment_statuses(db: psycopg.Connection[Any]) -> list[str]:
     """The status of every payment, oldest first."""
     return [row[0] for row in db.execute("SELECT status FROM payments ORDER BY id").fetchall()]
+
+
+def stranded_payment(client: FlaskClient, api_key: str, gateway_url: str, mode: str) -> tuple[int, uuid.UUID]:
+    """Place an order and pay it through the gateway fault ``mode``: the payment is left stranded (503).
+
+    Returns the order's id and the payment's key.
+    """
+    order_id = place_order(client, api_key)
+    add_fault(gateway_url, mode)
+    key = uuid.uuid4()
+    assert pay(client, api_key, order_id, key).status_code == 503
+    return order_id, key
+
+
+def lease_expired(db: psycopg.Connection[Any]) -> bool:
+    """Whether the lease on the payment request has run out."""
+    row = db.execute(
+        "SELECT lease_expires_at < now() FROM idempotency_keys WHERE path = '/payments'"
+    ).fetchone()
+    return row == (True,)

@@ -12,22 +12,14 @@ from flask import Flask
 from example_app import create_app
 from example_app.cli import create_org
 
-from ..helpers import close_pool
+from ..helpers import app_factory
 
 
 @pytest.fixture
 def make_shop(shop_config: dict[str, Any]) -> Iterator[Callable[..., Flask]]:
     """Build the shop against the test gateway, with configuration overrides; pools closed afterwards."""
-    apps: list[Flask] = []
-
-    def make(**overrides: Any) -> Flask:
-        app = create_app({**shop_config, **overrides})
-        apps.append(app)
-        return app
-
-    yield make
-    for app in apps:
-        close_pool(app)
+    with app_factory(lambda **overrides: create_app({**shop_config, **overrides})) as make:
+        yield make
 
 
 @pytest.fixture

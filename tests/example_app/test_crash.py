@@ -17,7 +17,7 @@ import requests
 from flask import Flask
 
 from ..helpers import headers, wait_for_http
-from ..shop_actions import add_fault, charges, payment_statuses, wait_for
+from ..shop_actions import add_fault, charges, lease_expired, payment_statuses, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -59,14 +59,7 @@ def test_worker_killed_between_charge_and_record(
     thread.join(30)
     assert "error" in outcome, outcome  # the client never heard back
     assert payment_statuses(db) == ["pending"]
-    wait_for(
-        lambda: (
-            db.execute(
-                "SELECT lease_expires_at < now() FROM idempotency_keys WHERE path = '/payments'"
-            ).fetchone()
-            == (True,)
-        )
-    )
+    wait_for(lambda: lease_expired(db))
     wait_for_http(base + "/orders", master)  # gunicorn has replaced its workers
     if finisher == "recover":
         result = make_shop().test_cli_runner().invoke(args=["idem", "recover"])

@@ -16,7 +16,16 @@ from example_app.cli import create_org
 from flask_idem.errors import PROBLEM_JSON
 
 from ..helpers import count, headers
-from ..shop_actions import add_fault, charges, pay, payment_statuses, place_order, wait_for
+from ..shop_actions import (
+    add_fault,
+    charges,
+    lease_expired,
+    pay,
+    paying_in_background,
+    payment_statuses,
+    place_order,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -183,10 +192,7 @@ def test_duplicate_while_processing_gets_409(
     order_id = place_order(client, org[1])
     add_fault(gateway_url, "delay", delay=1.5)
     key = uuid.uuid4()
-    results: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: results.setdefault("first", pay(client, org[1], order_id, key)))
-    thread.start()
-    wait_for(lambda: len(charges(gateway_url)) == 1)
+    thread, results = paying_in_background(client, org[1], order_id, key, gateway_url)
     duplicate = pay(client, org[1], order_id, key)
     first_running = thread.is_alive()
     thread.join(10)
@@ -206,18 +212,8 @@ def test_lease_takeover_by_a_retry(
     order_id = place_order(client, org[1])
     add_fault(gateway_url, "delay", delay=2.5)
     key = uuid.uuid4()
-    results: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: results.setdefault("first", pay(client, org[1], order_id, key)))
-    thread.start()
-    wait_for(lambda: len(charges(gateway_url)) == 1)
-    wait_for(
-        lambda: (
-            db.execute(
-                "SELECT lease_expires_at < now() FROM idempotency_keys WHERE path = '/payments'"
-            ).fetchone()
-            == (True,)
-        )
-    )
+    thread, results = paying_in_background(client, org[1], order_id, key, gateway_url)
+    wait_for(lambda: lease_expired(db))
     retry = pay(client, org[1], order_id, key)
     thread.join(10)
     assert retry.status_code == 201, retry.json

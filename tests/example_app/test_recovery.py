@@ -16,7 +16,7 @@ import pytest
 from flask import Flask
 
 from ..helpers import ROOT, close_pool
-from ..shop_actions import add_fault, charges, pay, payment_statuses, place_order
+from ..shop_actions import add_fault, charges, pay, payment_statuses, place_order, stranded_payment
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +26,7 @@ def test_recover_finishes_a_stranded_payment(
 ) -> None:
     """After a fail_after, `flask idem recover` looks the charge up and records it; a retry replays it."""
     client = shop.test_client()
-    order_id = place_order(client, org[1])
-    add_fault(gateway_url, "fail_after")
-    key = uuid.uuid4()
-    assert pay(client, org[1], order_id, key).status_code == 503
+    order_id, key = stranded_payment(client, org[1], gateway_url, "fail_after")
     runner = shop.test_cli_runner()
     assert "Claimed 0" in runner.invoke(args=["idem", "recover"]).output  # not due yet: backoff
     db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
@@ -48,10 +45,7 @@ def test_recovery_gives_up_after_the_deadline(
 ) -> None:
     """Stranded past IDEM_RECOVERY_DEADLINE: failed, flagged, listed by `stuck`, replayed as 500."""
     client = shop.test_client()
-    order_id = place_order(client, org[1])
-    add_fault(gateway_url, "fail_before")
-    key = uuid.uuid4()
-    assert pay(client, org[1], order_id, key).status_code == 503
+    order_id, key = stranded_payment(client, org[1], gateway_url, "fail_before")
     db.execute(
         "UPDATE idempotency_keys SET created_at = now() - interval '2 hours', next_attempt_at = now()"
         " WHERE path = '/payments'"
