@@ -1,4 +1,4 @@
-"""The shop's OpenAPI document: valid OpenAPI 3, every route, the key header, every error a problem."""
+"""The shop's generated OpenAPI document: valid OpenAPI 3, every route, the key header, errors as problems."""
 
 from __future__ import annotations
 
@@ -161,3 +161,14 @@ def test_payment_answer_has_no_source(document: dict[str, Any]) -> None:
     payment = document["components"]["schemas"]["Payment"]
     assert "source" not in payment["properties"]
     assert payment["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("path", WRITES, ids=["orders", "payments"])
+def test_writes_publish_the_idempotency_policy(document: dict[str, Any], path: str) -> None:
+    """The plugin publishes each write's policy: a required key kept 24 hours; paying is multi-step."""
+    policy = document["paths"][path]["post"]["x-idempotency"]
+    assert (policy["required"], policy["keyRetentionSeconds"], policy["multiStep"]) == (
+        True,
+        86400,
+        path == "/payments",
+    )
