@@ -129,6 +129,7 @@ class Problem(Schema):
     errors = fields.Dict(metadata={"description": "422 validation errors: messages by field name."})
     retry_after = fields.Integer(metadata={"description": "Seconds, as in the Retry-After header."})
     payment_id = fields.Integer(metadata={"description": "402 and payment failures: the payment recorded."})
+    retention = fields.Dict(metadata={"description": "409, 410 and 422: how long keys are kept, in seconds."})
 
 
 def load(schema: Schema, data: Any) -> dict[str, Any]:

@@ -8,7 +8,9 @@ behaviour. :class:`IdempotencyPlugin` does it from the routes themselves: every 
   route always requires it), with the key's retention period in its description;
 - the ``Idempotent-Replayed`` header on its success responses, and a ``200`` replay of a ``201``;
 - the ``400``, ``409``, ``422`` and ``503`` problem responses (``application/problem+json``, a shared
-  ``Problem`` schema), the ``409`` and ``503`` with their ``Retry-After`` header;
+  ``Problem`` schema), the ``409`` and ``503`` with their ``Retry-After`` header; while expired keys are
+  remembered (``IDEM_TOMBSTONE_TTL``), the ``410`` of a late retry, and its ``303`` when the success
+  response has a ``Location``;
 - an ``x-idempotency`` object with the same facts for machines.
 
 apispec is an optional dependency: install ``flask-idem[openapi]``.
@@ -46,6 +48,10 @@ PROBLEM_SCHEMA: dict[str, Any] = {
         "status": {"type": "integer", "minimum": 400, "maximum": 599},
         "detail": {"type": "string"},
         "retry_after": {"type": "integer", "description": "Seconds, as in the Retry-After header."},
+        "retention": {
+            "type": "object",
+            "description": "409, 410 and 422: how long keys are kept (response_seconds, tombstone_seconds).",
+        },
     },
     "required": ["type", "title", "status"],
     "additionalProperties": True,
@@ -71,6 +77,10 @@ _CONFLICT = (
 )
 _MISMATCH = (
     "The Idempotency-Key was already used for a different request (another method, path, query or body)."
+)
+_EXPIRED = (
+    "The request first sent with this Idempotency-Key was carried out, and its stored answer has expired."
+    " It will not be carried out again; a new operation needs a new key."
 )
 _UNAVAILABLE = (
     "Unavailable for now: the database cannot be reached, or a call this request depends on ended without"
@@ -164,6 +174,16 @@ class IdempotencyPlugin(BasePlugin):
                 responses["200"] = _replay_of(response)
             else:
                 response.setdefault("headers", {}).setdefault(REPLAYED_HEADER, dict(_MAYBE_REPLAYED))
+        if contract.tombstone_ttl and not any(str(s) == "303" for s in responses):
+            location = _location(responses)
+            if location is not None:
+                responses["303"] = {
+                    "description": (
+                        "A retry after the stored answer expired: the request was carried out, and its"
+                        " result is at the Location the first answer gave."
+                    ),
+                    "headers": {"Location": location},
+                }
         documented = {str(s): s for s in responses}
         for status, description in contract.problems().items():
             if status not in documented:
@@ -203,6 +223,16 @@ def _options(view: Any, method: str) -> ViewOptions | None:
     return options if isinstance(options, ViewOptions) else None
 
 
+def _location(responses: dict[Any, Any]) -> Any:
+    """The ``Location`` header a success response documents, if one does."""
+    for status, response in responses.items():
+        if str(status).startswith("2") and isinstance(response, dict):
+            location = response.get("headers", {}).get("Location")
+            if location is not None:
+                return copy.deepcopy(location)
+    return None
+
+
 def _replay_of(created: dict[str, Any]) -> dict[str, Any]:
     """The ``200`` a retry gets for a stored ``201``: the same body and headers, marked as a replay."""
     replay = copy.deepcopy(created)
@@ -228,6 +258,7 @@ class _Contract:
             settings.require_key if options.required is None else options.required
         )
         self.ttl = int(options.key_ttl(settings))
+        self.tombstone_ttl = int(settings.tombstone_ttl)
         self.on_mismatch: str = options.on_mismatch or settings.on_mismatch
 
     def parameter(self) -> dict[str, Any]:
@@ -237,6 +268,11 @@ class _Contract:
             ' form "<uuid>" (in double quotes) is accepted too. The key and its answer are kept for'
             f" {_duration(self.ttl)}: a retry within that time gets the first answer again."
         )
+        if self.tombstone_ttl:
+            description += (
+                f" Then the key is remembered for {_duration(self.tombstone_ttl)}: a retry is never run again"
+                " (303 to the first answer's Location, or 410)."
+            )
         if not self.required:
             description += " Without the header the request runs once, unprotected against retries."
         return {
@@ -259,6 +295,8 @@ class _Contract:
         }
         if self.on_mismatch == "reject":
             result["422"] = _MISMATCH
+        if self.tombstone_ttl:
+            result["410"] = _EXPIRED
         return dict(sorted(result.items()))
 
     def extension(self) -> dict[str, Any]:
@@ -267,6 +305,7 @@ class _Contract:
             "header": HEADER,
             "required": self.required,
             "keyRetentionSeconds": self.ttl,
+            "tombstoneRetentionSeconds": self.tombstone_ttl,
             "fingerprint": ["method", "path", "query", "body"],
             "onMismatch": self.on_mismatch,
             "multiStep": self.multi_step,

@@ -90,11 +90,12 @@ def test_plain_apispec_app() -> None:
         "schema": {"type": "string", "format": "uuid"},
     }
     assert "kept for 1 day" in key_parameter(post)["description"]  # type: ignore[index]
-    assert set(post["responses"]) == {"200", "201", "400", "409", "422", "503"}
+    assert "remembered for 30 days" in key_parameter(post)["description"]  # type: ignore[index]
+    assert set(post["responses"]) == {"200", "201", "400", "409", "410", "422", "503"}
     assert post["responses"]["200"]["content"] == post["responses"]["201"]["content"]
     assert post["responses"]["200"]["headers"]["Idempotent-Replayed"]["required"] is True
     assert "headers" not in post["responses"]["201"]
-    for status in ("400", "409", "422", "503"):
+    for status in ("400", "409", "410", "422", "503"):
         content = post["responses"][status]["content"]
         assert content == {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}
     for status in ("409", "503"):
@@ -103,6 +104,7 @@ def test_plain_apispec_app() -> None:
         "header": "Idempotency-Key",
         "required": True,
         "keyRetentionSeconds": 86400,
+        "tombstoneRetentionSeconds": 30 * 86400,
         "fingerprint": ["method", "path", "query", "body"],
         "onMismatch": "reject",
         "multiStep": False,
@@ -154,6 +156,33 @@ def test_documented_answers_are_kept() -> None:
     assert post["responses"]["409"]["description"] == "Busy."
     assert post["responses"]["409"]["headers"]["Retry-After"]["schema"] == {"type": "integer"}
     assert document["components"]["schemas"]["Problem"]["properties"] == {"code": {"type": "string"}}
+
+
+@pytest.mark.parametrize("tombstone_ttl", [3600, 0], ids=["tombstones", "no-tombstones"])
+def test_late_retry_answers(tombstone_ttl: int) -> None:
+    """While expired keys are remembered, a late retry is documented: 303 to a documented Location, else
+    410; with IDEM_TOMBSTONE_TTL = 0, neither."""
+    app, idem = make_app(IDEM_TOMBSTONE_TTL=tombstone_ttl)
+
+    @app.post("/notes")
+    @idem.idempotent()
+    def notes() -> Any:
+        raise AssertionError("never called")
+
+    location = {"required": True, "schema": {"type": "string", "format": "uri-reference"}}
+    created = {"201": {"description": "Created.", "headers": {"Location": location}}}
+    spec = APISpec("Notes", "1.0", "3.0.3", plugins=[FlaskPlugin(), IdempotencyPlugin(app)])
+    spec.path(view=notes, app=app, operations={"post": {"responses": created}})
+    document = spec.to_dict()
+    validate(document)
+    responses = document["paths"]["/notes"]["post"]["responses"]
+    if tombstone_ttl:
+        assert responses["303"]["headers"] == {"Location": location}
+        assert "content" not in responses["303"]
+        assert "410" in responses
+    else:
+        assert "303" not in responses and "410" not in responses
+    assert document["paths"]["/notes"]["post"]["x-idempotency"]["tombstoneRetentionSeconds"] == tombstone_ttl
 
 
 def test_problem_schema_is_registered_once() -> None:
@@ -229,7 +258,7 @@ def test_flask_smorest_app() -> None:
     validate(document)
     post = document["paths"]["/notes"]["post"]
     assert key_parameter(post)["required"] is True  # type: ignore[index]
-    assert {"200", "201", "400", "409", "422", "503"} <= set(post["responses"])
+    assert {"200", "201", "400", "409", "410", "422", "503"} <= set(post["responses"])
     assert post["responses"]["200"]["content"] == post["responses"]["201"]["content"]
     assert post["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/NoteIn"

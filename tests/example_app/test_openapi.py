@@ -17,8 +17,8 @@ OPERATION_IDS = [f"{method.upper()} {path}" for method, path in OPERATIONS]
 
 #: The documented answers of each operation.
 STATUSES = {
-    ("post", "/orders"): {200, 201, 400, 401, 409, 413, 415, 422, 500, 503},
-    ("post", "/payments"): {200, 201, 400, 401, 402, 404, 409, 413, 415, 422, 500, 503},
+    ("post", "/orders"): {200, 201, 303, 400, 401, 409, 410, 413, 415, 422, 500, 503},
+    ("post", "/payments"): {200, 201, 303, 400, 401, 402, 404, 409, 410, 413, 415, 422, 500, 503},
     ("get", "/orders"): {200, 401, 500, 503},
     ("get", "/orders/{order_id}"): {200, 401, 404, 500, 503},
     ("get", "/payments/{payment_id}"): {200, 401, 404, 500, 503},
