@@ -102,7 +102,9 @@ class IdempotencyPlugin(BasePlugin):
         spec.path(view=create_order, operations={"post": {...}})
 
     A view is found from the ``view`` argument of :meth:`~apispec.APISpec.path`, or from its ``rule``
-    (what flask-smorest passes). Operations are described only if they are in the document already:
+    (what flask-smorest passes). A route whose key comes from elsewhere (``key_from=``) gets no header
+    parameter and ``"header": null`` in ``x-idempotency``; say where its key goes in its own
+    documentation. Operations are described only if they are in the document already:
     the plugin completes them, it does not invent them. What the document already says wins: an
     existing ``400``, ``409``, ``422`` or ``503`` response is kept (a ``409`` or ``503`` gains the
     ``Retry-After`` header), and an existing ``Idempotency-Key`` parameter is left alone.
@@ -163,7 +165,9 @@ class IdempotencyPlugin(BasePlugin):
 
     def _complete(self, operation: dict[str, Any], contract: _Contract) -> None:
         parameters = operation.setdefault("parameters", [])
-        if not any(isinstance(p, dict) and p.get("name") == HEADER for p in parameters):
+        if contract.from_header and not any(
+            isinstance(p, dict) and p.get("name") == HEADER for p in parameters
+        ):
             parameters.append(contract.parameter())
         responses = operation.setdefault("responses", {})
         for status in [s for s in responses if str(s).startswith("2")]:
@@ -259,6 +263,8 @@ class _Contract:
         )
         self.ttl = int(options.key_ttl(settings))
         self.tombstone_ttl = int(settings.tombstone_ttl)
+        #: Whether the key comes from the header; ``key_from=`` takes it from elsewhere, such as a form field.
+        self.from_header = options.key_from is None
         self.on_mismatch: str = options.on_mismatch or settings.on_mismatch
 
     def parameter(self) -> dict[str, Any]:
@@ -287,8 +293,8 @@ class _Contract:
         """The statuses the extension itself may answer, with their descriptions."""
         result = {
             "400": (
-                f"The {HEADER} header is {'missing or ' if self.required else ''}not one UUID,"
-                " or the JSON body cannot be parsed."
+                f"The {HEADER if self.from_header else 'idempotency key'} is"
+                f" {'missing or ' if self.required else ''}not one UUID, or the JSON body cannot be parsed."
             ),
             "409": _CONFLICT,
             "503": _UNAVAILABLE,
@@ -302,7 +308,7 @@ class _Contract:
     def extension(self) -> dict[str, Any]:
         """The ``x-idempotency`` object: the policy, for machines."""
         return {
-            "header": HEADER,
+            "header": HEADER if self.from_header else None,
             "required": self.required,
             "keyRetentionSeconds": self.ttl,
             "tombstoneRetentionSeconds": self.tombstone_ttl,

@@ -62,6 +62,11 @@ def plain_document(app: Flask, idem: Idempotency) -> dict[str, Any]:
     def plain() -> Any:
         raise AssertionError("never called")
 
+    @app.post("/form")
+    @idem.idempotent(key_from=lambda: [])
+    def form() -> Any:
+        raise AssertionError("never called")
+
     spec = APISpec("Notes", "1.0", "3.0.3", plugins=[FlaskPlugin(), IdempotencyPlugin()])
     listed = {"200": {"description": "OK."}}
     # FlaskPlugin and IdempotencyPlugin both take the app from spec.path(app=...) or the app context.
@@ -72,6 +77,7 @@ def plain_document(app: Flask, idem: Idempotency) -> dict[str, Any]:
         spec.path(view=replace_note, operations={"put": {"parameters": [note_id], "responses": replaced}})
         spec.path(view=pay_view, operations={"post": {"responses": CREATED}})
         spec.path(view=plain, operations={"post": {"responses": CREATED}})
+        spec.path(view=form, operations={"post": {"responses": CREATED}})
     document = spec.to_dict()
     validate(document)
     return document
@@ -112,6 +118,9 @@ def test_plain_apispec_app() -> None:
     get = paths["/notes"]["get"]
     assert key_parameter(get) is None and "x-idempotency" not in get and set(get["responses"]) == {"200"}
     assert paths["/plain"]["post"] == {"responses": CREATED}
+    form = paths["/form"]["post"]  # key_from=: the key is not a header
+    assert key_parameter(form) is None and form["x-idempotency"]["header"] is None
+    assert {"200", "409", "422"} <= set(form["responses"])
 
 
 def test_route_options_win_over_settings() -> None:
