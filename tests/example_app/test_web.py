@@ -7,7 +7,7 @@ import re
 import stat
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,30 +17,20 @@ from flask import Flask
 from flask.testing import FlaskClient
 from werkzeug.test import TestResponse
 
-from example_app import create_app
-from example_app.cli import create_org
 from example_app.web import SECURITY_HEADERS, _instance_secret
 from flask_idem.errors import PROBLEM_JSON
 
-from ..helpers import close_pool, count
-from .test_payments import add_fault, charges, payment_statuses
+from ..helpers import count
+from ..shop_actions import add_fault, charges, payment_statuses
 
 HTML = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}
 
 
 @pytest.fixture
-def shop(shop_config: dict[str, Any]) -> Iterator[Flask]:
-    """The shop paying through the test gateway, with a demo key to offer on the sign-in page."""
-    app = create_app({**shop_config, "GATEWAY_TIMEOUT": 5.0, "SECRET_KEY": "test", "SHOP_DEMO_API_KEY": None})
-    yield app
-    close_pool(app)
-
-
-@pytest.fixture
-def org(shop: Flask) -> tuple[int, str]:
-    """An organisation: its id and API key."""
-    with shop.app_context():
-        return create_org("web")
+def shop(make_shop: Callable[..., Flask]) -> Flask:
+    """The shop of tests/example_app/conftest.py, with a session secret, no demo key, and a gateway that may
+    take up to 5 s."""
+    return make_shop(GATEWAY_TIMEOUT=5.0, SECRET_KEY="test", SHOP_DEMO_API_KEY=None)
 
 
 def field(page: TestResponse, name: str) -> str:
