@@ -48,6 +48,7 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
         for step in flow.remaining(run.last_step):
             if step.outside:
                 result = _call_outside(step, run)
+                state.fire(step.name, None)
                 in_transaction(pool, partial(_record, state, lease, step.name, result))
                 run.results[step.name] = result
             else:
@@ -97,6 +98,7 @@ def _db_step(
         run._connection = None
     if not state.store.record_step(conn, lease, step.name, result):
         raise _LeaseLost()
+    state.fire(step.name, conn)
     run.results[step.name] = result
     return None
 
@@ -115,6 +117,7 @@ def _finish(
         run._connection = None
     if response.status_code < 500:
         _store_final(state, conn, lease, response)
+    state.fire("finish", conn)
     return response
 
 

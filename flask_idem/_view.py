@@ -137,6 +137,7 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
         response = current_app.make_response(attempt.call(conn))
         if response.status_code < 500:
             state.store.complete(conn, keyed, record_response(response, settings.replay_headers))
+        state.fire("view", conn)
         return response
 
     return _raise_errors(in_transaction(state.pool, body))
@@ -170,6 +171,7 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
                     state.store.complete(conn, lease, record_response(response, settings.replay_headers))
                 return response
             state.store.record_step(conn, lease, INTENT, intent)
+            state.fire("view", conn)
             return Run(
                 flow=flow.name, org_id=keyed.org_id, key=keyed.key, results={INTENT: intent}, last_step=INTENT
             )

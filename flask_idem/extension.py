@@ -35,6 +35,9 @@ __all__ = ["Idempotency"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: Attribute of a decorated view that holds its options (read by flask_idem.openapi and flask_idem.testing).
+OPTIONS_ATTR = "_flask_idem"
+
 
 class Idempotency:
     """Make write routes of a Flask application safe to retry.

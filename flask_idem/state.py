@@ -8,20 +8,24 @@ the same helpful error.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from flask import Flask, current_app
 
 from .flow import Flow
-from .pool import ConnectionSource, ProcessPool
+from .pool import Connection, ConnectionSource, ProcessPool
 from .settings import Settings
 from .store import Store
 
-__all__ = ["EXTENSION_NAME", "IdemState", "get_state"]
+__all__ = ["EXTENSION_NAME", "Hook", "IdemState", "get_state"]
 
 #: The key of the state in ``app.extensions``.
 EXTENSION_NAME = "idem"
+
+#: A test hook (:mod:`flask_idem.testing`): called with the name of the point a request reached and the
+#: connection of the transaction still open there (``None`` after a call step, which has none).
+Hook = Callable[[str, Connection | None], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,16 @@ class IdemState:
     store: Store
     #: The flows of multi-step routes by name, for the recovery job (shared with the extension object).
     flows: Mapping[str, Flow]
+    #: Test hooks, called at each point of :meth:`fire`; empty outside :mod:`flask_idem.testing`.
+    hooks: list[Hook] = field(default_factory=list)
+
+    def fire(self, point: str, conn: Connection | None) -> None:
+        """Call the test hooks at ``point``: ``"view"`` after the view ran, inside its transaction;
+        a step's name after it ran, before its result is recorded; ``"finish"`` inside the finish
+        step's transaction. A hook that raises ends the request there, as a crash would.
+        """
+        for hook in self.hooks:
+            hook(point, conn)
 
     @classmethod
     def create(

