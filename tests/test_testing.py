@@ -1,4 +1,4 @@
-"""The test kit (flask_idem.testing): it passes retry-safe routes and flags each planted bug in plain words."""
+"""The test kit (flask_idem.testing) passes retry-safe routes and flags each planted bug in plain words."""
 
 from __future__ import annotations
 
@@ -63,13 +63,18 @@ def test_a_retry_safe_route_passes_every_check(app: Flask, orders: Rows) -> None
     """The sample's POST /orders passes replay, mismatch, in-flight, scope and hammer checks."""
     first, again = check_replay(app, "POST", "/orders", json=ORDER, headers=ORG_1, effect=orders)
     assert (first.status_code, again.status_code) == (201, 200)
-    assert check_mismatch(
-        app, "POST", "/orders", json=ORDER, changed={"amount": 1}, headers=ORG_1, effect=orders
-    ).status_code == 422
+    assert (
+        check_mismatch(
+            app, "POST", "/orders", json=ORDER, changed={"amount": 1}, headers=ORG_1, effect=orders
+        ).status_code
+        == 422
+    )
     held, duplicate = check_in_flight(app, "POST", "/orders", json=ORDER, headers=ORG_1, effect=orders)
     assert (held.status_code, duplicate.status_code) == (201, 409)
     check_scope(app, "POST", "/orders", json=ORDER, headers=ORG_1, other_headers=ORG_2, effect=orders)
-    statuses = {r.status_code for r in hammer(app, "POST", "/orders", json=ORDER, headers=ORG_1, effect=orders)}
+    statuses = {
+        r.status_code for r in hammer(app, "POST", "/orders", json=ORDER, headers=ORG_1, effect=orders)
+    }
     assert statuses <= {201, 200, 409} and 201 in statuses
     assert orders() == 1 + 1 + 1 + 2 + 1  # one per check, two for the scope check
 
@@ -101,7 +106,9 @@ def test_planted_bug_2_a_flow_calling_outside_in_its_view(app: Flask, charges: R
 
 def test_planted_bug_3_an_outside_call_without_a_derived_key(app: Flask, charges: Rows, paid: Rows) -> None:
     """A call step that gives the ledger a new key per attempt is caught: two charges after a crash."""
-    with pytest.raises(NotRetrySafe, match=r"must give the outside party a key from run\.derived_key\(\)") as e:
+    with pytest.raises(
+        NotRetrySafe, match=r"must give the outside party a key from run\.derived_key\(\)"
+    ) as e:
         crash_between_steps(
             app, "POST", "/bad/random-key", json=ORDER, headers=ORG_1, outside=charges, effect=paid
         )
@@ -124,11 +131,13 @@ def test_the_lint_lists_unsafe_routes_without_the_decorator(app: Flask) -> None:
 
 
 def test_an_undecorated_route_fails_the_checks(app: Flask, orders: Rows) -> None:
-    """check_replay and check_in_flight on a route without @idem.idempotent() say so."""
+    """check_replay, check_in_flight and hammer on a route without @idem.idempotent() say so."""
     with pytest.raises(NotRetrySafe, match=r"never reached flask-idem's transaction: is the view decorated"):
         check_replay(app, "POST", "/refunds", json=ORDER, headers=ORG_1, effect=orders)
     with pytest.raises(NotRetrySafe, match="is the view decorated"):
         check_in_flight(app, "POST", "/refunds", json=ORDER, headers=ORG_1, effect=orders)
+    with pytest.raises(NotRetrySafe, match="8 of 8 concurrent requests .* answered as first requests"):
+        hammer(app, "POST", "/refunds", json=ORDER, headers=ORG_1, effect=orders)
 
 
 def test_an_effect_that_counts_nothing_is_refused(app: Flask, charges: Rows) -> None:
