@@ -81,6 +81,10 @@ class Rows:
         return self.description
 
 
+# Shown as flask_idem.testing.NotRetrySafe in failures and in the documentation, where users import them.
+NotRetrySafe.__module__ = WorkerKilled.__module__ = Rows.__module__ = "flask_idem.testing"
+
+
 def describe(effect: Effect) -> str:
     """Plain words for an effect: a :class:`Rows` says what it counts; a function gives its name."""
     if isinstance(effect, Rows):

@@ -51,29 +51,32 @@ def embedded_server_url(pgdata: Path) -> str:
     return str(server.get_uri())
 
 
-def _worker() -> str:
+def _worker(config: pytest.Config) -> str:
     """The xdist worker running this process (``gw0``, ...), or ``master`` without xdist."""
-    return os.environ.get("PYTEST_XDIST_WORKER", "master")
+    workerinput: dict[str, Any] = getattr(config, "workerinput", {})
+    return str(workerinput.get("workerid", "master"))
 
 
 @pytest.fixture(scope="session")
-def idem_server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+def idem_server_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The URL of the PostgreSQL server: ``FLASK_IDEM_TEST_DATABASE_URL``, or the embedded one."""
     url = os.environ.get(DATABASE_ENV)
     if url:
         return url
     base = tmp_path_factory.getbasetemp()
-    shared = base.parent if _worker() != "master" else base  # all workers of one run share a server
+    shared = (
+        base.parent if _worker(request.config) != "master" else base
+    )  # all workers of one run share a server
     return embedded_server_url(shared / "pgdata")
 
 
 @pytest.fixture(scope="session")
-def idem_database_url(idem_server_url: str) -> Iterator[str]:
+def idem_database_url(request: pytest.FixtureRequest, idem_server_url: str) -> Iterator[str]:
     """An empty database of this worker's own on that server, dropped at the end of the session.
 
     Create your schema in a session fixture that uses it (``init-db``, ``idem.create_table()``).
     """
-    name = f"flask_idem_test_{_worker()}_{os.getpid()}"
+    name = f"flask_idem_test_{_worker(request.config)}_{os.getpid()}"
     ident = sql.Identifier(name)
     with psycopg.connect(idem_server_url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
