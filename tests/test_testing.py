@@ -80,12 +80,12 @@ def test_a_retry_safe_route_passes_every_check(app: Flask, orders: Rows) -> None
 
 
 def test_a_retry_safe_flow_survives_a_crash_after_each_step(app: Flask, charges: Rows, paid: Rows) -> None:
-    """POST /payments, killed in its view, after its call step and in its finish step, charges once."""
+    """POST /payments, killed in its view and after each step (database, call, finish), charges once."""
     points = crash_between_steps(
         app, "POST", "/payments", json=ORDER, headers=ORG_1, outside=charges, effect=paid
     )
-    assert points == ["view", "charge", "finish"]
-    assert charges() == paid() == 4  # the run without a crash, then one per point
+    assert points == ["view", "authorise", "charge", "finish"]
+    assert charges() == paid() == 5  # the run without a crash, then one per point
 
 
 def test_planted_bug_1_a_view_writing_on_a_second_connection(app: Flask, orders: Rows) -> None:

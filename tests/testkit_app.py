@@ -120,6 +120,13 @@ def create_app(database_url: str) -> Flask:
 
     pay = Flow("kit.pay")
 
+    @pay.step
+    def authorise(run: Run) -> str:
+        run.connection.execute(
+            "UPDATE kit_payments SET status = 'charging' WHERE id = %s", (run.intent["payment_id"],)
+        )
+        return "charging"
+
     @pay.call(resolve=lambda run: ledger.find(run.derived_key("charge")))
     def charge(run: Run) -> dict[str, Any]:
         return ledger.charge(run.derived_key("charge"), run.intent["amount"])

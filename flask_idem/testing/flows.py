@@ -38,6 +38,10 @@ def crash_between_steps(
     and the client's retry then gets the stored answer. Each must end with as many outside calls as the run
     without a crash and, when ``effect`` is given, with the effect done once.
 
+    The kill is an exception (:class:`~._core.WorkerKilled`) raised in the worker's thread, so the
+    extension's own clean-up runs (the transaction is rolled back, the lease given up); a process killed
+    outright leaves its lease to expire instead, which the recovery job then takes over the same way.
+
     :param outside: counts the calls the outside party saw, e.g. charges at the payment provider.
     :param json: the JSON body, or a function returning a body for each new key (an order to pay).
     :param effect: counts what the request does in the database, one per finished request.
