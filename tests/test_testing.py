@@ -126,8 +126,8 @@ def test_planted_bug_4_a_scope_from_the_request_body(app: Flask, orders: Rows) -
 
 
 def test_the_lint_lists_unsafe_routes_without_the_decorator(app: Flask) -> None:
-    """Only POST /refunds is listed: every other write route of the sample is decorated."""
-    assert unprotected_routes(app) == ["POST /refunds (refund)"]
+    """POST /refunds and the class-based view's DELETE are listed; the decorated routes and POST are not."""
+    assert unprotected_routes(app) == ["DELETE /notes (notes)", "POST /refunds (refund)"]
 
 
 def test_an_undecorated_route_fails_the_checks(app: Flask, orders: Rows) -> None:

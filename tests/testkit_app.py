@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 from flask import Flask, request
+from flask.views import MethodView
 
 from flask_idem import Flow, Idempotency, Run
 
@@ -100,6 +101,16 @@ def create_app(database_url: str) -> Flask:
     @app.post("/refunds")
     def refund() -> Any:  # not idempotent: the lint lists it
         return {}, 201
+
+    class Notes(MethodView):
+        @idem.idempotent()
+        def post(self) -> Any:
+            return {}, 201
+
+        def delete(self) -> Any:  # not idempotent: the lint lists it
+            return "", 204
+
+    app.add_url_rule("/notes", view_func=Notes.as_view("notes"))
 
     def start_payment() -> dict[str, Any]:
         amount = request.get_json()["amount"]
