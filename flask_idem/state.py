@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import psycopg
 from flask import Flask, current_app
+from psycopg.rows import TupleRow
 
 from .flow import Flow
-from .pool import Connection, ConnectionSource, ProcessPool
+from .pool import ConnectionSource, ProcessPool
 from .settings import Settings
 from .store import Store
 
@@ -25,7 +27,7 @@ EXTENSION_NAME = "idem"
 
 #: A test hook (:mod:`flask_idem.testing`): called with the name of the point a request reached and the
 #: connection of the transaction still open there (``None`` after a call step, which has none).
-Hook = Callable[[str, Connection | None], None]
+Hook = Callable[[str, psycopg.Connection[TupleRow] | None], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +44,7 @@ class IdemState:
     #: Test hooks, called at each point of :meth:`fire`; empty outside :mod:`flask_idem.testing`.
     hooks: list[Hook] = field(default_factory=list)
 
-    def fire(self, point: str, conn: Connection | None) -> None:
+    def fire(self, point: str, conn: psycopg.Connection[TupleRow] | None) -> None:
         """Call the test hooks at ``point``: ``"view"`` after the view ran, inside its transaction;
         a step's name after it ran, before its result is recorded; ``"finish"`` inside the finish
         step's transaction. A hook that raises ends the request there, as a crash would.

@@ -22,9 +22,8 @@ from psycopg import sql
 from werkzeug.test import TestResponse
 
 from ..keys import HEADER
-from ..pool import Connection
 from ..replay import REPLAYED_HEADER
-from ..state import get_state
+from ..state import Hook, get_state
 
 __all__ = ["Effect", "NotRetrySafe", "Rows", "WorkerKilled"]
 
@@ -154,7 +153,7 @@ def fail(message: str) -> NotRetrySafe:
 
 
 @contextmanager
-def hooked(app: Flask, hook: Callable[[str, Connection | None], None]) -> Iterator[None]:
+def hooked(app: Flask, hook: Hook) -> Iterator[None]:
     """Install ``hook`` among the application's test hooks for the duration of the block."""
     hooks = get_state(app).hooks
     hooks.append(hook)
@@ -175,7 +174,7 @@ class Killer:
         self.outside: list[str] = []
         self.killed = False
 
-    def __call__(self, point: str, conn: Connection | None) -> None:
+    def __call__(self, point: str, conn: psycopg.Connection[Any] | None) -> None:
         if threading.get_ident() != self.thread:
             return
         self.seen.append(point)

@@ -13,11 +13,11 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import psycopg
 from flask import Flask
 from flask.testing import FlaskClient
 from werkzeug.test import TestResponse
 
-from ..pool import Connection
 from ._core import WAIT, Call, Effect, client_of, describe, fail, hooked, replayed, send_and_kill, show
 
 __all__ = ["check_in_flight", "check_mismatch", "check_replay", "check_scope", "hammer"]
@@ -185,7 +185,7 @@ def check_in_flight(
 
     worker = threading.Thread(target=first_attempt, daemon=True)
 
-    def hold(point: str, conn: Connection | None) -> None:
+    def hold(point: str, conn: psycopg.Connection[Any] | None) -> None:
         if threading.get_ident() == worker.ident and point == "view":
             held.append(point)
             entered.set()

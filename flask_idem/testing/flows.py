@@ -153,7 +153,7 @@ def _make_due(app: Flask, key: uuid.UUID) -> None:
     """Let time pass for a killed request: its lease is over and the recovery job may take it now."""
     state = get_state(app)
     table = sql.Identifier(*state.settings.table.split("."))
-    with state.pool.connection() as conn:
+    with state.pool.transaction() as conn:
         conn.execute(
             sql.SQL(
                 "UPDATE {} SET lease_expires_at = now(), next_attempt_at = NULL"
