@@ -10,6 +10,7 @@ mode (:mod:`tests.pgbouncer`).
 
 from __future__ import annotations
 
+import random
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -33,6 +34,15 @@ from .notes_app import build_app
 from .servers import gunicorn, in_thread
 
 pytest_plugins = ["flask_idem.testing"]
+
+
+@pytest.fixture(autouse=True)
+def private_pool_jitter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """psycopg_pool jitters connection lifetimes with the global ``random`` from its worker threads. Were
+    that to happen while Hypothesis (or Schemathesis) draws an example, Hypothesis would take the changed
+    global state for a strategy that uses ``random`` and fail the test as flaky; the pool gets a generator
+    of its own."""
+    monkeypatch.setattr("psycopg_pool.base.random", random.Random().random)
 
 
 @pytest.fixture(scope="session")

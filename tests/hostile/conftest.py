@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,14 +11,6 @@ from flask import Flask
 
 from ..helpers import gunicorn
 from .checks import Reached, serve
-
-
-@pytest.fixture(autouse=True)
-def private_pool_jitter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """psycopg_pool jitters connection lifetimes with the global ``random`` from its worker threads. Were
-    that to happen while Hypothesis draws an example, Hypothesis would take the changed global state for a
-    strategy that uses ``random`` and fail the test as flaky; the pool gets a generator of its own."""
-    monkeypatch.setattr("psycopg_pool.base.random", random.Random().random)
 
 
 @pytest.fixture
