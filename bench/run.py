@@ -447,7 +447,7 @@ def pgbench_script() -> str:
     key = "(lpad(to_hex(:k1::bigint), 16, '0') || lpad(to_hex(:k2::bigint), 16, '0'))::uuid"
     values = {"org_id": ":org", "key": key, "sha": "decode(:sha, 'hex')", "method": "'POST'",
               "path": "'/orders'", "ttl": "86400", "flow": "NULL", "token": "NULL", "lease": "NULL",
-              "lock": ":k1::bigint", "response": ":response"}  # fmt: skip
+              "lock": ":k1::bigint", "response": ":response", "tomb": "2592000"}  # fmt: skip
 
     def render(statement: bytes) -> str:
         text = statement.decode("utf-8")
