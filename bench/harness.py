@@ -95,6 +95,19 @@ def scratch_database(server_url: str, name: str) -> Iterator[str]:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
 
 
+@contextmanager
+def citus_database(name: str = "flask_idem_bench") -> Iterator[str]:
+    """Start a local Citus cluster (coordinator + 2 workers), yield the URL of database ``name`` on its
+    coordinator, with Citus on every node, and stop the cluster at the end."""
+    from tests import citus
+
+    cluster = citus.start(Path(tempfile.mkdtemp(prefix="flask-idem-bench-citus-")))
+    try:
+        yield cluster.create_database(name)
+    finally:
+        cluster.stop()
+
+
 def set_up_shop(url: str) -> tuple[int, str]:
     """Create the shop's tables and the key table in ``url``, and one organisation: (org id, API key)."""
     from bench.app import create_app

@@ -1,6 +1,7 @@
 """Database round trips per request, by path, counted on the wire; prints one table.
 
-    uv run python bench/roundtrips.py
+    uv run python bench/roundtrips.py            # against one PostgreSQL server
+    uv run python bench/roundtrips.py --citus    # against a local Citus cluster (tests/citus.py)
 
 The shop (with the baseline route of ``bench/app.py``) runs in this process behind Flask's test client,
 with a pool of exactly one connection, and libpq's protocol trace (``PQtrace``, psycopg's
@@ -20,7 +21,11 @@ not the server's CPU): the median of ``ROUNDS`` rounds of ``TIMED`` requests, th
 that a burst of other work on the machine moves one round rather than one path.
 
 The database is ``flask_idem_bench_roundtrips`` on ``FLASK_IDEM_BENCH_DATABASE_URL`` (default: the local
-PostgreSQL), created afresh and dropped at the end.
+PostgreSQL), created afresh and dropped at the end. With ``--citus`` it is a local Citus cluster (a
+coordinator and two workers, Citus built by ``shared/vendor/citus/build.sh``) started for the run, the
+tables distributed (``IDEM_DISTRIBUTED``); the application talks to the coordinator, and a third column
+counts the commands the coordinator sent to worker nodes per request (``citus.log_remote_commands``, read
+from the trace), each one a round trip between nodes.
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 import psycopg  # noqa: E402
 from flask import Flask  # noqa: E402
 from psycopg import pq  # noqa: E402
+from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from bench.harness import BODY, DEFAULT_SERVER_URL, scratch_database  # noqa: E402
+from bench.harness import BODY, DEFAULT_SERVER_URL, citus_database, scratch_database  # noqa: E402
 from flask_idem.state import get_state
 
 WARMUP = 8
@@ -78,26 +84,48 @@ class Count:
     messages: dict[str, float]
     bytes_out: float
     bytes_in: float
+    #: Commands the Citus coordinator sent to worker nodes (0 on one server).
+    remote: float = 0.0
 
 
 def main() -> None:
-    server = os.environ.get("FLASK_IDEM_BENCH_DATABASE_URL", DEFAULT_SERVER_URL)
-    with scratch_database(server, "flask_idem_bench_roundtrips") as url:
-        from bench.app import create_app
-        from example_app.cli import create_org
-        from example_app.db import init_db
+    if "--citus" not in sys.argv[1:]:
+        server = os.environ.get("FLASK_IDEM_BENCH_DATABASE_URL", DEFAULT_SERVER_URL)
+        with scratch_database(server, "flask_idem_bench_roundtrips") as url:
+            _print(*_measure(url, distributed=False))
+        return
+    with citus_database("flask_idem_bench_roundtrips") as url:
+        # The same server, settings and machine without Citus: a database where it is not created.
+        with scratch_database(url, "flask_idem_bench_plain") as plain:
+            print("### One server: the coordinator's PostgreSQL, in a database without Citus\n")
+            _print(*_measure(plain, distributed=False))
+        print("\n### Citus: the coordinator and two workers, the tables distributed\n")
+        _print(*_measure(url, distributed=True))
 
-        app = create_app({"DATABASE_URL": url, "IDEM_POOL_MIN_SIZE": 1, "IDEM_POOL_MAX_SIZE": 1})
-        with app.app_context():
-            init_db()
-            org_id, api_key = create_org("bench")
-        try:
-            cases = _cases(app, url, org_id, api_key)
-            counts = {c.name: _count(app, c, api_key) for c in cases}
-            times = _times(app, cases, api_key)
-        finally:
-            get_state(app).pool.close()
-    _print(counts, times)
+
+def _measure(url: str, *, distributed: bool) -> tuple[dict[str, Count], dict[str, tuple[float, float]]]:
+    """Counts and times of every path of the shop on database ``url``."""
+    from bench.app import create_app
+    from example_app.cli import create_org
+    from example_app.db import init_db
+
+    config = {"DATABASE_URL": url, "IDEM_POOL_MIN_SIZE": 1, "IDEM_POOL_MAX_SIZE": 1}
+    app = create_app({**config, "IDEM_DISTRIBUTED": distributed})
+    # Counted on connections the coordinator tells about every command it sends to a worker; timed
+    # without that chatter.
+    logged = make_conninfo(url, options="-c citus.log_remote_commands=on -c client_min_messages=log")
+    counting = create_app({**config, "DATABASE_URL": logged, "IDEM_DISTRIBUTED": distributed})
+    with app.app_context():
+        init_db()
+        org_id, api_key = create_org("bench")
+    try:
+        cases = _cases(app, url, org_id, api_key)
+        counts = {c.name: _count(counting if distributed else app, c, api_key) for c in cases}
+        times = _times(app, cases, api_key)
+    finally:
+        get_state(app).pool.close()
+        get_state(counting).pool.close()
+    return counts, times
 
 
 def _cases(app: Flask, url: str, org_id: int, api_key: str) -> list[Case]:
@@ -173,14 +201,21 @@ def _count(app: Flask, case: Case, api_key: str) -> Count:
             finally:
                 pgconn.untrace()  # flushes libpq's buffer into the file
             trace.seek(0)
-            lines = [line.split("\t") for line in trace.read().splitlines()]
+            # A message's text may span lines (the remote commands of Citus); only its first line counts.
+            lines = [
+                cols
+                for cols in (line.split("\t") for line in trace.read().splitlines())
+                if len(cols) > 2 and cols[0] in ("F", "B") and (cols[1].isdigit() or cols[1] == "NN")
+            ]
     sent = collections.Counter(cols[2].strip() for cols in lines if cols[0] == "F")
     return Count(
         round_trips=sum(1 for a, b in itertools.pairwise(lines) if a[0] == "F" and b[0] == "B") / TRACED,
         statements=(sent["Query"] + sent["Execute"]) / TRACED,
         messages={name: n / TRACED for name, n in sent.items()},
         bytes_out=sum(int(cols[1]) + 1 for cols in lines if cols[0] == "F") / TRACED,
-        bytes_in=sum(int(cols[1]) + 1 for cols in lines if cols[0] == "B") / TRACED,
+        bytes_in=sum(int(cols[1]) + 1 for cols in lines if cols[0] == "B" and cols[1] != "NN") / TRACED,
+        remote=sum(1 for cols in lines if cols[2] == "NoticeResponse" and "issuing " in "\t".join(cols[3:]))
+        / TRACED,
     )
 
 
@@ -202,12 +237,12 @@ def _times(app: Flask, cases: list[Case], api_key: str) -> dict[str, tuple[float
 
 
 def _print(counts: dict[str, Count], times: dict[str, tuple[float, float]]) -> None:
-    print("| path | round trips | statements | messages sent | bytes out / in |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| path | round trips | statements | messages sent | bytes out / in | commands to workers |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, c in counts.items():
         messages = ", ".join(f"{kind} {n:g}" for kind, n in sorted(c.messages.items()))
         traffic = f"{c.bytes_out:.0f} / {c.bytes_in:.0f}"
-        print(f"| {name} | {c.round_trips:g} | {c.statements:g} | {messages} | {traffic} |")
+        print(f"| {name} | {c.round_trips:g} | {c.statements:g} | {messages} | {traffic} | {c.remote:g} |")
     print()
     print("| path | wall µs | client CPU µs |")
     print("| --- | --- | --- |")
@@ -218,6 +253,7 @@ def _print(counts: dict[str, Count], times: dict[str, tuple[float, float]]) -> N
         f" requests; times: median of {ROUNDS} rounds of {TIMED} per path, through Flask's test client"
         " (no HTTP server), per request (per pair, per group of 7 in the last two rows)."
         " Every path includes example_app's API-key query (1 round trip, 1 statement)."
+        " Bytes in leave out Citus's notices of its remote commands."
     )
 
 

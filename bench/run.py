@@ -38,6 +38,7 @@ from bench.harness import (  # noqa: E402
     WrkJob,
     WrkRun,
     backend_pids,
+    citus_database,
     ensure_tool,
     gunicorn,
     percentile,
@@ -81,7 +82,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="seconds per measurement (default 10, 3 with --quick)")
     parser.add_argument("--big-rows", type=int, help="rows of (f)'s key table (default 10M)")
     parser.add_argument("--show-sql", action="store_true", help="print the pgbench script of (e) and exit")
+    parser.add_argument(
+        "--citus",
+        action="store_true",
+        help="run against a local Citus cluster (coordinator + 2 workers), the tables distributed",
+    )
     args = parser.parse_args()
+    if args.citus:  # every application started from here on, gunicorn's included, uses the layout
+        os.environ["FLASK_IDEM_DISTRIBUTED"] = "true"
     if args.show_sql:
         print(pgbench_script())
         return
@@ -99,10 +107,15 @@ def main() -> None:
     notes: list[str] = []
     with (
         tempfile.TemporaryDirectory(prefix="flask-idem-bench-") as tmpdir,
-        scratch_database(server, DATABASE) as url,
+        citus_database(DATABASE) if args.citus else scratch_database(server, DATABASE) as url,
     ):
         tmp = Path(tmpdir)
         notes.append(report.machine(server_version(url), plan.workers, plan.threads))
+        if args.citus:
+            notes.append(
+                "Citus: a coordinator and 2 workers on this machine (tests/citus.py); the shop talks to the"
+                " coordinator; CPU ms/req counts the coordinator's backends, not the workers'"
+            )
         org_id, api_key = set_up_shop(url)
 
         def serve(**options: object) -> AbstractContextManager[Server]:
@@ -156,7 +169,7 @@ def _load_big_table(url: str, org_id: int, rows: int, tmp: Path, notes: list[str
     from flask_idem.pool import ProcessPool
     from flask_idem.store import Store
 
-    store = Store(ProcessPool(url), table=BIG_TABLE)
+    store = Store(ProcessPool(url), table=BIG_TABLE, distributed=_distributed())
     store.init_schema()  # the very DDL of idempotency_keys, under another name
     store.pool.close()
     print(f"# loading {rows:,} rows into {BIG_TABLE} ...", flush=True)
@@ -430,11 +443,11 @@ def pgbench_script() -> str:
     """
     from flask_idem.store import _Statements
 
-    statements = _Statements("idempotency_keys")
+    statements = _Statements("idempotency_keys", distributed=_distributed())
     key = "(lpad(to_hex(:k1::bigint), 16, '0') || lpad(to_hex(:k2::bigint), 16, '0'))::uuid"
     values = {"org_id": ":org", "key": key, "sha": "decode(:sha, 'hex')", "method": "'POST'",
               "path": "'/orders'", "ttl": "86400", "flow": "NULL", "token": "NULL", "lease": "NULL",
-              "lock": ":k1::bigint", "response": ":response"}  # fmt: skip
+              "lock": ":k1::bigint", "response": ":response", "tomb": "2592000"}  # fmt: skip
 
     def render(statement: bytes) -> str:
         text = statement.decode("utf-8")
@@ -458,6 +471,11 @@ def pgbench_script() -> str:
         "COMMIT;",
         "",
     ])  # fmt: skip
+
+
+def _distributed() -> bool:
+    """Whether this run is against Citus (``--citus``), as the applications it starts see it."""
+    return os.environ.get("FLASK_IDEM_DISTRIBUTED") == "true"
 
 
 def _seed() -> str:

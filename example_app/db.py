@@ -15,7 +15,10 @@ from typing import Any, LiteralString
 
 import psycopg
 from flask import Flask
+from psycopg import sql
 from psycopg.rows import dict_row
+
+from flask_idem.state import get_state
 
 from .extensions import idem
 
@@ -52,12 +55,24 @@ def embedded_url(pgdata: Path) -> str:
 
 
 def init_db() -> None:
-    """Create the shop's tables and flask-idem's key table (safe to run twice)."""
+    """Create flask-idem's key table and the shop's tables (safe to run twice).
+
+    With ``IDEM_DISTRIBUTED`` the tables are distributed on Citus (``distributed.sql``): orders and
+    payments by ``org_id``, co-located with the key table, and ``orgs`` as a reference table.
+    """
+    idem.create_table()
     ddl = files(__package__).joinpath("schema.sql").read_bytes()
+    settings = get_state().settings
+    if settings.distributed:
+        distributed = sql.SQL(files(__package__).joinpath("distributed.sql").read_text("utf-8"))
+        ddl = (
+            b"SET LOCAL citus.multi_shard_modify_mode TO 'sequential';\n"
+            + ddl
+            + distributed.format(key_table=sql.Literal(settings.table)).as_bytes(None)
+        )
     with idem.pool.connection() as conn, conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('example_app.init_db'))")
         conn.execute(ddl)
-    idem.create_table()
 
 
 def fetch_one(

@@ -70,13 +70,14 @@ def create_payment(data: dict[str, Any]) -> dict[str, Any]:
     ).fetchone()
     if order is None:
         raise NotFound("There is no such order.")
+    # No arbiter: a conflict on the key, or on payments_one_live_per_order (the order is already paid
+    # or being paid), inserts nothing. The order's row lock above keeps payments of one order in turn.
     row = conn.execute(
         "INSERT INTO payments (org_id, order_id, idempotency_key, amount, currency)"
-        " SELECT %s, %s, %s, %s, %s"
-        " WHERE NOT EXISTS (SELECT FROM payments WHERE order_id = %s AND status IN ('pending', 'succeeded'))"
-        " ON CONFLICT (org_id, idempotency_key) DO NOTHING"
+        " VALUES (%s, %s, %s, %s, %s)"
+        " ON CONFLICT DO NOTHING"
         " RETURNING id",
-        (g.org_id, data["order_id"], idem.key, *order, data["order_id"]),
+        (g.org_id, data["order_id"], idem.key, *order),
     ).fetchone()
     if row is None:
         used = conn.execute(
@@ -118,9 +119,10 @@ def record(run: Run) -> tuple[dict[str, Any], int, dict[str, str]]:
     """Record the gateway's answer on the payment and answer the client."""
     outcome = run.results["charge"]
     payment = fetch_one(
-        "UPDATE payments SET status = %s, gateway_charge_id = %s, updated_at = now() WHERE id = %s"
+        "UPDATE payments SET status = %s, gateway_charge_id = %s, updated_at = now()"
+        " WHERE org_id = %s AND id = %s"
         " RETURNING id, order_id, amount, currency, status, gateway_charge_id",
-        (outcome["status"], outcome["charge_id"], run.intent["payment_id"]),
+        (outcome["status"], outcome["charge_id"], run.org_id, run.intent["payment_id"]),
         conn=run.connection,
     )
     assert payment is not None

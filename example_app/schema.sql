@@ -9,21 +9,24 @@ CREATE TABLE IF NOT EXISTS orgs (
     revoked_at   timestamptz
 );
 
+-- Every key of orders and payments leads with org_id, so that on Citus (distributed.sql) each
+-- organisation's rows, and their foreign keys, live on one node.
 CREATE TABLE IF NOT EXISTS orders (
-    id               bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id               bigint      GENERATED ALWAYS AS IDENTITY,
     org_id           bigint      NOT NULL REFERENCES orgs (id),
     idempotency_key  uuid        NOT NULL,
     amount           bigint      NOT NULL CHECK (amount > 0),
     currency         text        NOT NULL CHECK (currency ~ '^[A-Z]{3}$'),
     created_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (org_id, id),
     -- A second line of defence behind flask-idem's key table: one order per key, even past retention.
     UNIQUE (org_id, idempotency_key)
 );
 
 CREATE TABLE IF NOT EXISTS payments (
-    id                 bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id                 bigint      GENERATED ALWAYS AS IDENTITY,
     org_id             bigint      NOT NULL REFERENCES orgs (id),
-    order_id           bigint      NOT NULL REFERENCES orders (id),
+    order_id           bigint      NOT NULL,
     idempotency_key    uuid        NOT NULL,
     amount             bigint      NOT NULL CHECK (amount > 0),
     currency           text        NOT NULL,
@@ -33,9 +36,11 @@ CREATE TABLE IF NOT EXISTS payments (
     gateway_charge_id  text,
     created_at         timestamptz NOT NULL DEFAULT now(),
     updated_at         timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (org_id, id),
+    FOREIGN KEY (org_id, order_id) REFERENCES orders (org_id, id),
     UNIQUE (org_id, idempotency_key)
 );
 
 -- An order is paid at most once, whatever the keys: one pending or succeeded payment per order.
 CREATE UNIQUE INDEX IF NOT EXISTS payments_one_live_per_order
-    ON payments (order_id) WHERE status IN ('pending', 'succeeded');
+    ON payments (org_id, order_id) WHERE status IN ('pending', 'succeeded');

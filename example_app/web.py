@@ -272,7 +272,8 @@ def _order_with_payment(org_id: int, order_id: int) -> dict[str, Any]:
         row = conn.execute(
             "SELECT o.id, o.amount, o.currency, o.created_at, p.status, p.gateway_charge_id"
             " FROM orders o LEFT JOIN LATERAL ("
-            "   SELECT status, gateway_charge_id FROM payments WHERE order_id = o.id ORDER BY id DESC LIMIT 1"
+            "   SELECT status, gateway_charge_id FROM payments"
+            "   WHERE org_id = o.org_id AND order_id = o.id ORDER BY id DESC LIMIT 1"
             " ) p ON true WHERE o.id = %s AND o.org_id = %s",
             (order_id, org_id),
         ).fetchone()
@@ -308,11 +309,11 @@ def pay_order(order_id: int) -> dict[str, Any]:
     if order is None:
         raise NotFound("There is no such order.")
     row = conn.execute(
+        # No arbiter: a conflict on the key, or on payments_one_live_per_order (the order is paid or being
+        # paid), inserts nothing; the order's row lock above keeps payments of one order in turn.
         "INSERT INTO payments (org_id, order_id, idempotency_key, amount, currency)"
-        " SELECT %s, %s, %s, %s, %s"
-        " WHERE NOT EXISTS (SELECT FROM payments WHERE order_id = %s AND status IN ('pending', 'succeeded'))"
-        " ON CONFLICT (org_id, idempotency_key) DO NOTHING RETURNING id",
-        (org_id, order_id, idem.key, *order, order_id),
+        " VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING id",
+        (org_id, order_id, idem.key, *order),
     ).fetchone()
     if row is None:
         raise UnprocessableEntity("This order is already paid, or a payment for it is in progress.")
@@ -348,8 +349,9 @@ def record(run: Run) -> ResponseReturnValue:
     outcome = run.results["charge"]
     status = outcome["status"] if outcome["status"] in ("succeeded", "declined") else "failed"
     run.connection.execute(
-        "UPDATE payments SET status = %s, gateway_charge_id = %s, updated_at = now() WHERE id = %s",
-        (status, outcome["charge_id"], run.intent["payment_id"]),
+        "UPDATE payments SET status = %s, gateway_charge_id = %s, updated_at = now()"
+        " WHERE org_id = %s AND id = %s",
+        (status, outcome["charge_id"], run.org_id, run.intent["payment_id"]),
     )
     # Absolute endpoint: the recovery job runs this step outside any request to the blueprint.
     return redirect(url_for("web.order_page", order_id=run.intent["order_id"]), 303)
@@ -364,7 +366,7 @@ _ORDERS_PAGE = sql.SQL(
     "     SELECT FROM {keys} k WHERE k.org_id = py.org_id AND k.idem_key = py.idempotency_key"
     "     AND k.needs_attention"
     "   ) AS needs_attention"
-    "   FROM payments py WHERE py.order_id = o.id ORDER BY py.id DESC LIMIT 1"
+    "   FROM payments py WHERE py.org_id = o.org_id AND py.order_id = o.id ORDER BY py.id DESC LIMIT 1"
     " ) p ON true WHERE o.org_id = %s ORDER BY o.id DESC"
 )
 

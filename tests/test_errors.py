@@ -139,3 +139,33 @@ def test_broken_key_table_is_a_500_without_sql(
     assert "UndefinedTable" in logs.text
     assert_clean(text, SECRET, str(key), "INSERT INTO", "idempotency_keys_away")
     assert count(db, "notes") == 0
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "status"),
+    [("XX000", 503), ("23514", 500)],
+    ids=["no-definite-answer-is-503", "deferred-constraint-is-500"],
+)
+def test_failed_commit(
+    make_app: Callable[..., Flask], db: psycopg.Connection[Any], sqlstate: str, status: int
+) -> None:
+    """A COMMIT that fails without a definite answer (as Citus reports a node lost while committing) is
+    503, to be retried with the same key; a deferred constraint refusing the writes stays a 500."""
+    app = make_app()
+    db.execute(
+        "CREATE FUNCTION notes_fail_at_commit() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$BEGIN RAISE EXCEPTION 'refused at commit' USING ERRCODE = TG_ARGV[0]; END$$"
+    )
+    db.execute(
+        "CREATE CONSTRAINT TRIGGER notes_fail_at_commit AFTER INSERT ON notes DEFERRABLE INITIALLY DEFERRED"
+        f" FOR EACH ROW EXECUTE FUNCTION notes_fail_at_commit('{sqlstate}')"
+    )
+    try:
+        response = post(app, "/notes", uuid.uuid4(), {"body": SECRET})
+    finally:
+        db.execute("DROP TRIGGER notes_fail_at_commit ON notes")
+        db.execute("DROP FUNCTION notes_fail_at_commit()")
+    assert response.status_code == status
+    assert response.mimetype == PROBLEM_JSON
+    assert (response.headers.get("Retry-After") is not None) == (status == 503)
+    assert count(db, "notes") == 0 and count(db, "idempotency_keys") == 0

@@ -15,6 +15,7 @@ from psycopg.conninfo import make_conninfo
 from flask_idem import ConfigurationError, Idempotency, OutcomeUnknown, scope_id
 from flask_idem.settings import Settings
 
+from . import citus
 from .flow_app import Ledger, build_flow_app
 from .helpers import close_pool, count
 from .notes_app import build_app, post
@@ -142,6 +143,10 @@ def test_cli_prints_the_servers_reason_for_a_missing_database(
     assert "error connecting in 'flask-idem'" not in caplog.text  # the pool never tried
 
 
+@pytest.mark.skipif(
+    citus.ENABLED,
+    reason="on Citus a missing key table is first a missing reserve function (init-db makes both)",
+)
 def test_missing_key_table_names_the_table_and_the_fix(
     direct_database_url: str, db: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -15,6 +15,7 @@ import pytest
 from flask_idem.pool import Connection, ProcessPool
 from flask_idem.store import KeyedRequest, KeyRef, Lease, Store, lock_id
 
+from . import citus
 from .helpers import PREPARE_THRESHOLD
 
 SHA = b"\x01" * 32
@@ -22,7 +23,8 @@ SHA = b"\x01" * 32
 
 @pytest.fixture
 def store(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Store]:
-    store = Store(ProcessPool(database_url, max_size=20, prepare_threshold=PREPARE_THRESHOLD))
+    pool = ProcessPool(database_url, max_size=20, prepare_threshold=PREPARE_THRESHOLD)
+    store = Store(pool, distributed=citus.ENABLED)
     yield store
     store.pool.close()
 
@@ -34,7 +36,8 @@ def reserve(store: Store, conn: Any, key: uuid.UUID, **extra: Any) -> Any:
 def test_init_schema_twice_and_custom_table(database_url: str, db: psycopg.Connection[Any]) -> None:
     """The DDL is idempotent and honours a schema-qualified table name."""
     db.execute("CREATE SCHEMA IF NOT EXISTS idem_custom")
-    custom = Store(ProcessPool(database_url, prepare_threshold=PREPARE_THRESHOLD), table="idem_custom.keys")
+    pool = ProcessPool(database_url, prepare_threshold=PREPARE_THRESHOLD)
+    custom = Store(pool, table="idem_custom.keys", distributed=citus.ENABLED)
     try:
         custom.init_schema()
         custom.init_schema()
@@ -138,7 +141,7 @@ def test_claims_are_disjoint(store: Store, db: psycopg.Connection[Any]) -> None:
     holder = threading.Thread(target=claim, args=("a", True))
     holder.start()
     assert first_claimed.wait(10)
-    claim("b", False)  # runs while "a" still holds its rows: SKIP LOCKED passes them by
+    claim("b", False)  # runs while "a" still holds its rows: it gets the others
     holder.join(10)
     a = {r.key for r in results["a"]}
     b = {r.key for r in results["b"]}

@@ -26,7 +26,12 @@ DAY = 24 * 3600
 
 def age(db: psycopg.Connection[Any], interval: str) -> None:
     """Move every key row ``interval`` into the past, as if that much time had gone by."""
-    db.execute("UPDATE idempotency_keys SET expires_at = expires_at - %s::interval", (interval,))
+    # In epoch seconds: Citus refuses a STABLE function (timestamptz - interval) on a column in an UPDATE.
+    db.execute(
+        "UPDATE idempotency_keys SET expires_at = to_timestamp("
+        " extract(epoch FROM expires_at - 'epoch'::timestamptz) - extract(epoch FROM %s::interval))",
+        (interval,),
+    )
 
 
 def purge(app: Flask) -> tuple[int, int]:
@@ -159,7 +164,11 @@ def test_purge_skips_locked_rows_instead_of_waiting(
         assert post(app, "/notes", key, {"body": str(i)}).status_code == 201
     age(db, "1 day 1 second")
     with psycopg.connect(direct_database_url) as other:  # a transaction holding one row's lock
-        other.execute("SELECT 1 FROM idempotency_keys WHERE idem_key = %s FOR UPDATE", (keys[0],))
+        row = db.execute("SELECT org_id FROM idempotency_keys WHERE idem_key = %s", (keys[0],)).fetchone()
+        assert row is not None
+        other.execute(  # with its org_id, as a row lock on Citus must name the shard
+            "SELECT 1 FROM idempotency_keys WHERE org_id = %s AND idem_key = %s FOR UPDATE", (row[0], keys[0])
+        )
         other.execute("SET LOCAL lock_timeout = '10s'")
         with psycopg.connect(direct_database_url, autocommit=True) as watcher:
             watcher.execute("SET lock_timeout = '2s'")  # purge below would fail, not hang, on a wait

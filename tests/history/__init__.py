@@ -22,13 +22,23 @@ __all__ = ["run"]
 
 
 def run(
-    workdir: Path, *, duration: float, clients: int, seed: int, fault_interval: float, max_faults: int
+    workdir: Path,
+    *,
+    duration: float,
+    clients: int,
+    seed: int,
+    fault_interval: float,
+    max_faults: int,
+    citus: bool = False,
 ) -> Report:
-    """Run the workload with faults for ``duration`` seconds, then settle and check; return the report."""
+    """Run the workload with faults for ``duration`` seconds, then settle and check; return the report.
+
+    With ``citus`` the database is a local Citus cluster, and PostgreSQL restarts hit its worker nodes.
+    """
     report = Report()
     history: list[Op] = []
     lock = threading.Lock()
-    with running_cluster(workdir, seed=seed) as cluster:
+    with running_cluster(workdir, seed=seed, citus=citus) as cluster:
         stop_at = time.monotonic() + duration
         threads = [
             threading.Thread(target=client_loop, args=(cluster, seed * 100 + i, stop_at, history, lock))

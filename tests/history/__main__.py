@@ -1,4 +1,4 @@
-"""``uv run python -m tests.history [--duration S] [--clients N] [--seed N]``: a long history check."""
+"""``uv run python -m tests.history [--duration S] [--clients N] [--seed N] [--citus]``: a long check."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1, help="seed of the workload and the nemesis")
     parser.add_argument("--fault-interval", type=float, default=3.0, help="mean seconds between faults")
     parser.add_argument("--max-faults", type=int, default=1000, help="most faults to inject")
+    parser.add_argument(
+        "--citus",
+        action="store_true",
+        help="run against a local Citus cluster (coordinator + 2 workers; restarts hit a worker node)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flask-idem-history-") as workdir:
         report = run(
@@ -26,6 +31,7 @@ def main() -> int:
             seed=args.seed,
             fault_interval=args.fault_interval,
             max_faults=args.max_faults,
+            citus=args.citus,
         )
     print(report.summary())
     return 0 if report.ok else 1

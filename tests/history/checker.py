@@ -131,7 +131,12 @@ def _check_tables(db: psycopg.Connection[Any], history: list[Op], report: Report
     for payment in payments:
         charge = charges.get(Run(flow=pay.name, org_id=payment[0], key=payment[1]).derived_key("charge"))
         if payment[5] == "pending":
-            report.anomaly("lost", f"payment {payment[2]} is still pending")
+            key_row = db.execute(
+                "SELECT status, step, attempts, response -> 'status', last_error FROM idempotency_keys"
+                " WHERE org_id = %s AND idem_key = %s",
+                (payment[0], payment[1]),
+            ).fetchone()
+            report.anomaly("lost", f"payment {payment[2]} is still pending (its key row: {key_row})")
         elif payment[5] in ("succeeded", "declined") and (charge is None or charge[1] != payment[6]):
             report.anomaly("lost", f"payment {payment[2]} ({payment[5]}) has no matching charge")
         elif charge is not None and charge[2] != payment[4]:

