@@ -47,13 +47,10 @@ __all__ = [
     "recovered",
     "response_replayed",
     "response_stored",
-    "send",
     "step_finished",
     "store_operation",
     "store_unavailable",
-    "timed",
     "tombstone_hit",
-    "wanted",
 ]
 
 logger = logging.getLogger("flask_idem")
