@@ -90,7 +90,8 @@ def test_stats_shows_the_table_at_a_glance(app: Flask, db: psycopg.Connection[An
         "  shop.payments.create  failed       charge                    1",
         "  shop.payments.create  processing   intent                    1",
         "Flagged for a person: 1",
-        "Past retention, waiting for purge: 1",
+        "Tombstones: 0",
+        "Waiting for purge: 1 to become tombstones, 0 to delete",
     ]
     oldest = re.fullmatch(
         f"Oldest processing request: org=2 key={stranded} flow=shop.payments.create step=intent attempts=2"

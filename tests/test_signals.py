@@ -428,12 +428,22 @@ def test_every_signal_is_documented() -> None:
         assert f".. autodata:: {attribute}" in api or f"data:: {attribute}" in api, attribute
 
 
-def test_tombstone_hit_is_an_outcome(notes: Flask, logs: pytest.LogCaptureFixture) -> None:
-    """tombstone-hit is logged at INFO and reaches receivers like every outcome."""
+@pytest.mark.parametrize(("path", "status"), [("/notes", 303), ("/notes/404", 410)], ids=["location", "none"])
+def test_retry_after_retention_hits_the_tombstone(
+    make_app: Callable[..., Flask],
+    db: psycopg.Connection[Any],
+    logs: pytest.LogCaptureFixture,
+    path: str,
+    status: int,
+) -> None:
+    """A retry past retention sends tombstone-hit with its status (303 to Location, or 410), at INFO."""
+    app = make_app(IDEM_KEY_TTL=60)
     key = uuid.uuid4()
-    with recorded(notes) as events, notes.test_request_context("/notes", method="POST"):
-        assert signals.wanted(signals.tombstone_hit)
-        signals.send(signals.tombstone_hit, org_id=1, key=key, status=410)
-    assert events == [("tombstone-hit", {"org_id": 1, "key": key, "status": 410, "endpoint": "create"})]
-    (record,) = outcome_records(logs)
-    assert (record.idem_outcome, record.levelno) == ("tombstone_hit", logging.INFO)  # type: ignore[attr-defined]
+    post(app, path, key, {"body": "a"})
+    db.execute("UPDATE idempotency_keys SET expires_at = expires_at - interval '61 seconds'")
+    with recorded(app) as events:
+        assert post(app, path, key, {"body": "a"}).status_code == status
+    endpoint = "create" if path == "/notes" else "fail_with_abort"
+    assert events == [("tombstone-hit", {"org_id": 1, "key": key, "endpoint": endpoint, "status": status})]
+    (record,) = [r for r in outcome_records(logs) if r.idem_outcome == "tombstone_hit"]  # type: ignore[attr-defined]
+    assert record.levelno == logging.INFO
