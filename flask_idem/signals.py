@@ -16,7 +16,8 @@ transaction of the key table is open: keep them fast, and let them not raise. Re
 ``**extra``, so that a later release may add arguments.
 
 Each outcome is also logged, once, on the ``flask_idem`` logger with its arguments as ``extra`` fields
-(``idem_outcome``, ``idem_org_id``, ``idem_key``...): at DEBUG for the normal outcomes, INFO for
+(``idem_outcome``, ``idem_org_id``, ``idem_key_hash``...; the key itself is never logged, only a hash
+of it): at DEBUG for the normal outcomes, INFO for
 conflicts, retries taken over and requests finished by the recovery job, ERROR for a request given up.
 When nobody listens and the level is off, sending costs one check.
 """
@@ -24,6 +25,7 @@ When nobody listens and the level is off, sending costs one check.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 import uuid
@@ -37,6 +39,7 @@ __all__ = [
     "OUTCOMES",
     "call_failed",
     "given_up",
+    "key_hash",
     "key_in_flight",
     "key_reserved",
     "lease_lost",
@@ -203,10 +206,22 @@ def send(signal: NamedSignal, **data: Any) -> None:
         signal.send(current_app._get_current_object(), **data)  # type: ignore[attr-defined]
     level, text = _LOG[signal.name]
     if logger.isEnabledFor(level):
-        fields = " ".join(f"{name}={value}" for name, value in data.items() if value is not None)
+        # The key itself stays out of the logs (whoever reads them must not be able to use it); its
+        # hash lets a reader follow one key through its records.
+        logged = {
+            ("key_hash" if name == "key" else name): key_hash(v) if isinstance(v, uuid.UUID) else v
+            for name, v in data.items()
+        }
+        fields = " ".join(f"{name}={value}" for name, value in logged.items() if value is not None)
         extra = {"idem_outcome": signal.name.replace("-", "_")}
-        extra.update(("idem_" + name, str(v) if isinstance(v, uuid.UUID) else v) for name, v in data.items())
+        extra.update(("idem_" + name, value) for name, value in logged.items())
         logger.log(level, "%s: %s.", text, fields, extra=extra)
+
+
+def key_hash(key: uuid.UUID) -> str:
+    """The 12 hex digits the logs show for an idempotency key: the same for every record of the key,
+    and no use to anyone who reads them."""
+    return hashlib.blake2b(key.bytes, digest_size=6, person=b"flask-idem-log").hexdigest()
 
 
 F = TypeVar("F", bound=Callable[..., Any])

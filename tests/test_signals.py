@@ -346,7 +346,11 @@ def test_recovery_gives_up(
     ]
     (record,) = [r for r in caplog.records if getattr(r, "idem_outcome", None) == "given_up"]
     assert record.levelno == logging.ERROR
-    assert (record.idem_flow, record.idem_key, record.idem_attempts) == ("notes.transfer", str(key), 1)  # type: ignore[attr-defined]
+    assert (record.idem_flow, record.idem_key_hash, record.idem_attempts) == (  # type: ignore[attr-defined]
+        "notes.transfer",
+        signals.key_hash(key),
+        1,
+    )
 
 
 # -- logs -----------------------------------------------------------------------------------------------
@@ -381,13 +385,16 @@ def test_one_log_record_per_outcome(notes: Flask, logs: pytest.LogCaptureFixture
         stored.__dict__.items()
         >= {
             "idem_org_id": 1,
-            "idem_key": str(key),
+            "idem_key_hash": signals.key_hash(key),
             "idem_endpoint": "create",
             "idem_status": 201,
             "idem_flow": None,
         }.items()
     )
-    assert stored.getMessage() == f"Response stored: org_id=1 key={key} status=201 endpoint=create."
+    assert stored.getMessage() == (
+        f"Response stored: org_id=1 key_hash={signals.key_hash(key)} status=201 endpoint=create."
+    )
+    assert len(signals.key_hash(key)) == 12 and signals.key_hash(key) != signals.key_hash(uuid.uuid4())
 
 
 def test_quiet_at_info(notes: Flask, caplog: pytest.LogCaptureFixture) -> None:
@@ -414,6 +421,7 @@ def test_logs_hold_no_request_data(notes: Flask, flow_app: Flask, logs: pytest.L
         text = record.getMessage() + repr(record.__dict__)
         assert SECRET not in text
         assert "4242424242" not in text
+        assert str(key) not in text and key.hex not in text  # the key itself is never logged
 
 
 def test_every_signal_is_documented() -> None:
