@@ -20,9 +20,9 @@ from flask import Flask
 from flask_idem import OutcomeUnknown, signals
 from flask_idem.recovery import recover
 
+from .flow_app import Ledger, build_flow_app
 from .helpers import ROOT, close_pool
 from .notes_app import build_app, post
-from .test_flow import Ledger, build_flow_app
 
 Event = tuple[str, dict[str, Any]]
 
