@@ -177,6 +177,9 @@ def gunicorn(
         command += ["--access-logfile", str(access_log), "--access-logformat", "%(s)s %(D)s"]
     command.append(app)
     environ = {
+        # The shop's Prometheus metrics are off unless FLASK_METRICS=true is set for the run: the
+        # scenarios measure the extension (bench/signals.py measures what the metrics add).
+        "FLASK_METRICS": "false",
         **os.environ,
         "FLASK_DATABASE_URL": url,
         "FLASK_IDEM_POOL_MIN_SIZE": str(threads),

@@ -16,7 +16,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     :meth:`flask.Config.from_prefixed_env`), then from ``test_config``. Without a database URL, an embedded
     PostgreSQL is started with its data in the instance folder.
     """
-    from . import api, db, orders, payments, problems, web
+    from . import api, db, metrics, orders, payments, problems, web
     from .cli import shop_cli
     from .extensions import idem
 
@@ -28,6 +28,8 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
         # Keep the timeout well under IDEM_LEASE_TIMEOUT (30 s by default).
         GATEWAY_URL="http://127.0.0.1:5001",
         GATEWAY_TIMEOUT=10.0,
+        # GET /metrics and the counters behind it (example_app.metrics).
+        METRICS=True,
     )
     app.config.from_prefixed_env()
     if test_config is not None:
@@ -39,5 +41,6 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     problems.register(app)
     api.register(app, orders.bp, payments.bp)
     web.init_app(app)  # the checkout pages (example_app/web.py)
+    metrics.register(app)
     app.cli.add_command(shop_cli)
     return app

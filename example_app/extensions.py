@@ -5,6 +5,7 @@ from __future__ import annotations
 from flask import g
 
 from flask_idem import Idempotency
+from flask_idem.metrics import Metrics
 
 
 def current_org_id() -> int | None:
@@ -18,3 +19,6 @@ def current_org_id() -> int | None:
 
 
 idem = Idempotency(scope=current_org_id)
+
+#: The Prometheus metrics of flask-idem (``GET /metrics``, :mod:`example_app.metrics`).
+metrics = Metrics()

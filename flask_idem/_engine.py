@@ -7,6 +7,7 @@ recovery job. Every transaction here is short and no connection is held during a
 from __future__ import annotations
 
 import logging
+import time
 from functools import partial
 from typing import Any
 
@@ -15,6 +16,7 @@ from flask import Response, current_app
 from psycopg.rows import TupleRow
 from werkzeug.exceptions import HTTPException
 
+from . import signals, tracing
 from ._calls import entering_app_code, in_transaction, render
 from .errors import KeyInUse, OutcomePending
 from .flow import Flow, OutcomeUnknown, Run, Step
@@ -46,18 +48,39 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
     pool = state.pool
     try:
         for step in flow.remaining(run.last_step):
+            started = time.perf_counter()
             if step.outside:
-                result = _call_outside(step, run)
+                try:
+                    with tracing.call_span(run, step.name):
+                        result = _call_outside(step, run)
+                except _Unknown as e:
+                    _sent_unknown(run, step, e.__cause__)
+                    raise
+                duration = time.perf_counter() - started
                 state.fire(step.name, None)
                 in_transaction(pool, partial(_record, state, lease, step.name, result))
                 run.results[step.name] = result
             else:
                 early = in_transaction(pool, partial(_db_step, state, step, run, lease))
                 if early is not None:
+                    _sent_stored(run, early)
                     return early
+                duration = time.perf_counter() - started
+            if signals.wanted(signals.step_finished):
+                signals.send(
+                    signals.step_finished,
+                    org_id=run.org_id,
+                    key=run.key,
+                    flow=run.flow,
+                    step=step.name,
+                    outside=step.outside,
+                    duration=duration,
+                )
             run.last_step = step.name
         response = in_transaction(pool, partial(_finish, state, flow, run, lease))
     except _LeaseLost:
+        if signals.wanted(signals.lease_lost):
+            signals.send(signals.lease_lost, org_id=run.org_id, key=run.key, flow=run.flow)
         raise KeyInUse(retry_after=state.settings.retry_after) from None
     except _Unknown as e:
         _release(state, lease, str(e), retry_in)
@@ -67,7 +90,34 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
         raise
     if response.status_code >= 500:  # rolled back: let a retry or the recovery job finish it
         _release(state, lease, f"HTTP {response.status_code}", retry_in)
+    else:
+        _sent_stored(run, response)
     return response
+
+
+def _sent_stored(run: Run, response: Response) -> None:
+    if signals.wanted(signals.response_stored):
+        signals.send(
+            signals.response_stored,
+            org_id=run.org_id,
+            key=run.key,
+            flow=run.flow,
+            status=response.status_code,
+        )
+
+
+def _sent_unknown(run: Run, step: Step, cause: BaseException | None) -> None:
+    """Signal an unknown outcome, telling :class:`.OutcomeUnknown` apart from any other exception."""
+    signal = signals.outcome_unknown if isinstance(cause, OutcomeUnknown) else signals.call_failed
+    if signals.wanted(signal):
+        signals.send(
+            signal,
+            org_id=run.org_id,
+            key=run.key,
+            flow=run.flow,
+            step=step.name,
+            exception=type(cause).__name__,
+        )
 
 
 def _record(

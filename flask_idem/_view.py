@@ -16,7 +16,7 @@ import psycopg
 from flask import Request, Response, current_app, g, request
 from psycopg.rows import TupleRow
 
-from . import _engine
+from . import _engine, signals
 from ._calls import in_transaction, render
 from .errors import (
     ConfigurationError,
@@ -85,6 +85,7 @@ def handle(
     else:
         _whole_body(req)  # cached first: a key read from a form must not consume the body fingerprinted
         key = parse_key(options.key_from())
+    keyed: KeyedRequest | None = None
     try:
         if key is None:
             required = state.settings.require_key if options.required is None else options.required
@@ -107,9 +108,16 @@ def handle(
             return _atomic(state, options, attempt)
         return _multistep(state, options, options.flow, attempt)
     except psycopg.Error as e:
-        raise database_error(
-            e, retry_after=state.settings.retry_after, key_table=state.settings.table
-        ) from None
+        error = database_error(e, retry_after=state.settings.retry_after, key_table=state.settings.table)
+        if error.code == 503 and signals.wanted(signals.store_unavailable):
+            signals.send(
+                signals.store_unavailable,
+                org_id=None if keyed is None else keyed.org_id,
+                key=key,
+                error=type(e).__name__,
+                sqlstate=e.sqlstate,
+            )
+        raise error from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,18 +137,34 @@ class _Attempt:
 def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Response:
     """Reserve, run the view and store its response in one transaction."""
     keyed, settings = attempt.request, state.settings
+    stored = False
 
     def body(conn: psycopg.Connection[TupleRow]) -> Response | IdempotencyError:
+        nonlocal stored
         found = state.store.reserve(conn, keyed, ttl=options.key_ttl(settings))
         if not found.reserved:
-            return _answer_existing(settings, options, found.record, keyed.request_sha)
+            return _answer_existing(settings, options, found.record, keyed)
+        if signals.wanted(signals.key_reserved):
+            signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=None)
         response = current_app.make_response(attempt.call(conn))
         if response.status_code < 500:
             state.store.complete(conn, keyed, record_response(response, settings.replay_headers))
+            stored = True
         state.fire("view", conn)
         return response
 
-    return _raise_errors(in_transaction(state.pool, body))
+    answer = in_transaction(state.pool, body)
+    if stored:
+        _sent_stored(keyed, None, answer)
+    return _raise_errors(answer)
+
+
+def _sent_stored(keyed: KeyedRequest, flow: str | None, answer: Response | IdempotencyError | Run) -> None:
+    """Send :data:`.signals.response_stored` for a response committed just now."""
+    if isinstance(answer, Response) and signals.wanted(signals.response_stored):
+        signals.send(
+            signals.response_stored, org_id=keyed.org_id, key=keyed.key, flow=flow, status=answer.status_code
+        )
 
 
 def _raise_errors(answer: Response | IdempotencyError) -> Response:
@@ -160,15 +184,20 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
     settings, keyed = state.settings, attempt.request
     seconds = flow.lease_timeout or settings.lease_timeout
     lease = Lease(keyed.org_id, keyed.key, token=uuid.uuid4(), seconds=seconds)
+    stored = False
 
     def begin(conn: psycopg.Connection[TupleRow]) -> Response | IdempotencyError | Run:
+        nonlocal stored
         found = state.store.reserve(conn, keyed, ttl=options.key_ttl(settings), flow=flow.name, lease=lease)
         if found.reserved:
+            if signals.wanted(signals.key_reserved):
+                signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=flow.name)
             intent = attempt.call(conn)
             if not isinstance(intent, dict):  # the view answered at once, e.g. abort(404)
                 response = current_app.make_response(intent)
                 if response.status_code < 500:
                     state.store.complete(conn, lease, record_response(response, settings.replay_headers))
+                    stored = True
                 return response
             state.store.record_step(conn, lease, INTENT, intent)
             state.fire("view", conn)
@@ -187,11 +216,21 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
             return run_from_record(
                 flow, org_id=keyed.org_id, key=keyed.key, step=record.step, state=record.state
             )
-        return _answer_existing(settings, options, record, keyed.request_sha)
+        return _answer_existing(settings, options, record, keyed)
 
     started = in_transaction(state.pool, begin)
     if not isinstance(started, Run):
+        if stored:
+            _sent_stored(keyed, flow.name, started)
         return _raise_errors(started)
+    if started.resumed and signals.wanted(signals.lease_taken_over):
+        signals.send(
+            signals.lease_taken_over,
+            org_id=keyed.org_id,
+            key=keyed.key,
+            flow=flow.name,
+            step=started.last_step,
+        )
     return _engine.advance(state, flow, started, lease, retry_in=seconds)
 
 
@@ -252,7 +291,7 @@ def _org_id(scope: ScopeFunc) -> int:
 
 
 def _answer_existing(
-    settings: Settings, options: ViewOptions, record: KeyRecord | None, request_sha: bytes
+    settings: Settings, options: ViewOptions, record: KeyRecord | None, keyed: KeyedRequest
 ) -> Response | IdempotencyError:
     """The answer to a request whose key is already taken: the stored response, or the 409 or 422 to raise.
 
@@ -265,17 +304,33 @@ def _answer_existing(
             "tombstone_seconds": settings.tombstone_ttl,
         }
     }
+    replayed = signals.response_replayed
     if record is None:
-        return KeyInUse(retry_after=settings.retry_after, members=retention)
-    if not hmac.compare_digest(record.request_sha, request_sha):
+        return _in_flight(settings, keyed, retention)
+    if not hmac.compare_digest(record.request_sha, keyed.request_sha):
         on_mismatch = settings.on_mismatch if options.on_mismatch is None else options.on_mismatch
         if on_mismatch != "replay":
+            if signals.wanted(signals.mismatch_rejected):
+                signals.send(signals.mismatch_rejected, org_id=keyed.org_id, key=keyed.key)
             return KeyMismatch(members=retention)
+        replayed = signals.mismatch_replayed
     if record.response is None:
-        return KeyInUse(retry_after=settings.retry_after, members=retention)
+        return _in_flight(settings, keyed, retention)
     if record.stale:
-        return _tombstone_answer(record.response, retention)
+        answer = _tombstone_answer(record.response, retention)
+        if signals.wanted(signals.tombstone_hit):
+            status = answer.code if isinstance(answer, IdempotencyError) else answer.status_code
+            signals.send(signals.tombstone_hit, org_id=keyed.org_id, key=keyed.key, status=status)
+        return answer
+    if signals.wanted(replayed):
+        signals.send(replayed, org_id=keyed.org_id, key=keyed.key, status=record.response["status"])
     return replay_response(record.response)
+
+
+def _in_flight(settings: Settings, keyed: KeyedRequest, retention: dict[str, Any]) -> KeyInUse:
+    if signals.wanted(signals.key_in_flight):
+        signals.send(signals.key_in_flight, org_id=keyed.org_id, key=keyed.key)
+    return KeyInUse(retry_after=settings.retry_after, members=retention)
 
 
 def _tombstone_answer(stored: Mapping[str, Any], retention: dict[str, Any]) -> Response | IdempotencyError:

@@ -169,3 +169,51 @@ def stuck(older_than: float | None) -> None:
             f" attempts={row.attempts} age={row.age_seconds:.0f}s last_error={row.last_error}"
         )
     click.echo(f"{len(rows)} row(s).")
+
+
+@idem_cli.command("stats")
+@_database_errors
+def stats() -> None:
+    """Print the key table at a glance: rows by status and by flow and step, flagged rows, tombstones,
+    what purge would do now, the oldest processing request and the table's size.
+
+    It counts every row (one pass over the table), so it takes a moment on millions of keys; the
+    gauges of flask_idem.metrics are the cheap view for a monitoring system.
+    """
+    state = get_state()
+    found = state.store.stats()
+    click.echo(
+        f"Key table {state.settings.table}: {_size(found.total_bytes)} with indexes"
+        f" ({_size(found.index_bytes)} of indexes)"
+    )
+    click.echo("Rows by status:")
+    for status, rows in found.by_status or [("(none)", 0)]:
+        click.echo(f"  {status:<12} {rows:>10}")
+    if found.by_flow:
+        click.echo("Multi-step rows by flow, status and last finished step:")
+        width = max(len(flow) for flow, *_ in found.by_flow)
+        for flow, status, step, rows in found.by_flow:
+            click.echo(f"  {flow:<{width}}  {status:<12} {step or '-':<16} {rows:>10}")
+    click.echo(f"Flagged for a person: {found.flagged}")
+    click.echo(f"Tombstones: {found.tombstones}")
+    click.echo(f"Waiting for purge: {found.to_tombstone} to become tombstones, {found.to_delete} to delete")
+    oldest = found.oldest_processing
+    if oldest is None:
+        click.echo("Oldest processing request: none")
+    else:
+        click.echo(
+            f"Oldest processing request: org={oldest.org_id} key={oldest.key} flow={oldest.flow}"
+            f" step={oldest.step or '-'} attempts={oldest.attempts} age={oldest.age_seconds:.0f}s"
+            f" last_error={oldest.last_error}"
+        )
+
+
+def _size(size: int) -> str:
+    if size < 1024:
+        return f"{size} bytes"
+    value = size / 1024
+    for unit in ("kB", "MB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GB"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import psycopg
 from flask import Flask
 
-from . import _engine
+from . import _engine, signals, tracing
 from ._calls import in_transaction
 from .errors import KeyInUse, OperationFailed, OutcomePending
 from .flow import run_from_record
@@ -88,7 +88,10 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
             if not claimed:
                 break
             row = claimed[0]
-            with app.test_request_context(row.path, method=row.method):
+            with (
+                app.test_request_context(row.path, method=row.method),
+                tracing.recovery_span(row.flow, row.org_id, row.key, row.attempts),
+            ):
                 _recover_one(state, row, Lease(row.org_id, row.key, token, lease), report, rng)
     return report
 
@@ -122,6 +125,15 @@ def _recover_one(
             report.pending.append((*entry, f"finish step answered {response.status_code}; will be retried"))
         else:
             report.completed.append((*entry, f"answered {response.status_code}"))
+            if signals.wanted(signals.recovered):
+                signals.send(
+                    signals.recovered,
+                    org_id=row.org_id,
+                    key=row.key,
+                    flow=row.flow,
+                    status=response.status_code,
+                    attempts=row.attempts,
+                )
 
 
 def _give_up(state: IdemState, row: Stranded, lease: Lease, reason: str) -> None:
@@ -132,8 +144,11 @@ def _give_up(state: IdemState, row: Stranded, lease: Lease, reason: str) -> None
         "headers": [["Content-Type", "application/problem+json"]],
         "body": error.get_body(),
     }
-    logger.error("Gave up on a %s request after %d attempts: %s.", row.flow, row.attempts, reason)
     in_transaction(state.pool, lambda conn: state.store.complete(conn, lease, record, failed=reason))
+    # Sent (and logged at ERROR) once the row is marked: a person is needed.
+    signals.send(
+        signals.given_up, org_id=row.org_id, key=row.key, flow=row.flow, reason=reason, attempts=row.attempts
+    )
 
 
 def run_forever(

@@ -46,3 +46,7 @@ CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
 
 -- The recovery job looks for multi-step requests whose lease has expired; atomic rows have no lease.
 CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (lease_expires_at) WHERE lease_expires_at IS NOT NULL;
+
+-- Rows flagged for a person: few, and counted on every scrape of the metrics (flask_idem.metrics).
+-- Completing an atomic request leaves needs_attention false, so its update stays HOT.
+CREATE INDEX IF NOT EXISTS {attention_index} ON {table} (created_at) WHERE needs_attention;

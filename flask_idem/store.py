@@ -31,6 +31,7 @@ from psycopg.rows import DictRow, class_row, dict_row
 from psycopg.types.json import Jsonb
 
 from .pool import Connection, ConnectionSource
+from .signals import timed
 
 __all__ = [
     "KeyRecord",
@@ -41,6 +42,8 @@ __all__ = [
     "Store",
     "Stranded",
     "StuckRow",
+    "TableState",
+    "TableStats",
     "lock_id",
 ]
 
@@ -130,6 +133,46 @@ class StuckRow:
 
 
 @dataclass(frozen=True, slots=True)
+class TableState:
+    """The key table's state at a glance, read with one query over small partial indexes (for metrics).
+
+    Only committed rows count: an atomic request's row is never seen ``processing`` by others, so
+    ``processing`` rows are multi-step requests.
+    """
+
+    #: Multi-step requests not finished yet.
+    processing: int
+    #: Of those, the ones whose lease has expired: stranded, waiting for a retry or the recovery job.
+    stranded: int
+    #: Rows flagged for a person (``flask idem stuck``).
+    flagged: int
+    #: Age in seconds of the oldest processing request; 0 when there is none.
+    oldest_processing_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class TableStats:
+    """What ``flask idem stats`` prints. Reads the whole table: meant for a person, not for a scraper."""
+
+    #: Rows by status, sorted by status.
+    by_status: list[tuple[str, int]]
+    #: Multi-step rows by flow, status and last finished step (``None`` before any step after the intent).
+    by_flow: list[tuple[str, str, str | None, int]]
+    flagged: int
+    #: Rows kept as tombstones (:data:`IDEM_TOMBSTONE_TTL`): their stored response has expired.
+    tombstones: int
+    #: What ``flask idem purge`` would do now: rows it would turn into tombstones, and rows it would
+    #: delete (tombstones past their own period, or expired rows when tombstones are off).
+    to_tombstone: int
+    to_delete: int
+    #: The oldest processing request, or ``None``.
+    oldest_processing: StuckRow | None
+    #: ``pg_total_relation_size`` of the table (with its indexes and TOAST), and the indexes alone.
+    total_bytes: int
+    index_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class Reservation:
     """What :meth:`Store.reserve` found.
 
@@ -212,6 +255,7 @@ class Store:
 
     # -- both modes ------------------------------------------------------------------------------------
 
+    @timed("reserve")
     def reserve(
         self,
         conn: psycopg.Connection[Any],
@@ -265,6 +309,7 @@ class Store:
             cursor.execute(self._sql.delete_expired, params)
         return Reservation(reserved=False)
 
+    @timed("complete")
     def complete(
         self,
         conn: psycopg.Connection[Any],
@@ -295,19 +340,23 @@ class Store:
 
     # -- multi-step mode: every write is guarded by the lease token -----------------------------------
 
+    @timed("take_over")
     def take_over(self, conn: psycopg.Connection[Any], lease: Lease) -> bool:
         """Take a processing request whose lease expired, under ``lease``; of concurrent callers one wins."""
         return _cursor(conn).execute(self._sql.take_over, _lease_params(lease)).rowcount == 1
 
+    @timed("hold")
     def hold(self, conn: psycopg.Connection[Any], lease: Lease) -> bool:
         """Renew ``lease`` and lock the row for the caller's transaction; false if the lease is lost."""
         return _cursor(conn).execute(self._sql.hold, _lease_params(lease)).rowcount == 1
 
+    @timed("record_step")
     def record_step(self, conn: psycopg.Connection[Any], lease: Lease, step: str, result: Any) -> bool:
         """Record that ``step`` finished with ``result`` and renew the lease; false if the lease is lost."""
         params = {**_lease_params(lease), "step": step, "result": Jsonb(result)}
         return _cursor(conn).execute(self._sql.record_step, params).rowcount == 1
 
+    @timed("release")
     def release(self, conn: psycopg.Connection[Any], lease: Lease, *, error: str, retry_in: float) -> bool:
         """Give ``lease`` up after a failure so that a retry may take over at once.
 
@@ -316,6 +365,7 @@ class Store:
         params = {**_lease_params(lease), "error": error, "retry_in": retry_in}
         return _cursor(conn).execute(self._sql.release, params).rowcount == 1
 
+    @timed("claim_stranded")
     def claim_stranded(
         self,
         conn: psycopg.Connection[Any],
@@ -402,6 +452,33 @@ class Store:
                     break
         return done["deleted"], done["tombstoned"]
 
+    # -- observing -------------------------------------------------------------------------------------
+
+    def state(self) -> TableState:
+        """Processing, stranded and flagged rows and the oldest processing age: one cheap statement.
+
+        It reads only the partial indexes of leased and flagged rows (rows in flight or needing a
+        person), never the table's finished rows, so it stays cheap however many keys are kept.
+        """
+        with self.pool.connection() as conn, conn.cursor(row_factory=class_row(TableState)) as cursor:
+            found = cursor.execute(self._sql.state).fetchone()
+        assert found is not None  # aggregates always answer one row
+        return found
+
+    def stats(self) -> TableStats:
+        """The key table at a glance, for ``flask idem stats``, from one snapshot of it."""
+        with self.pool.connection() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            by_status = [(r[0], r[1]) for r in conn.execute(self._sql.stats_by_status)]
+            by_flow = [(r[0], r[1], r[2], r[3]) for r in conn.execute(self._sql.stats_by_flow)]
+            with conn.cursor(row_factory=class_row(StuckRow)) as cursor:
+                oldest = cursor.execute(self._sql.stats_oldest).fetchone()
+            params = {"table": self._sql.qualified, "tomb": self.tombstone_ttl}
+            with conn.cursor(row_factory=dict_row) as cursor:
+                totals = cursor.execute(self._sql.stats_totals, params).fetchone()
+        assert totals is not None
+        return TableStats(by_status=by_status, by_flow=by_flow, oldest_processing=oldest, **totals)
+
 
 def _pairs(rows: list[DictRow], name: str = "") -> dict[str, Any]:
     """The keys of ``rows`` (of one organisation, unless named) as the statements on candidates take them."""
@@ -429,7 +506,10 @@ class _Statements:
             "table": name,
             "expires_index": sql.Identifier(parts[-1] + "_expires_at_idx"),
             "lease_index": sql.Identifier(parts[-1] + "_lease_idx"),
+            "attention_index": sql.Identifier(parts[-1] + "_attention_idx"),
         }
+        #: The table's name as ``regclass`` input (quoted, schema-qualified if given).
+        self.qualified = name.as_string(None)
 
         # The columns a later request reads (named as KeyRecord's fields), and the guard of every write
         # under a lease.
@@ -573,6 +653,45 @@ class _Statements:
             "       ORDER BY k.expires_at LIMIT %(limit)s"
             "       FOR UPDATE SKIP LOCKED) AS due"
             " WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key"
+        )
+
+        # Observing. Committed processing rows always have a lease (atomic rows are never committed
+        # processing), so `lease_expires_at IS NOT NULL` lets the planner use the lease index.
+        processing = sql.SQL(
+            " FROM {table} WHERE lease_expires_at IS NOT NULL AND status = 'processing'"
+        ).format(**names)
+        self.state = q(
+            "SELECT p.processing, p.stranded,"
+            " (SELECT count(*) FROM {table} WHERE needs_attention) AS flagged,"
+            " p.oldest_processing_seconds"
+            " FROM (SELECT count(*) AS processing,"
+            " count(*) FILTER (WHERE lease_expires_at <= now()) AS stranded,"
+            " coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_processing_seconds"
+            " {processing}) AS p",
+            processing=processing,
+        )
+        self.stats_by_status = q("SELECT status, count(*) FROM {table} GROUP BY status ORDER BY status")
+        self.stats_by_flow = q(
+            "SELECT flow, status, step, count(*) FROM {table} WHERE flow IS NOT NULL"
+            " GROUP BY flow, status, step ORDER BY flow, status, step NULLS FIRST"
+        )
+        self.stats_oldest = q(
+            "SELECT org_id, idem_key AS key, status, flow, step, attempts,"
+            " extract(epoch FROM now() - created_at)::float8 AS age_seconds, needs_attention, last_error"
+            " {processing} ORDER BY created_at LIMIT 1",
+            processing=processing,
+        )
+        # What the next purge would do: delete rows past their tombstone's period (or past retention,
+        # without tombstones), and turn the other rows past retention into tombstones.
+        self.stats_totals = q(
+            "SELECT count(*) FILTER (WHERE k.needs_attention) AS flagged,"
+            " count(*) FILTER (WHERE k.response ? 'tombstone') AS tombstones,"
+            " count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND {gone}) AS to_delete,"
+            " count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'"
+            "  AND NOT ({gone})) AS to_tombstone,"
+            " pg_total_relation_size(%(table)s::regclass) AS total_bytes,"
+            " pg_indexes_size(%(table)s::regclass) AS index_bytes"
+            " FROM {table} AS k"
         )
 
         # On Citus (the rest of this method): FOR UPDATE cannot span shards, nor can a LIMIT under it. Rows

@@ -51,8 +51,12 @@ def gunicorn(
     threads: int = 4,
     app: str = "example_app:create_app()",
     probe: str = "/orders",
+    args: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Serve ``app`` with gunicorn on a free port; yields its base URL and the master process."""
+    """Serve ``app`` with gunicorn on a free port; yields its base URL and the master process.
+
+    :param args: more command-line options for gunicorn, such as ``("-c", "example_app/gunicorn_conf.py")``.
+    """
     port = free_port()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -68,6 +72,7 @@ def gunicorn(
                 f"127.0.0.1:{port}",
                 "--graceful-timeout",
                 "5",
+                *args,
                 app,
             ],
             cwd=ROOT,

@@ -51,3 +51,60 @@ def test_unreachable_database_is_one_clean_message() -> None:
     assert result.output.startswith("Error: cannot connect to the database: ")
     assert "port 1 failed: Connection refused" in result.output
     assert "s3cr3t" not in result.output
+
+
+def test_stats_shows_the_table_at_a_glance(app: Flask, db: psycopg.Connection[Any]) -> None:
+    """`flask idem stats` counts rows by status and by flow and step, flagged and purgeable rows, and
+    names the oldest processing request."""
+    import re
+    import uuid
+
+    stranded = uuid.uuid4()
+    db.execute(
+        "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, status, response,"
+        " expires_at, flow, step, lease_token, lease_expires_at, needs_attention, created_at, attempts,"
+        " last_error) VALUES"
+        " (1, gen_random_uuid(), sha256('a'), 'POST', '/orders', 'completed', '{}', now() + interval '1 day',"
+        "  NULL, NULL, NULL, NULL, false, now(), 0, NULL),"
+        " (1, gen_random_uuid(), sha256('b'), 'POST', '/orders', 'completed', '{}', now() - interval '1 h',"
+        "  NULL, NULL, NULL, NULL, false, now() - interval '1 day', 0, NULL),"
+        " (2, %s, sha256('c'), 'POST', '/payments', 'processing', NULL, now() + interval '1 day',"
+        "  'shop.payments.create', 'intent', gen_random_uuid(), now() - interval '1 minute', false,"
+        "  now() - interval '300 seconds', 2, 'OutcomeUnknown'),"
+        " (2, gen_random_uuid(), sha256('d'), 'POST', '/payments', 'failed', '{}', now() + interval '1 day',"
+        "  'shop.payments.create', 'charge', NULL, NULL, true, now(), 5, 'recovery deadline passed')",
+        (stranded,),
+    )
+    result = app.test_cli_runner().invoke(args=["idem", "stats"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert re.fullmatch(
+        r"Key table idempotency_keys: [\d.]+ kB with indexes \([\d.]+ kB of indexes\)", lines[0]
+    )
+    assert lines[1:-1] == [
+        "Rows by status:",
+        "  completed             2",
+        "  failed                1",
+        "  processing            1",
+        "Multi-step rows by flow, status and last finished step:",
+        "  shop.payments.create  failed       charge                    1",
+        "  shop.payments.create  processing   intent                    1",
+        "Flagged for a person: 1",
+        "Tombstones: 0",
+        "Waiting for purge: 1 to become tombstones, 0 to delete",
+    ]
+    oldest = re.fullmatch(
+        f"Oldest processing request: org=2 key={stranded} flow=shop.payments.create step=intent attempts=2"
+        r" age=(\d+)s last_error=OutcomeUnknown",
+        lines[-1],
+    )
+    assert oldest is not None, lines[-1]
+    assert 299 <= int(oldest[1]) <= 400
+
+
+def test_stats_of_an_empty_table(app: Flask) -> None:
+    """On an empty table, stats says so line by line."""
+    output = app.test_cli_runner().invoke(args=["idem", "stats"]).output
+    assert "  (none)                0" in output
+    assert "Multi-step rows" not in output
+    assert output.endswith("Oldest processing request: none\n")

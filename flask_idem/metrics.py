@@ -1,0 +1,238 @@
+"""Prometheus metrics from flask-idem's signals, and the key table's state read at scrape time.
+
+Optional (``pip install "flask-idem[metrics]"``, on prometheus-client)::
+
+    from flask_idem.metrics import Metrics
+
+    idem = Idempotency(scope=current_org_id)
+    metrics = Metrics()
+
+    def create_app():
+        app = Flask(__name__)
+        idem.init_app(app)
+        metrics.init_app(app)
+        app.add_url_rule("/metrics", "metrics", metrics.response)
+        return app
+
+Counters and histograms are updated by receivers of :mod:`flask_idem.signals`: nothing is read from
+the database per request. The gauges of the key table's state come from :class:`KeyTableCollector`,
+which runs one statement over two small partial indexes when Prometheus scrapes, never per request.
+
+Under a pre-fork server (gunicorn), set ``PROMETHEUS_MULTIPROC_DIR`` before the server starts:
+prometheus-client then writes each worker's counters to files there, and :meth:`Metrics.response`
+answers with the sum over all workers plus the key table's state, read once by the worker that
+answers the scrape. See :doc:`/observing`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import psycopg
+from blinker import NamedSignal
+from flask import Flask, Response
+
+from . import signals
+from .errors import ConfigurationError
+from .state import get_state
+
+try:
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+    from prometheus_client.core import GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ImportError as e:  # pragma: no cover - depends on the installation
+    raise ImportError("flask_idem.metrics needs prometheus-client: pip install 'flask-idem[metrics]'.") from e
+
+__all__ = ["EXTENSION_NAME", "KeyTableCollector", "Metrics", "multiprocess_dir"]
+
+#: The key of the :class:`Metrics` object in ``app.extensions``.
+EXTENSION_NAME = "idem_metrics"
+
+logger = logging.getLogger("flask_idem")
+
+#: Buckets of the key table's operations, in seconds: most take well under a millisecond's worth of
+#: round trips, and anything over a second is an incident.
+STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+#: Buckets of the steps of flows, in seconds: a step with an outside call takes what the outside takes.
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+#: The outcome signals counted by ``flask_idem_outcomes_total`` (the steps have a histogram instead).
+COUNTED = tuple(s for s in signals.OUTCOMES if s is not signals.step_finished)
+
+
+def multiprocess_dir() -> str | None:
+    """The directory of prometheus-client's multiprocess mode, or ``None`` when it is off."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+
+
+class Metrics:
+    """The Prometheus metrics of flask-idem, for one or more applications.
+
+    :param app: initialise this application at once.
+    :param registry: where the counters and histograms are registered; default: prometheus-client's
+        global ``REGISTRY``. Unless the multiprocess mode is on, :attr:`collector` is registered there
+        too, so an existing ``/metrics`` endpoint shows everything.
+
+    Create it once per process (a second instance would register the same names again).
+    """
+
+    def __init__(self, app: Flask | None = None, *, registry: CollectorRegistry | None = None) -> None:
+        self.registry = REGISTRY if registry is None else registry
+        #: ``flask_idem_outcomes_total{endpoint, outcome}``: the outcome signals, by route.
+        self.outcomes = Counter(
+            "flask_idem_outcomes",
+            "Idempotency outcomes (flask_idem.signals), by route and outcome.",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        #: ``flask_idem_step_duration_seconds{flow, step, kind}``: finished steps of flows.
+        self.steps = Histogram(
+            "flask_idem_step_duration_seconds",
+            "Time the finished steps of multi-step requests took (call steps: the outside call).",
+            ["flow", "step", "kind"],
+            registry=self.registry,
+            buckets=STEP_BUCKETS,
+        )
+        #: ``flask_idem_store_duration_seconds{operation}``: the key table's operations.
+        self.store = Histogram(
+            "flask_idem_store_duration_seconds",
+            "Time the key table's operations took, waiting for PostgreSQL included.",
+            ["operation"],
+            registry=self.registry,
+            buckets=STORE_BUCKETS,
+        )
+        #: The collector of the key table's state gauges.
+        self.collector = KeyTableCollector()
+        if multiprocess_dir() is None:
+            self.registry.register(self.collector)
+        if app is not None:
+            self.init_app(app)
+
+    def init_app(self, app: Flask) -> None:
+        """Count ``app``'s outcomes and read its key table at scrape time.
+
+        Call it after :meth:`Idempotency.init_app <flask_idem.Idempotency.init_app>`.
+
+        :raises ConfigurationError: when ``app`` already has metrics.
+        """
+        get_state(app)  # fails with the usual message when flask-idem is not initialised
+        if EXTENSION_NAME in app.extensions:
+            raise ConfigurationError("This application already has flask-idem metrics; call init_app once.")
+        app.extensions[EXTENSION_NAME] = self
+        for signal in COUNTED:
+            signal.connect(self._counter(signal), sender=app, weak=False)
+        signals.step_finished.connect(self._on_step, sender=app, weak=False)
+        signals.store_operation.connect(self._on_store, sender=app, weak=False)
+        self.collector.add(app)
+
+    def _counter(self, signal: NamedSignal) -> Callable[..., None]:
+        outcome = signal.name.replace("-", "_")
+        outcomes = self.outcomes
+
+        def count(sender: Flask, *, endpoint: str | None = None, **data: Any) -> None:
+            outcomes.labels(endpoint or "", outcome).inc()
+
+        return count
+
+    def _on_step(
+        self, sender: Flask, *, flow: str, step: str, outside: bool, duration: float, **data: Any
+    ) -> None:
+        self.steps.labels(flow, step, "call" if outside else "database").observe(duration)
+
+    def _on_store(self, sender: Flask, *, operation: str, duration: float, **data: Any) -> None:
+        self.store.labels(operation).observe(duration)
+
+    def registry_to_scrape(self) -> CollectorRegistry:
+        """What a scrape should read: :attr:`registry`, or in multiprocess mode a fresh registry with
+        every process's files and :attr:`collector`."""
+        if multiprocess_dir() is None:
+            return self.registry
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        registry.register(self.collector)
+        return registry
+
+    def response(self) -> Response:
+        """A Flask response with the text exposition of :meth:`registry_to_scrape`: a ``/metrics`` view."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(self.registry_to_scrape()), content_type=CONTENT_TYPE_LATEST)
+
+
+class KeyTableCollector(Collector):
+    """Gauges of the key table's state, read with :meth:`Store.state <flask_idem.store.Store.state>`
+    (one statement per key table) each time a registry collects it, labelled with the table's name:
+
+    - ``flask_idem_keys_processing``: multi-step requests not finished;
+    - ``flask_idem_keys_stranded``: of those, the ones whose lease expired (a worker died or gave the
+      request up; a retry or the recovery job will resume them);
+    - ``flask_idem_keys_flagged``: requests given up and flagged for a person;
+    - ``flask_idem_oldest_processing_age_seconds``: age of the oldest processing request (0: none);
+    - ``flask_idem_key_table_up``: 1 when the statement succeeded, 0 when the database could not be
+      read (the other gauges are then left out of the scrape).
+
+    Applications sharing one database and table are read once, through the one added last. The
+    collector does not keep an application alive.
+    """
+
+    def __init__(self) -> None:
+        self._apps: list[weakref.ref[Flask]] = []
+
+    def add(self, app: Flask) -> None:
+        """Read ``app``'s key table too."""
+        self._apps = [ref for ref in self._apps if ref() is not None] + [weakref.ref(app)]
+
+    def describe(self) -> Iterable[Metric]:
+        """The gauges' names, without reading anything (a registry calls this when it is registered)."""
+        return list(self._families())
+
+    def collect(self) -> Iterable[Metric]:
+        """Read each key table once and return the gauges."""
+        families = dict(
+            zip(("processing", "stranded", "flagged", "oldest", "up"), self._families(), strict=True)
+        )
+        seen: set[tuple[str, str]] = set()
+        for ref in reversed(self._apps):
+            app = ref()
+            if app is None:
+                continue
+            state = get_state(app)
+            where = (state.settings.database_url, state.settings.table)
+            if where in seen:
+                continue
+            seen.add(where)
+            label = [state.settings.table]
+            try:
+                found = state.store.state()
+            except psycopg.Error as e:
+                logger.warning(
+                    "Could not read the key table for metrics: %s (SQLSTATE %s).",
+                    type(e).__name__,
+                    e.sqlstate or "none",
+                )
+                families["up"].add_metric(label, 0)
+                continue
+            families["up"].add_metric(label, 1)
+            families["processing"].add_metric(label, found.processing)
+            families["stranded"].add_metric(label, found.stranded)
+            families["flagged"].add_metric(label, found.flagged)
+            families["oldest"].add_metric(label, found.oldest_processing_seconds)
+        return list(families.values())
+
+    @staticmethod
+    def _families() -> Iterator[GaugeMetricFamily]:
+        for name, text in (
+            ("flask_idem_keys_processing", "Multi-step requests not finished yet."),
+            ("flask_idem_keys_stranded", "Processing requests whose lease expired, waiting to be resumed."),
+            ("flask_idem_keys_flagged", "Requests given up and flagged for a person (flask idem stuck)."),
+            ("flask_idem_oldest_processing_age_seconds", "Age of the oldest processing request; 0 if none."),
+            ("flask_idem_key_table_up", "1 if the key table could be read for this scrape, else 0."),
+        ):
+            yield GaugeMetricFamily(name, text, labels=["table"])

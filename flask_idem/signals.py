@@ -1,0 +1,251 @@
+"""Signals: one for each outcome flask-idem decides, sent with blinker as Flask sends its own.
+
+Every signal is sent with the application as sender and keyword arguments only: the organisation
+(``org_id``), the idempotency key (``key``, a :class:`uuid.UUID`), the route (``endpoint``) and the
+figures of the outcome. Nothing of the request body is ever sent. Connect a receiver for one application
+or for all::
+
+    from flask_idem import signals
+
+    @signals.response_replayed.connect_via(app)
+    def count_replay(sender, *, org_id, key, endpoint, status, **extra):
+        statsd.incr(f"replays.{endpoint}")
+
+Receivers run synchronously in the thread that decided the outcome, some of them while a short
+transaction of the key table is open: keep them fast, and let them not raise. Receivers should accept
+``**extra``, so that a later release may add arguments.
+
+Each outcome is also logged, once, on the ``flask_idem`` logger with its arguments as ``extra`` fields
+(``idem_outcome``, ``idem_org_id``, ``idem_key_hash``...; the key itself is never logged, only a hash
+of it): at DEBUG for the normal outcomes, INFO for
+conflicts, retries taken over and requests finished by the recovery job, ERROR for a request given up.
+When nobody listens and the level is off, sending costs one check.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from blinker import NamedSignal, Namespace
+from flask import current_app, has_app_context, has_request_context, request
+
+__all__ = [
+    "OUTCOMES",
+    "call_failed",
+    "given_up",
+    "key_hash",
+    "key_in_flight",
+    "key_reserved",
+    "lease_lost",
+    "lease_taken_over",
+    "mismatch_rejected",
+    "mismatch_replayed",
+    "outcome_unknown",
+    "recovered",
+    "response_replayed",
+    "response_stored",
+    "step_finished",
+    "store_operation",
+    "store_unavailable",
+    "tombstone_hit",
+]
+
+logger = logging.getLogger("flask_idem")
+
+_signals = Namespace()
+
+# -- a request's key -------------------------------------------------------------------------------------
+
+#: A first attempt reserved its key; the view runs next. Arguments: ``org_id``, ``key``, ``endpoint``,
+#: ``flow`` (``None`` for an atomic route). In an atomic route the reservation commits with the view's
+#: writes: when the view then fails, the reservation is rolled back with them and no
+#: :data:`response_stored` follows.
+key_reserved = _signals.signal("key-reserved")
+
+#: A final response was stored and committed: a retry will get it. Arguments: ``org_id``, ``key``,
+#: ``endpoint``, ``flow``, ``status`` (the stored status). Also sent when the recovery job finishes a
+#: request (before :data:`recovered`).
+response_stored = _signals.signal("response-stored")
+
+#: A retry was answered with the stored response. Arguments: ``org_id``, ``key``, ``endpoint``,
+#: ``status`` (the stored status).
+response_replayed = _signals.signal("response-replayed")
+
+#: A key was reused with a different request and refused (422). Arguments: ``org_id``, ``key``,
+#: ``endpoint``.
+mismatch_rejected = _signals.signal("mismatch-rejected")
+
+#: A key was reused with a different request and answered with the original response
+#: (``on_mismatch="replay"``). Arguments: ``org_id``, ``key``, ``endpoint``, ``status``.
+mismatch_replayed = _signals.signal("mismatch-replayed")
+
+#: A duplicate arrived while the first attempt was still running, and was answered 409. Arguments:
+#: ``org_id``, ``key``, ``endpoint``.
+key_in_flight = _signals.signal("key-in-flight")
+
+#: A retry came after the stored response had passed its retention, found the key's tombstone, and
+#: was answered 303 (to the first answer's ``Location``) or 410 without running anything. Arguments:
+#: ``org_id``, ``key``, ``endpoint``, ``status`` (303 or 410).
+tombstone_hit = _signals.signal("tombstone-hit")
+
+#: A request was answered 503 because the key table could not be reached (a lost connection, a pool
+#: timeout). Arguments: ``org_id`` and ``key`` (``None`` when not known yet), ``endpoint``, ``error``
+#: (the driver exception's class name) and ``sqlstate`` (or ``None``).
+store_unavailable = _signals.signal("store-unavailable")
+
+# -- multi-step requests -------------------------------------------------------------------------------
+
+#: A step of a flow finished and its result was committed. Arguments: ``org_id``, ``key``,
+#: ``endpoint``, ``flow``, ``step``, ``outside`` (``True`` for a :meth:`~flask_idem.Flow.call` step),
+#: ``duration`` (seconds the step's own function took: for a call step, the outside call).
+step_finished = _signals.signal("step-finished")
+
+#: A retry found its request stranded (its lease expired) and took it over; it resumes after the last
+#: finished step. Arguments: ``org_id``, ``key``, ``endpoint``, ``flow``, ``step`` (the last finished
+#: step).
+lease_taken_over = _signals.signal("lease-taken-over")
+
+#: A worker found that another attempt or the recovery job had taken its request over, and stopped
+#: (a request is answered 409). Arguments: ``org_id``, ``key``, ``endpoint``, ``flow``.
+lease_lost = _signals.signal("lease-lost")
+
+#: A call step raised :class:`~flask_idem.OutcomeUnknown`: the outside party may or may not have
+#: acted; the request is answered 503 and left to a retry or the recovery job. Arguments: ``org_id``,
+#: ``key``, ``endpoint``, ``flow``, ``step``, ``exception`` (the class name).
+outcome_unknown = _signals.signal("outcome-unknown")
+
+#: A call step raised an exception other than :class:`~flask_idem.OutcomeUnknown`: most likely a bug
+#: in the step or its resolver. It is handled as an unknown outcome (503, left to a retry or the
+#: recovery job); this signal tells it apart. Arguments: ``org_id``, ``key``, ``endpoint``, ``flow``,
+#: ``step``, ``exception`` (the class name).
+call_failed = _signals.signal("call-failed")
+
+#: The recovery job finished a stranded request. Arguments: ``org_id``, ``key``, ``endpoint``,
+#: ``flow``, ``status`` (the stored status), ``attempts`` (resumptions so far).
+recovered = _signals.signal("recovered")
+
+#: The recovery job gave up on a request past ``IDEM_RECOVERY_DEADLINE``: it is marked failed, answers
+#: 500 ``operation-failed`` to retries, and is flagged for a person (``flask idem stuck``). Arguments:
+#: ``org_id``, ``key``, ``endpoint``, ``flow``, ``reason``, ``attempts``.
+given_up = _signals.signal("given-up")
+
+# -- the key table -------------------------------------------------------------------------------------
+
+#: A key-table operation of :class:`~flask_idem.store.Store` finished (its statements ran; a request
+#: makes two to five). Sent only to receivers (never logged), with the current application as sender
+#: (``None`` outside an application context). Arguments: ``operation`` (the method's name:
+#: ``reserve``, ``complete``, ``take_over``, ``hold``, ``record_step``, ``release``,
+#: ``claim_stranded``...), ``duration`` (seconds, including waiting for the database).
+store_operation = _signals.signal("store-operation")
+
+#: The outcome signals, in the order above: each is logged when sent (:data:`store_operation` is not
+#: an outcome).
+OUTCOMES: tuple[NamedSignal, ...] = (
+    key_reserved,
+    response_stored,
+    response_replayed,
+    mismatch_rejected,
+    mismatch_replayed,
+    key_in_flight,
+    tombstone_hit,
+    store_unavailable,
+    step_finished,
+    lease_taken_over,
+    lease_lost,
+    outcome_unknown,
+    call_failed,
+    recovered,
+    given_up,
+)
+
+_DEBUG, _INFO, _ERROR = logging.DEBUG, logging.INFO, logging.ERROR
+
+#: The level and the sentence of each outcome's log record.
+_LOG: dict[str, tuple[int, str]] = {
+    "key-reserved": (_DEBUG, "Key reserved"),
+    "response-stored": (_DEBUG, "Response stored"),
+    "response-replayed": (_DEBUG, "Stored response replayed"),
+    "mismatch-rejected": (_INFO, "Key reused with a different request; refused"),
+    "mismatch-replayed": (_INFO, "Key reused with a different request; original response replayed"),
+    "key-in-flight": (_INFO, "Key in flight; duplicate refused"),
+    "tombstone-hit": (_INFO, "Retry after the retention period answered from the key's tombstone"),
+    "store-unavailable": (_INFO, "Key table unavailable; answered 503"),
+    "step-finished": (_DEBUG, "Step finished"),
+    "lease-taken-over": (_INFO, "Stranded request taken over by a retry"),
+    "lease-lost": (_INFO, "Lease lost to another attempt"),
+    "outcome-unknown": (_INFO, "Outcome of a call step unknown"),
+    "call-failed": (_INFO, "Call step failed with an exception; handled as outcome unknown"),
+    "recovered": (_INFO, "Stranded request finished by the recovery job"),
+    "given-up": (_ERROR, "Recovery gave up; request failed and flagged for a person"),
+}
+
+
+def wanted(signal: NamedSignal) -> bool:
+    """Whether sending ``signal`` would reach anyone: a receiver, or the log at the outcome's level.
+
+    Call sites check it before building the signal's arguments, so that an outcome nobody listens to
+    costs this one call.
+    """
+    return bool(signal.receivers) or logger.isEnabledFor(_LOG[signal.name][0])
+
+
+def send(signal: NamedSignal, **data: Any) -> None:
+    """Send an outcome signal with the current application as sender, and log it.
+
+    ``endpoint`` is added from the current request when the caller does not give it.
+    """
+    if "endpoint" not in data:
+        data["endpoint"] = request.endpoint if has_request_context() else None
+    if signal.receivers:
+        signal.send(current_app._get_current_object(), **data)  # type: ignore[attr-defined]
+    level, text = _LOG[signal.name]
+    if logger.isEnabledFor(level):
+        # The key itself stays out of the logs (whoever reads them must not be able to use it); its
+        # hash lets a reader follow one key through its records.
+        logged = {
+            ("key_hash" if name == "key" else name): key_hash(v) if isinstance(v, uuid.UUID) else v
+            for name, v in data.items()
+        }
+        fields = " ".join(f"{name}={value}" for name, value in logged.items() if value is not None)
+        extra = {"idem_outcome": signal.name.replace("-", "_")}
+        extra.update(("idem_" + name, value) for name, value in logged.items())
+        logger.log(level, "%s: %s.", text, fields, extra=extra)
+
+
+def key_hash(key: uuid.UUID) -> str:
+    """The 12 hex digits the logs show for an idempotency key: the same for every record of the key,
+    and no use to anyone who reads them."""
+    return hashlib.blake2b(key.bytes, digest_size=6, person=b"flask-idem-log").hexdigest()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def timed(operation: str) -> Callable[[F], F]:
+    """Decorate a key-table method so that it sends :data:`store_operation` with its duration.
+
+    With no receiver connected, the method runs as it is, after one check.
+    """
+
+    def decorator(method: F) -> F:
+        @functools.wraps(method)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not store_operation.receivers:
+                return method(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                duration = time.perf_counter() - start
+                sender = current_app._get_current_object() if has_app_context() else None  # type: ignore[attr-defined]
+                store_operation.send(sender, operation=operation, duration=duration)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorator
