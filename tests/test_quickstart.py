@@ -221,13 +221,19 @@ def _load_app(directory: Path, module: str, quickstart: Quickstart, monkeypatch:
     return app
 
 
+def _close(app: Flask, module: str) -> None:
+    """Close the module's ``idem`` pool for ``app`` (its public ``close()``), then forget the module."""
+    with app.app_context():
+        sys.modules[module].idem.close()
+    _forget(module)
+
+
 @pytest.fixture
 def quickstart_app(quickstart: Quickstart, monkeypatch: pytest.MonkeyPatch) -> Iterator[Flask]:
     """The quickstart's application, made by its own factory, on the test's database."""
     app = _load_app(quickstart.directory, "quickstart", quickstart, monkeypatch)
     yield app
-    app.extensions["idem"].store.close()
-    _forget("quickstart")
+    _close(app, "quickstart")
 
 
 def _send(client: FlaskClient, command: str) -> Any:
@@ -325,8 +331,7 @@ def readme_app(quickstart: Quickstart, monkeypatch: pytest.MonkeyPatch) -> Itera
             g.org_id = 7
 
     yield app
-    app.extensions["idem"].store.close()
-    _forget("readme_example")
+    _close(app, "readme_example")
 
 
 def test_readme_example(quickstart: Quickstart, readme_app: Flask) -> None:
