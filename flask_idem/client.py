@@ -13,7 +13,8 @@ gives up at the first of a number of attempts and a total deadline::
         order = shop.post("https://shop.example/orders", json={"amount": 1200, "currency": "EUR"})
 
 Importing this module needs neither ``requests`` nor Flask's test client; each has a small adapter,
-and any callable shaped like a :class:`Transport` works.
+and any callable shaped like a :class:`Transport` works. :class:`RequestsTransport` needs ``requests``,
+which flask-idem does not install by itself: install ``flask-idem[client]`` (or ``requests``).
 """
 
 from __future__ import annotations
@@ -112,12 +113,22 @@ class Transport(Protocol[R_co]):
 class RequestsTransport:
     """A :class:`Transport` over ``requests``; the library is imported only if no session is given.
 
+    ``requests`` comes with the ``client`` extra: ``flask-idem[client]``.
+
     :param session: the session to send through; a new one when omitted.
+    :raises ImportError: when no session is given and ``requests`` is not installed.
     """
 
     def __init__(self, session: requests.Session | None = None) -> None:
         if session is None:
-            import requests
+            try:
+                import requests
+            except ImportError as e:
+                raise ImportError(
+                    "RequestsTransport needs the 'requests' library, which flask-idem does not install"
+                    " by itself: install the 'client' extra, flask-idem[client] (or requests).",
+                    name="requests",
+                ) from e
 
             session = requests.Session()
         self.session = session

@@ -104,8 +104,9 @@ class Run:
     def derived_key(self, step: str | None = None) -> str:
         """A key for the outside party, the same for every attempt of this request and step.
 
-        It is a UUID derived from the organisation, the idempotency key, the flow and the step name,
-        so two organisations using the same key never share one at the outside party.
+        It is the text of a UUID (version 5, as ``str(uuid)`` writes it) derived from the organisation,
+        the idempotency key, the flow and the step name, so two organisations using the same key never
+        share one at the outside party.
         """
         name = f"{self.org_id}:{self.key}:{self.flow}:{step or ''}"
         return str(uuid.uuid5(_DERIVED_NAMESPACE, name))

@@ -464,6 +464,14 @@ def test_import_does_not_import_requests() -> None:
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
+def test_requests_transport_without_requests_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without requests installed, RequestsTransport() says which extra brings it."""
+    monkeypatch.setitem(sys.modules, "requests", None)  # `import requests` now fails as if not installed
+    with pytest.raises(ImportError, match=r"flask-idem\[client\]") as info:
+        RequestsTransport()
+    assert info.value.name == "requests"
+
+
 # Real HTTP: a tiny Flask app that answers with the extension's own problem+json errors.
 
 

@@ -143,7 +143,9 @@ def test_derived_keys() -> None:
         run.derived_key("b"),
     }
     assert run.derived_key("a") not in others and len(others) == 4
-    uuid.UUID(run.derived_key("a"))
+    derived = run.derived_key("a")  # the canonical text of a version 5 UUID, as docs/flows.rst says
+    assert isinstance(derived, str) and str(uuid.UUID(derived)) == derived
+    assert uuid.UUID(derived).version == 5
 
 
 def test_call_steps_have_no_connection() -> None:

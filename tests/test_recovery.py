@@ -37,7 +37,10 @@ def test_backoff_is_full_jitter_within_the_cap() -> None:
 def test_recovery_loop_finishes_stranded_requests(
     flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]
 ) -> None:
-    """`recover --loop` (run_forever) finishes a stranded request and stops when told to."""
+    """`recover --loop` (run_forever) finishes a stranded request, reports that pass, and stops when told to.
+
+    The CLI prints each reported pass (``on_pass``), a line per row, as docs/recovery.rst says.
+    """
     import threading
 
     from flask_idem.recovery import run_forever
@@ -48,7 +51,12 @@ def test_recovery_loop_finishes_stranded_requests(
     assert db.execute("SELECT next_attempt_at > now() FROM idempotency_keys").fetchone() == (True,)
     db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
     stop = threading.Event()
-    worker = threading.Thread(target=run_forever, args=(flow_app,), kwargs={"interval": 0.05, "stop": stop})
+    reports: list[Any] = []
+    worker = threading.Thread(
+        target=run_forever,
+        args=(flow_app,),
+        kwargs={"interval": 0.05, "stop": stop, "on_pass": reports.append},
+    )
     worker.start()
     try:
         wait_for(lambda: row(db)[0] == "completed", timeout=10)
@@ -56,6 +64,7 @@ def test_recovery_loop_finishes_stranded_requests(
         stop.set()
         worker.join(10)
     assert not worker.is_alive()
+    assert [[done[1] for done in report.completed] for report in reports] == [[key]]  # empty passes: none
     assert ledger.calls == ["record", "find"]
     assert post(flow_app, "/transfers", key, {"amount": 3}).status_code == 200
 
