@@ -12,7 +12,6 @@ two workers, :mod:`tests.citus`), with the key table and the shop's tables distr
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import tempfile
@@ -61,13 +60,20 @@ def citus_cluster() -> Iterator[citus.Cluster | None]:
 
 
 @pytest.fixture(scope="session")
-def server_url(request: pytest.FixtureRequest, citus_cluster: citus.Cluster | None) -> str:
-    """A URL of the PostgreSQL server the suite runs against: the Citus coordinator in that mode,
-    otherwise the kit's ``idem_server_url`` (``FLASK_IDEM_TEST_DATABASE_URL`` or an embedded server)."""
+def idem_server_url(request: pytest.FixtureRequest, citus_cluster: citus.Cluster | None) -> str:
+    """The kit's server, overridden: the Citus coordinator in that mode, otherwise the kit's default
+    (``FLASK_IDEM_TEST_DATABASE_URL`` or an embedded server)."""
+    from flask_idem.testing.fixtures import default_server_url  # after the plugin's assertion rewriting
+
     if citus_cluster is not None:
         return citus_cluster.coordinator.url()
-    url: str = request.getfixturevalue("idem_server_url")
-    return url
+    return default_server_url(request.config)
+
+
+@pytest.fixture(scope="session")
+def server_url(idem_server_url: str) -> str:
+    """A URL of the PostgreSQL server the suite runs against (the kit's ``idem_server_url``)."""
+    return idem_server_url
 
 
 @pytest.fixture(scope="session")
@@ -85,15 +91,24 @@ def app_server_url(server_url: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def direct_database_url(
-    request: pytest.FixtureRequest, worker_id: str, citus_cluster: citus.Cluster | None
-) -> str:
-    """A database of this worker's own on the server itself, dropped at the end (the kit's
-    ``idem_database_url``; in Citus mode, one on this worker's own cluster, thrown away with it)."""
+def idem_database_url(
+    request: pytest.FixtureRequest, idem_server_url: str, citus_cluster: citus.Cluster | None
+) -> Iterator[str]:
+    """The kit's worker database, overridden: on Citus, one with the extension on every node of this
+    worker's own cluster (thrown away with it); otherwise the kit's default."""
+    from flask_idem.testing.fixtures import database_name, worker_database
+
     if citus_cluster is not None:
-        return citus_cluster.create_database(f"flask_idem_test_{worker_id}_{os.getpid()}")
-    url: str = request.getfixturevalue("idem_database_url")
-    return url
+        yield citus_cluster.create_database(database_name(request.config))
+        return
+    with worker_database(idem_server_url, request.config) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def direct_database_url(idem_database_url: str) -> str:
+    """A database of this worker's own on the server itself, dropped at the end (the kit's)."""
+    return idem_database_url
 
 
 @pytest.fixture(scope="session")

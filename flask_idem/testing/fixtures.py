@@ -13,6 +13,7 @@ import tempfile
 import uuid
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,15 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-__all__ = ["DATABASE_ENV", "embedded_server_url", "idem_database_url", "idem_db", "idem_server_url"]
+__all__ = [
+    "DATABASE_ENV",
+    "default_server_url",
+    "embedded_server_url",
+    "idem_database_url",
+    "idem_db",
+    "idem_server_url",
+    "worker_database",
+]
 
 #: The environment variable naming the PostgreSQL server the tests use.
 DATABASE_ENV = "FLASK_IDEM_TEST_DATABASE_URL"
@@ -65,9 +74,8 @@ def _worker(config: pytest.Config) -> str:
     return str(workerinput.get("workerid", "master"))
 
 
-@pytest.fixture(scope="session")
-def idem_server_url(request: pytest.FixtureRequest) -> str:
-    """The URL of the PostgreSQL server: ``FLASK_IDEM_TEST_DATABASE_URL``, or the embedded one.
+def default_server_url(config: pytest.Config) -> str:
+    """``FLASK_IDEM_TEST_DATABASE_URL``, or else the URL of an embedded server for this test run.
 
     The embedded server's data lives in the system's temporary directory, one per test run (all xdist
     workers of a run share it), and is deleted when the last worker exits. Not under pytest's own
@@ -77,9 +85,35 @@ def idem_server_url(request: pytest.FixtureRequest) -> str:
     url = os.environ.get(DATABASE_ENV)
     if url:
         return url
-    workerinput: dict[str, Any] = getattr(request.config, "workerinput", {})
+    workerinput: dict[str, Any] = getattr(config, "workerinput", {})
     run = workerinput.get("testrunuid", _RUN)
     return embedded_server_url(Path(tempfile.gettempdir()) / f"flask-idem-pgdata-{run}", delete=True)
+
+
+def database_name(config: pytest.Config) -> str:
+    """The name of this xdist worker's database (``flask_idem_test_gw0_<pid>``)."""
+    return f"flask_idem_test_{_worker(config)}_{os.getpid()}"
+
+
+@contextmanager
+def worker_database(server_url: str, config: pytest.Config) -> Iterator[str]:
+    """Create this worker's empty database on ``server_url``; yield its URL; drop it afterwards."""
+    ident = sql.Identifier(database_name(config))
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(ident))
+    yield make_conninfo(server_url, dbname=database_name(config))
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+
+
+@pytest.fixture(scope="session")
+def idem_server_url(request: pytest.FixtureRequest) -> str:
+    """The URL of the PostgreSQL server (:func:`default_server_url`).
+
+    Override it in your ``conftest.py`` to run against a server of your own making.
+    """
+    return default_server_url(request.config)
 
 
 @pytest.fixture(scope="session")
@@ -87,15 +121,10 @@ def idem_database_url(request: pytest.FixtureRequest, idem_server_url: str) -> I
     """An empty database of this worker's own on that server, dropped at the end of the session.
 
     Create your schema in a session fixture that uses it (``init-db``, ``idem.create_table()``).
+    Override it to create the database otherwise (:func:`worker_database` does the default).
     """
-    name = f"flask_idem_test_{_worker(request.config)}_{os.getpid()}"
-    ident = sql.Identifier(name)
-    with psycopg.connect(idem_server_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(ident))
-    yield make_conninfo(idem_server_url, dbname=name)
-    with psycopg.connect(idem_server_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+    with worker_database(idem_server_url, request.config) as url:
+        yield url
 
 
 @pytest.fixture
