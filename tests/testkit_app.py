@@ -70,6 +70,7 @@ class Ledger:
 def create_app(database_url: str) -> Flask:
     """The sample application on ``database_url`` (tables: :data:`SCHEMA`)."""
     app = Flask(__name__)
+    app.config.from_prefixed_env()  # as a user's app would: FLASK_IDEM_* settings apply (PgBouncer mode)
     app.config.update(TESTING=True, IDEM_DATABASE_URL=database_url, IDEM_POOL_TIMEOUT=5.0)
     idem = Idempotency(app, scope=org_from_credentials)
     ledger = Ledger(database_url)
