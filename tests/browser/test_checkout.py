@@ -21,6 +21,7 @@ import psutil
 import psycopg
 import pytest
 from playwright.sync_api import Browser, Page, Request, Route, expect
+from playwright.sync_api import Error as PlaywrightError
 
 from ..example_app.test_payments import add_fault, charges, payment_statuses
 from ..helpers import count
@@ -264,7 +265,7 @@ def test_form_double_submit_without_javascript(
     assert len({r.post_data for r in shop.posts("/checkout")}) == 1  # the same hidden key both times
     add_fault(gateway_url, "delay", delay=1.5)  # the first payment is at the bank when the second click lands
     click_twice(page, "#pay", lambda: bool(shop.posts(r"/checkout/\d+/pay")))
-    settle(page)
+    settle(page, until="Paid. Thank you!")
     expect(page.locator("#payment-state")).to_have_text("Paid. Thank you!")
     pays = shop.posts(r"/checkout/\d+/pay")
     assert len(pays) >= 2
@@ -287,15 +288,25 @@ def click_twice(page: Page, selector: str, sent: Callable[[], bool]) -> None:
     page.mouse.click(x, y)
 
 
-def settle(page: Page) -> None:
-    """Wait for the order page; press "Check again" while the shop says it is still working on the form."""
-    for _ in range(40):
-        page.wait_for_load_state()
-        if page.locator("#payment-state").count():
-            return
-        if page.locator("#check-again").count():
-            page.wait_for_timeout(1000)
-            page.click("#check-again")
-        else:
-            page.wait_for_timeout(250)
-    raise AssertionError(f"never reached the order page: {page.url}")
+def settle(page: Page, until: str | None = None) -> None:
+    """Wait for the order page; press "Check again" while the shop says it is still working on the form.
+
+    :param until: also wait for the order page's payment state to read this. Right after a click the
+        page shown may still be the order page the click left, while the browser navigates away from it.
+    """
+    state = page.locator("#payment-state" if until is None else f"#payment-state:text-is('{until}')")
+    for _ in range(60):
+        try:
+            page.wait_for_load_state()
+            if state.count():
+                return
+            if page.locator("#check-again").count():
+                page.wait_for_timeout(1000)
+                page.click("#check-again")
+            else:
+                page.wait_for_timeout(250)
+        except PlaywrightError:  # the page navigated away while it was being looked at: look again
+            page.wait_for_timeout(100)
+    raise AssertionError(
+        f"never reached the order page{'' if until is None else ' saying ' + until}: {page.url}"
+    )
