@@ -21,7 +21,7 @@ from flask_idem import OutcomeUnknown, signals
 from flask_idem.recovery import recover
 
 from .flow_app import Ledger, build_flow_app
-from .helpers import ROOT, close_pool
+from .helpers import ROOT, age, close_pool
 from .notes_app import build_app, post
 
 Event = tuple[str, dict[str, Any]]
@@ -448,7 +448,7 @@ def test_retry_after_retention_hits_the_tombstone(
     app = make_app(IDEM_KEY_TTL=60)
     key = uuid.uuid4()
     post(app, path, key, {"body": "a"})
-    db.execute("UPDATE idempotency_keys SET expires_at = expires_at - interval '61 seconds'")
+    age(db, "61 seconds")
     with recorded(app) as events:
         assert post(app, path, key, {"body": "a"}).status_code == status
     endpoint = "create" if path == "/notes" else "fail_with_abort"

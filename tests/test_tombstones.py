@@ -18,20 +18,10 @@ from flask import Flask
 from flask_idem.errors import PROBLEM_JSON
 from flask_idem.state import get_state
 
-from .helpers import count
+from .helpers import age, count
 from .notes_app import post
 
 DAY = 24 * 3600
-
-
-def age(db: psycopg.Connection[Any], interval: str) -> None:
-    """Move every key row ``interval`` into the past, as if that much time had gone by."""
-    # In epoch seconds: Citus refuses a STABLE function (timestamptz - interval) on a column in an UPDATE.
-    db.execute(
-        "UPDATE idempotency_keys SET expires_at = to_timestamp("
-        " extract(epoch FROM expires_at - 'epoch'::timestamptz) - extract(epoch FROM %s::interval))",
-        (interval,),
-    )
 
 
 def purge(app: Flask) -> tuple[int, int]:
