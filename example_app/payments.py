@@ -98,11 +98,12 @@ def create_payment(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _find_charge(run: Run) -> dict[str, Any] | None:
+def find_charge(run: Run) -> dict[str, Any] | None:
+    """The charge the gateway made for this request, if any (the resolver of :func:`charge`)."""
     return gateway_client.find_charge(run.derived_key("charge"))
 
 
-@pay.call(resolve=_find_charge)
+@pay.call(resolve=find_charge)
 def charge(run: Run) -> dict[str, Any]:
     """Charge the order's amount at the gateway, once per request whatever happens."""
     intent = run.intent

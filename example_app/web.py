@@ -45,7 +45,7 @@ from werkzeug.exceptions import Forbidden, HTTPException, NotFound, Unprocessabl
 from flask_idem import Flow, Run
 from flask_idem.errors import problem
 
-from . import gateway_client
+from . import payments
 from .auth import hash_api_key
 from .extensions import idem
 
@@ -327,20 +327,9 @@ def pay_order(order_id: int) -> dict[str, Any]:
     }
 
 
-def _find_charge(run: Run) -> dict[str, Any] | None:
-    return gateway_client.find_charge(run.derived_key("charge"))
-
-
-@web_pay.call(resolve=_find_charge)
-def charge(run: Run) -> dict[str, Any]:
-    """Charge the order at the gateway, once per form submission whatever happens."""
-    intent = run.intent
-    return gateway_client.charge(
-        key=run.derived_key("charge"),
-        amount=intent["amount"],
-        currency=intent["currency"],
-        source=intent["source"],
-    )
+# The charge step is the API's own (``payments.charge``): same intent fields, same derived key, same
+# resolver. A function may be a step of several flows; each records it under its own name, "charge".
+web_pay.call(resolve=payments.find_charge)(payments.charge)
 
 
 @web_pay.finish
