@@ -52,8 +52,14 @@ class _Discard(Exception):
         self.result = result
 
 
-def in_transaction(source: ConnectionSource, body: Callable[[psycopg.Connection[TupleRow]], T]) -> T:
+def in_transaction(
+    source: ConnectionSource, body: Callable[[psycopg.Connection[TupleRow]], T], *, batched: bool = False
+) -> T:
     """Run ``body`` in one transaction of ``source`` and commit, unless it fails.
+
+    With ``batched``, ``body``'s first statement is sent with ``BEGIN`` (and what it defers with
+    ``COMMIT``) where the source can (:class:`.pool.Batched`): ``body`` must begin with a statement of
+    the key store.
 
     The transaction is rolled back instead when ``body`` raises, when it returns a 5xx response, and
     when application code inside it swallowed a database error (the transaction is then unusable, so
@@ -70,7 +76,7 @@ def in_transaction(source: ConnectionSource, body: Callable[[psycopg.Connection[
         token = _progress.set(progress)
         conn: psycopg.Connection[TupleRow] | None = None
         try:
-            with source.transaction() as conn:
+            with source.transaction(batched=batched) as conn:
                 result = body(conn)
                 if conn.info.transaction_status == pq.TransactionStatus.INERROR:
                     logger.error(

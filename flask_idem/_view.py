@@ -153,7 +153,7 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
         state.fire("view", conn)
         return response
 
-    answer = in_transaction(state.pool, body)
+    answer = in_transaction(state.pool, body, batched=True)
     if stored:
         _sent_stored(keyed, None, answer)
     return _raise_errors(answer)
@@ -218,7 +218,7 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
             )
         return _answer_existing(settings, options, record, keyed)
 
-    started = in_transaction(state.pool, begin)
+    started = in_transaction(state.pool, begin, batched=True)
     if not isinstance(started, Run):
         if stored:
             _sent_stored(keyed, flow.name, started)

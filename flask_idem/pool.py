@@ -22,16 +22,20 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, Protocol
 
 import psycopg
 from psycopg import pq
+from psycopg.abc import Transformer
+from psycopg.adapt import Transformer as Adapters
 from psycopg.rows import DictRow, TupleRow
 from psycopg_pool import ConnectionPool
 
-__all__ = ["Connection", "ConnectionSource", "ProcessPool"]
+from . import wire
+
+__all__ = ["Batched", "Connection", "ConnectionSource", "ProcessPool", "batched"]
 
 
 class ConnectionSource(Protocol):
@@ -47,9 +51,14 @@ class ConnectionSource(Protocol):
         """
         ...
 
-    def transaction(self) -> AbstractContextManager[psycopg.Connection[TupleRow]]:
+    def transaction(self, *, batched: bool = False) -> AbstractContextManager[psycopg.Connection[TupleRow]]:
         """A connection inside a new transaction, committed when the block ends and rolled back when it
-        raises. Application code in the block writes through the same transaction."""
+        raises. Application code in the block writes through the same transaction.
+
+        With ``batched``, a source that can (:class:`ProcessPool`) sends ``BEGIN`` together with the
+        transaction's first statement and ``COMMIT`` together with the statements deferred to it
+        (:func:`batched`); others ignore it.
+        """
         ...
 
     def close(self) -> None:
@@ -75,6 +84,41 @@ class Connection(psycopg.Connection[TupleRow]):
     _store_cursor: psycopg.Cursor[DictRow] | None = None
     #: When the pool opened it (``time.monotonic()``), to tell stale connections from fresh ones.
     _opened_at: float = 0.0
+    #: The batched transaction open on it, if any (:meth:`ProcessPool.transaction`).
+    _batched: Batched | None = None
+    #: What batches need of it: adapters, and the names of the statements they prepared on it.
+    _transformer: Transformer | None = None
+    _batch_names: set[bytes] | None = None
+
+    def _deallocate(self, name: bytes | None) -> Any:
+        """psycopg's hook for deallocating its prepared statements; ``None`` stands for all of them.
+
+        psycopg sends ``DEALLOCATE ALL`` after a rollback (a savepoint's included) and after it saw
+        ``DISCARD ALL`` or ``DEALLOCATE ALL`` go by: the statements batches prepared go with it, so the
+        batches forget their names at that moment (:mod:`flask_idem.wire`).
+        """
+        if name is None and self._batch_names:
+            self._batch_names.clear()
+        return super()._deallocate(name)
+
+    def commit(self) -> None:
+        """Commit, unless flask-idem's transaction is open: it commits with the key, or not at all."""
+        self._refuse("commit")
+        super().commit()
+
+    def rollback(self) -> None:
+        """Roll back, unless flask-idem's transaction is open: it decides when its transaction ends."""
+        self._refuse("rollback")
+        super().rollback()
+
+    def _refuse(self, action: str) -> None:
+        if self._batched is not None:
+            # psycopg's own words inside a Transaction context, which this transaction stands for.
+            raise psycopg.ProgrammingError(
+                f"Explicit {action}() forbidden within a Transaction context: flask-idem commits the"
+                " view's writes together with its key when the view returns, and rolls them back when it"
+                " raises. Use a nested 'with conn.transaction():' block for a savepoint."
+            )
 
 
 def _usable(conn: psycopg.Connection[Any]) -> bool:
@@ -151,6 +195,13 @@ class ProcessPool:
         prepare_threshold: int | None = 5,
     ) -> None:
         self._conninfo = conninfo
+        #: Batches prepare their statements when psycopg may prepare its own, libpq can close them, and
+        #: psycopg tells when it deallocates them all (Connection._deallocate).
+        self._prepare = (
+            prepare_threshold is not None
+            and wire.can_prepare()
+            and callable(getattr(psycopg.Connection, "_deallocate", None))
+        )
         self._pool_args: dict[str, Any] = {
             "name": name,
             "min_size": min_size,
@@ -217,12 +268,18 @@ class ProcessPool:
             yield conn
 
     @contextmanager
-    def transaction(self) -> Iterator[Connection]:
+    def transaction(self, *, batched: bool = False) -> Iterator[Connection]:
         """Borrow a connection and run the ``with`` block in one transaction on it.
 
         A connection found dead at BEGIN (the server closed it since it was opened) is replaced once:
-        nothing was sent on it that could have taken effect.
+        nothing was sent on it that could have taken effect. With ``batched`` the transaction is a
+        :class:`Batched` one: its ``BEGIN`` waits for its first statement (a dead connection is then found
+        there, and the caller runs the block again: :func:`flask_idem._calls.in_transaction`).
         """
+        if batched:
+            with self.pool.connection() as conn, Batched(conn, prepare=self._prepare):
+                yield conn
+            return
         with ExitStack() as stack:
             conn = stack.enter_context(self.pool.connection())
             try:
@@ -236,3 +293,101 @@ class ProcessPool:
                 conn = stack.enter_context(self.pool.connection())
                 stack.enter_context(conn.transaction())
             yield conn
+
+
+def batched(conn: psycopg.Connection[Any]) -> Batched | None:
+    """The batched transaction open on ``conn``, if it is one (:meth:`ProcessPool.transaction`)."""
+    return conn._batched if isinstance(conn, Connection) else None
+
+
+class Batched:
+    """A transaction whose ``BEGIN`` travels with its first statement, and its ``COMMIT`` with its last.
+
+    A fresh key's transaction is the reservation, the view's statements and the completion. Sent as
+    psycopg sends them, ``BEGIN`` and ``COMMIT`` each cost a round trip of their own; here the store sends
+    ``BEGIN`` together with the reservation (:meth:`begin`), and defers the completion to ``COMMIT``
+    (:meth:`defer`), in batches of the extended protocol (:mod:`flask_idem.wire`): the view's own
+    round trips and two more, as without the extension.
+
+    Until :meth:`begin`, the connection is out of autocommit: should any statement run first through
+    psycopg, psycopg opens the transaction itself, so nothing ever runs outside it. While the transaction
+    is open, ``commit()`` and ``rollback()`` on the connection are refused as inside psycopg's own
+    ``transaction()`` block; savepoints (nested ``conn.transaction()`` blocks) work as there. A
+    rollback goes through psycopg, which then forgets (and deallocates) its prepared statements; the
+    batches' names are forgotten with them.
+    """
+
+    def __init__(self, conn: Connection, *, prepare: bool) -> None:
+        self.conn = conn
+        self._prepare = prepare
+        self._deferred: list[wire.Item] = []
+
+    def __enter__(self) -> Batched:
+        conn = self.conn
+        if conn._transformer is None:
+            conn._transformer = Adapters(conn)
+            conn._batch_names = set()
+        conn.autocommit = False
+        conn._batched = self
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        conn = self.conn
+        try:
+            if exc is None and self.begun:
+                deferred, self._deferred = self._deferred, []
+                conn._batched = None
+                if deferred:
+                    self._run([*deferred, wire.COMMIT], prepare=self._prepare)
+                else:
+                    conn.commit()  # psycopg's own COMMIT: a simple query
+        finally:
+            conn._batched = None
+            self._deferred.clear()
+            self._end()
+
+    @property
+    def begun(self) -> bool:
+        """Whether the transaction has begun on the server."""
+        return self.conn.info.transaction_status != pq.TransactionStatus.IDLE
+
+    def begin(self, statement: wire.Statement, params: Mapping[str, Any]) -> wire.Result:
+        """Send ``BEGIN`` and the transaction's first statement in one round trip; return its result.
+
+        A prepared statement found deallocated (SQLSTATE 26000, after a ``DEALLOCATE ALL`` the batch did
+        not see) is prepared again, and the two sent once more: nothing had run.
+        """
+        if self.begun:
+            raise RuntimeError("The batched transaction has begun already.")
+        try:
+            return self._run([wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
+        except psycopg.errors.InvalidSqlStatementName:
+            self._run([wire.ROLLBACK], prepare=False)
+            return self._run([wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
+
+    def defer(self, statement: wire.Statement, params: Mapping[str, Any]) -> None:
+        """Run ``statement`` with ``COMMIT``, in its round trip, after every statement sent before it.
+
+        Its result is not seen; should it fail, the transaction is rolled back and its error raised.
+        """
+        if not self.begun:
+            raise RuntimeError("A statement can only be deferred to COMMIT once the transaction has begun.")
+        self._deferred.append((statement, params))
+
+    def _run(self, items: list[wire.Item], *, prepare: bool) -> list[wire.Result]:
+        conn = self.conn
+        assert conn._transformer is not None
+        prepared = conn._batch_names if prepare else None
+        return wire.run(conn, items, transformer=conn._transformer, prepared=prepared)
+
+    def _end(self) -> None:
+        """Leave the connection as the pool lends it: idle and in autocommit, or closed."""
+        conn = self.conn
+        if conn.closed or conn.broken:
+            return
+        try:
+            if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+                conn.rollback()  # through psycopg, which deallocates its prepared statements (and ours)
+            conn.autocommit = True
+        except psycopg.Error:
+            conn.close()  # the pool discards it

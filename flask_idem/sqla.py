@@ -111,9 +111,11 @@ class SessionSource:
             raw.close()
 
     @contextmanager
-    def transaction(self) -> Iterator[psycopg.Connection[TupleRow]]:
+    def transaction(self, *, batched: bool = False) -> Iterator[psycopg.Connection[TupleRow]]:
         """The session's transaction (begun now, or the one the request already began), committed with
         ``session.commit()`` when the block ends and rolled back when it raises.
+
+        ``batched`` is ignored: SQLAlchemy sends the session's ``BEGIN`` and ``COMMIT`` itself.
 
         Anything the session did earlier in the request (an authentication hook's query, say) belongs
         to the same transaction and commits with it.

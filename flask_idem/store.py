@@ -30,7 +30,8 @@ from psycopg import sql
 from psycopg.rows import DictRow, class_row, dict_row
 from psycopg.types.json import Jsonb
 
-from .pool import Connection, ConnectionSource
+from . import wire
+from .pool import Connection, ConnectionSource, batched
 from .signals import timed
 
 __all__ = [
@@ -289,8 +290,12 @@ class Store:
             params.update(flow=flow, token=lease.token, lease=lease.seconds)
             statement = self._sql.reserve_leased
         cursor = _cursor(conn)
+        opening = batched(conn)
         for _ in range(2):
-            row = cursor.execute(statement, params).fetchone()
+            if opening is not None and not opening.begun:  # BEGIN goes with it, in one round trip
+                row: dict[str, Any] | None = opening.begin(self._sql.batches[statement], params).rows[0]
+            else:
+                row = cursor.execute(statement, params).fetchone()
             assert row is not None  # the statement always answers one row
             if row["fresh"]:
                 return Reservation(reserved=True)
@@ -329,6 +334,12 @@ class Store:
             if failed is not None:
                 raise TypeError("Only a leased (multi-step) request can be marked failed.")
             params = {"org_id": owner.org_id, "key": owner.key, "response": Jsonb(response)}
+            closing = batched(conn)
+            if closing is not None and closing.begun:
+                # Sent with COMMIT, in one round trip. It updates the transaction's own row, which
+                # nothing else can see, let alone change: it always matches that one row.
+                closing.defer(self._sql.batches[self._sql.complete], params)
+                return True
             return _cursor(conn).execute(self._sql.complete, params).rowcount == 1
         params = {
             **_lease_params(owner),
@@ -588,6 +599,11 @@ class _Statements:
             "UPDATE {table} SET status = 'completed', response = %(response)s"
             " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
         )
+        # The statements a batched transaction sends with BEGIN or COMMIT (flask_idem.pool.Batched).
+        self.batches = {
+            text: wire.Statement.from_query(text)
+            for text in (self.reserve, self.reserve_leased, self.complete)
+        }
         self.take_over = q(
             "UPDATE {table} SET lease_token = %(token)s,"
             " lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = attempts + 1"
