@@ -6,7 +6,7 @@ same 201 body and ``Location``. The only differences are the ones idempotency ma
 reserved, completed or looked up, and the order's ``idempotency_key`` is a fresh ``uuid4()``. Any
 ``Idempotency-Key`` header the client sends is ignored.
 
-``POST /bench/floor`` and ``POST /bench/floor-pipelined`` are the baseline plus two statements that do
+``POST /bench/floor`` and ``POST /bench/floor-batched`` are the baseline plus two statements that do
 nothing: the least any idempotency layer that short-circuits retries must add (their docstrings say why).
 
 Served by ``gunicorn 'bench.app:create_app()'`` from the repository root.
@@ -18,13 +18,16 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 from flask import Blueprint, Flask, g, request, url_for
 
 from example_app import create_app as create_shop
 from example_app.auth import authenticate
 from example_app.extensions import idem
 from example_app.schemas import OrderIn, load
-from flask_idem.pool import Connection
+from flask_idem.pool import Connection, batched
+from flask_idem.state import get_state
+from flask_idem.wire import Statement
 
 __all__ = ["create_app"]
 
@@ -52,23 +55,25 @@ def floor() -> tuple[dict[str, Any], int, dict[str, str]]:
     return _create_order(_no_op, _no_op)
 
 
-@bp.post("/floor-pipelined")
-def floor_pipelined() -> tuple[dict[str, Any], int, dict[str, str]]:
-    """Like ``/bench/floor``, with the two statements sent in one pipeline with ``BEGIN`` and ``COMMIT``.
+@bp.post("/floor-batched")
+def floor_batched() -> tuple[dict[str, Any], int, dict[str, str]]:
+    """Like ``/bench/floor``, with the two statements sent in batches with ``BEGIN`` and ``COMMIT``.
 
-    psycopg's pipeline mode sends the statement before the ``INSERT`` together with ``BEGIN``, and the one
-    after it together with ``COMMIT``: the round trips of the baseline, two statements more.
+    A batched transaction (:class:`flask_idem.pool.Batched`, as a decorated route's) sends the statement
+    before the ``INSERT`` together with ``BEGIN``, and the one after it together with ``COMMIT``: the
+    round trips of the baseline, two statements more.
     """
     data = load(_order_in, request.get_json())
-    with idem.pool.connection() as conn:
-        with conn.pipeline():
-            conn.execute("BEGIN")
-            _no_op(conn)
+    with get_state().pool.transaction(batched=True) as conn:
+        transaction = batched(conn)
+        assert transaction is not None
+        transaction.begin(_NO_OP, {})
         row = _insert(conn, data)
-        with conn.pipeline():
-            _no_op(conn)
-            conn.execute("COMMIT")
+        transaction.defer(_NO_OP, {})
     return _answer(row)
+
+
+_NO_OP = Statement.from_query(b"SELECT 1")
 
 
 def _create_order(
@@ -86,7 +91,7 @@ def _no_op(conn: Connection) -> None:
     conn.execute("SELECT 1")
 
 
-def _insert(conn: Connection, data: dict[str, Any]) -> tuple[Any, ...]:
+def _insert(conn: psycopg.Connection[tuple[Any, ...]], data: dict[str, Any]) -> tuple[Any, ...]:
     row = conn.execute(
         "INSERT INTO orders (org_id, idempotency_key, amount, currency)"
         " VALUES (%s, %s, %s, %s)"

@@ -247,9 +247,9 @@ def _throughput(
             Side("big", "/orders", "replay.lua", big_file),
         ),
         "(g) floor: (a) + 2 no-op statements": (baseline, Side("twin", "/bench/floor")),
-        "(h) floor, pipelined: (g) sent with BEGIN, COMMIT": (
+        "(h) floor, batched: (g) sent with BEGIN, COMMIT": (
             baseline,
-            Side("twin", "/bench/floor-pipelined"),
+            Side("twin", "/bench/floor-batched"),
         ),
     }
     labels = list(pairs)

@@ -225,9 +225,10 @@ def main() -> None:
             for r in range(args.rounds):
                 order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
                 for v in order:
-                    assert procs[v].stdin is not None
-                    procs[v].stdin.write(f"run {args.requests}\n")
-                    procs[v].stdin.flush()
+                    stdin = procs[v].stdin
+                    assert stdin is not None
+                    stdin.write(f"run {args.requests}\n")
+                    stdin.flush()
                     results[v].append(json.loads(_read(procs[v])))
                 print(f"# round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
     _print(results, checks, before, args, load_start, os.getloadavg())

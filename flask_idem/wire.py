@@ -130,9 +130,15 @@ def run(
                 shape.append(_send(pgconn, item, transformer, prepared))
             pgconn.pipeline_sync()
             answers = conn.wait(_receive(pgconn, sum(count for count, _ in shape)))
-        finally:
-            if pgconn.status == pq.ConnStatus.OK:
+        except BaseException:
+            # Interrupted with results still unread (or the connection lost): the connection cannot
+            # leave pipeline mode in a known state, so it is closed, and the pool replaces it.
+            try:
                 pgconn.exit_pipeline_mode()
+            except psycopg.OperationalError:
+                conn.close()
+            raise
+        pgconn.exit_pipeline_mode()
     return _results(conn, answers, shape, transformer, prepared)
 
 
