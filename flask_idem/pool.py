@@ -349,7 +349,7 @@ class Batched:
     @property
     def begun(self) -> bool:
         """Whether the transaction has begun on the server."""
-        return self.conn.info.transaction_status != pq.TransactionStatus.IDLE
+        return self.conn.pgconn.transaction_status != pq.TransactionStatus.IDLE
 
     def begin(self, statement: wire.Statement, params: Mapping[str, Any]) -> wire.Result:
         """Send ``BEGIN`` and the transaction's first statement in one round trip; return its result.
