@@ -121,15 +121,14 @@ def run(
             raise psycopg.OperationalError("the connection is closed")
         if pgconn.pipeline_status != pq.PipelineStatus.OFF:
             raise psycopg.ProgrammingError("A batch cannot be sent inside a psycopg pipeline.")
-        # Per item: how many results it answers with (a Close and a Parse before it answer one each),
-        # and the name it is prepared under.
-        shape: list[tuple[int, bytes | None]] = []
+        # Parameters are adapted before anything is sent: a value that cannot be leaves nothing half sent.
+        messages = [_adapt(item, transformer, prepared) for item in items]
         pgconn.enter_pipeline_mode()
         try:
-            for item in items:
-                shape.append(_send(pgconn, item, transformer, prepared))
+            for message in messages:
+                message.send(pgconn)
             pgconn.pipeline_sync()
-            answers = conn.wait(_receive(pgconn, sum(count for count, _ in shape)))
+            answers = conn.wait(_receive(pgconn, sum(message.answers for message in messages)))
         except BaseException:
             # Interrupted with results still unread (or the connection lost): the connection cannot
             # leave pipeline mode in a known state, so it is closed, and the pool replaces it.
@@ -139,33 +138,54 @@ def run(
                 conn.close()
             raise
         pgconn.exit_pipeline_mode()
-    return _results(conn, answers, shape, transformer, prepared)
+    return _results(conn, answers, messages, transformer, prepared)
 
 
-def _send(
-    pgconn: pq.abc.PGconn, item: Item, transformer: Transformer, prepared: MutableSet[bytes] | None
-) -> tuple[int, bytes | None]:
+@dataclass(frozen=True, slots=True)
+class _Message:
+    """One item of a batch, adapted: what to send, and how many results it answers with."""
+
+    text: bytes
+    params: Sequence[Any] | None = None
+    types: Sequence[int] | None = None
+    formats: Sequence[pq.Format] | None = None
+    #: The name it is prepared under; ``prepare``: whether to prepare it first (a Close, then a Parse,
+    #: each answering with a result of its own).
+    name: bytes | None = None
+    prepare: bool = False
+
+    @property
+    def answers(self) -> int:
+        return 3 if self.prepare else 1
+
+    def send(self, pgconn: pq.abc.PGconn) -> None:
+        binary = pq.Format.BINARY
+        if self.name is None:
+            pgconn.send_query_params(
+                self.text,
+                self.params,
+                param_types=self.types,
+                param_formats=self.formats,
+                result_format=binary,
+            )
+            return
+        if self.prepare:
+            pgconn.send_close_prepared(self.name)
+            pgconn.send_prepare(self.name, self.text, param_types=self.types)
+        pgconn.send_query_prepared(self.name, self.params, param_formats=self.formats, result_format=binary)
+
+
+def _adapt(item: Item, transformer: Transformer, prepared: MutableSet[bytes] | None) -> _Message:
     if isinstance(item, bytes):
-        pgconn.send_query_params(item, None)
-        return 1, None
+        return _Message(item)
     statement, values = item
     formats = [PyFormat.AUTO] * len(statement.params)
     params = transformer.dump_sequence([values[name] for name in statement.params], formats)
-    types, param_formats = transformer.types, transformer.formats
-    binary = pq.Format.BINARY
+    types, param_formats = transformer.types or (), transformer.formats
     if prepared is None:
-        pgconn.send_query_params(
-            statement.text, params, param_types=types, param_formats=param_formats, result_format=binary
-        )
-        return 1, None
-    name = _prepared_name(statement, tuple(types or ()))
-    if name in prepared:
-        pgconn.send_query_prepared(name, params, param_formats=param_formats, result_format=binary)
-        return 1, None
-    pgconn.send_close_prepared(name)
-    pgconn.send_prepare(name, statement.text, param_types=types)
-    pgconn.send_query_prepared(name, params, param_formats=param_formats, result_format=binary)
-    return 3, name
+        return _Message(statement.text, params, types, param_formats)
+    name = _prepared_name(statement, tuple(types))
+    return _Message(statement.text, params, types, param_formats, name=name, prepare=name not in prepared)
 
 
 @functools.cache
@@ -199,15 +219,15 @@ def _missing() -> Any:
 def _results(
     conn: psycopg.Connection[Any],
     answers: list[pq.abc.PGresult],
-    shape: list[tuple[int, bytes | None]],
+    messages: list[_Message],
     transformer: Transformer,
     prepared: MutableSet[bytes] | None,
 ) -> list[Result]:
     results: list[Result] = []
     position = 0
-    for count, name in shape:
-        parts = answers[position : position + count]
-        position += count
+    for message in messages:
+        parts = answers[position : position + message.answers]
+        position += message.answers
         for part in parts:
             if part.status == pq.ExecStatus.FATAL_ERROR:
                 error = errors.error_from_result(part, encoding=conn.info.encoding)
@@ -217,8 +237,8 @@ def _results(
             if part.status not in _OK:
                 # PIPELINE_ABORTED: an earlier statement failed, and its error was raised above.
                 raise psycopg.InternalError(f"unexpected result {pq.ExecStatus(part.status).name} in a batch")
-        if name is not None and prepared is not None:
-            prepared.add(name)
+        if message.prepare and prepared is not None and message.name is not None:
+            prepared.add(message.name)
         results.append(_result(parts[-1], transformer))
     return results
 

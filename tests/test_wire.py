@@ -14,7 +14,7 @@ from flask import Flask, request
 from flask.testing import FlaskClient
 from psycopg import pq
 
-from flask_idem import Idempotency
+from flask_idem import Idempotency, wire
 from flask_idem.pool import Connection
 from flask_idem.state import get_state
 
@@ -152,6 +152,57 @@ def test_commit_inside_the_view_is_refused(app: Flask, db: psycopg.Connection[An
     assert post(app, "/notes", uuid.uuid4(), {"body": "next"}).status_code == 201
 
 
+# -- batches on their own ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def conn(database_url: str) -> Iterator[Connection]:
+    with Connection.connect(database_url, autocommit=True) as conn:
+        yield conn
+
+
+def run(conn: Connection, items: list[wire.Item], prepared: set[bytes] | None = None) -> list[wire.Result]:
+    return wire.run(conn, items, transformer=psycopg.adapt.Transformer(conn), prepared=prepared)
+
+
+def test_named_parameters_become_numbered_ones() -> None:
+    """A repeated name is one parameter; %% is a percent sign."""
+    statement = wire.Statement.from_query(b"SELECT %(a)s, %(b)s, %(a)s, 5 %% 3")
+    assert statement.text == b"SELECT $1, $2, $1, 5 % 3"
+    assert statement.params == ("a", "b")
+
+
+def test_a_batch_answers_each_statement(conn: Connection) -> None:
+    """Rows and row counts of every statement, in one round trip, prepared or not."""
+    statement = wire.Statement.from_query(b"SELECT %(n)s::int + 1 AS next, %(s)s::text AS s")
+    names: set[bytes] = set()
+    for prepared in (None, names, names):
+        results = run(conn, [wire.BEGIN, (statement, {"n": 41, "s": "x"}), wire.COMMIT], prepared)
+        assert [r.rows for r in results] == [[], [{"next": 42, "s": "x"}], []]
+        assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+    assert len(names) == 1
+
+
+def test_a_failed_statement_stops_the_batch(conn: Connection) -> None:
+    """The first error is raised; what follows it, COMMIT included, did not run."""
+    divide = wire.Statement.from_query(b"SELECT 1 / %(d)s::int")
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        run(conn, [wire.BEGIN, (divide, {"d": 0}), wire.COMMIT])
+    assert conn.info.transaction_status == pq.TransactionStatus.INERROR
+    conn.rollback()
+    assert run(conn, [(divide, {"d": 1})])[0].rows == [{"?column?": 1}]
+
+
+def test_a_value_that_cannot_be_adapted_sends_nothing(conn: Connection) -> None:
+    """Adapting fails before the batch is sent: the connection stays open and idle."""
+    statement = wire.Statement.from_query(b"SELECT %(x)s")
+    with pytest.raises(psycopg.ProgrammingError):
+        run(conn, [wire.BEGIN, (statement, {"x": object()})])
+    assert not conn.closed
+    assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+    assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
 # -- the server's log ---------------------------------------------------------------------------------
 
 MARKER = "alice.liddell.4f1c@example.org"
@@ -229,7 +280,7 @@ def test_no_request_value_reaches_the_server_log(
         assert count(conn, "notes") == 0
         assert count(conn, "idempotency_keys") == 0
     assert "refused by the test" in written  # the failure was logged, with its statement
-    statement = 'WITH lock AS' if failing == 'refuse-reservation' else 'UPDATE "idempotency_keys"'
+    statement = "WITH lock AS" if failing == "refuse-reservation" else 'UPDATE "idempotency_keys"'
     assert f"STATEMENT:  {statement}" in written
     assert "$1" in written
     assert MARKER not in written
