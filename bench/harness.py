@@ -12,11 +12,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from io import BytesIO
 from pathlib import Path
 
 import psutil  # type: ignore[import-untyped]  # types-psutil is not in the dev group
@@ -132,6 +134,19 @@ def server_version(url: str) -> str:
 # -- gunicorn -------------------------------------------------------------------------------------------
 
 
+def snapshot(ref: str, into: Path) -> Path:
+    """The files of commit ``ref`` (flask_idem, example_app, bench), extracted under ``into``."""
+    archive = subprocess.run(
+        ["git", "archive", ref, "flask_idem", "example_app", "bench"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -160,11 +175,13 @@ def gunicorn(
     access_log: Path | None = None,
     env: dict[str, str] | None = None,
     app: str = "bench.app:create_app()",
+    root: Path = ROOT,
 ) -> Iterator[Server]:
     """Serve ``app`` on a free loopback port until the ``with`` block ends.
 
     Each worker's pool keeps ``threads`` connections open (min = max), so no request waits for a
-    connection and none is opened during a measurement.
+    connection and none is opened during a measurement. The code served is the one under ``root``
+    (this checkout, or a :func:`snapshot` of another commit).
     """
     port = free_port()
     command = [
@@ -188,7 +205,7 @@ def gunicorn(
     }
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            command, cwd=ROOT, env=environ, stdout=out, stderr=out, start_new_session=True
+            command, cwd=root, env=environ, stdout=out, stderr=out, start_new_session=True
         )
     base = f"http://127.0.0.1:{port}"
     try:

@@ -36,11 +36,9 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import uuid
-from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -156,19 +154,6 @@ def _checks(app: Any, variant: str, span: Any) -> dict[str, float]:
     return results
 
 
-def _snapshot(ref: str, into: Path) -> str:
-    """The files of commit ``ref`` (flask_idem, example_app, bench), extracted under ``into``."""
-    archive = subprocess.run(
-        ["git", "archive", ref, "flask_idem", "example_app", "bench"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout
-    with tarfile.open(fileobj=BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    return str(into)
-
-
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
     if len(values) < 2:
         return values[0], values[0], values[0]
@@ -188,7 +173,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(ROOT))
-    from bench.harness import DEFAULT_SERVER_URL, scratch_database
+    from bench.harness import DEFAULT_SERVER_URL, scratch_database, snapshot
 
     before = (
         args.before
@@ -198,7 +183,7 @@ def main() -> None:
     )
     server = os.environ.get("FLASK_IDEM_BENCH_DATABASE_URL", DEFAULT_SERVER_URL)
     with tempfile.TemporaryDirectory(prefix="flask-idem-before-") as tmp:
-        codes = {v: (_snapshot(before, Path(tmp)) if v == "before" else str(ROOT)) for v in VARIANTS}
+        codes = {v: str(snapshot(before, Path(tmp)) if v == "before" else ROOT) for v in VARIANTS}
         from contextlib import ExitStack
 
         with ExitStack() as stack:

@@ -1,0 +1,142 @@
+"""This checkout against another commit, side by side under load: the same scenarios on both codes at once.
+
+    uv run python bench/before.py --before 3da42f4                  # 6 rounds of 8 s per pair (~6 min)
+    uv run python bench/before.py --before 3da42f4 --rounds 4 --seconds 5
+
+``bench/run.py`` compares scenarios of one code with each other; this compares two codes in one
+scenario. Two gunicorns of 1 worker × 4 threads serve the shop (``bench/app.py``) on one scratch
+database: **now**, this checkout, and **before**, the commit ``--before`` extracted with ``git archive``
+(its ``flask_idem``, ``example_app`` and ``bench``; the key table's schema must be the same). Each pair is
+two wrk runs at once, one against each server (wrk -t1 -c8 each, as in ``run.py``), so both see the same
+moments of the machine; the ratio now / before is taken round by round, by requests per second and by
+capacity (requests per CPU second of the server's workers and of its own PostgreSQL backends), and the
+table gives the median of the rounds' ratios and their quartiles:
+
+- **(a) baseline**: ``POST /bench/orders`` on both, a route without the decorator, which neither code's
+  flask-idem is on: the method's own error (A/A);
+- **(b) fresh key**: ``POST /orders`` with a new key per request;
+- **(c) replay**: ``POST /orders`` cycling through 1000 finished keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/before.py` from anywhere
+
+from psycopg.conninfo import make_conninfo  # noqa: E402
+
+from bench import report  # noqa: E402
+from bench.harness import (  # noqa: E402
+    DEFAULT_SERVER_URL,
+    Server,
+    WrkJob,
+    WrkRun,
+    backend_pids,
+    ensure_tool,
+    gunicorn,
+    scratch_database,
+    server_version,
+    set_up_shop,
+    snapshot,
+    wrk_together,
+)
+from bench.run import Plan, _precreate_keys, _seed  # noqa: E402
+
+DATABASE = "flask_idem_bench_before"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, help="the commit to compare this checkout with")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--seconds", type=float, default=8)
+    args = parser.parse_args()
+    plan = Plan(seconds=args.seconds, warmup=3, rounds=args.rounds, big_rows=0, workers=2, threads=4)
+    ensure_tool("wrk", "wrk")
+    server = os.environ.get("FLASK_IDEM_BENCH_DATABASE_URL", DEFAULT_SERVER_URL)
+    with (
+        tempfile.TemporaryDirectory(prefix="flask-idem-bench-before-") as tmpdir,
+        scratch_database(server, DATABASE) as url,
+    ):
+        tmp = Path(tmpdir)
+        roots = {
+            "now": Path(__file__).resolve().parent.parent,
+            "before": snapshot(args.before, tmp / "before"),
+        }
+        org_id, api_key = set_up_shop(url)
+        with gunicorn(url, workers=1, threads=plan.threads, log=tmp / "gunicorn.log") as shop:
+            replay_file = _precreate_keys(shop, url, org_id, api_key, plan, tmp)
+        scenarios: dict[str, tuple[str, str, list[str]]] = {
+            "(a) baseline: POST /bench/orders, no decorator (A/A)": ("/bench/orders", "fresh.lua", []),
+            "(b) fresh key: POST /orders": ("/orders", "fresh.lua", []),
+            "(c) replay of finished keys: POST /orders": ("/orders", "replay.lua", [str(replay_file)]),
+        }
+        runs: dict[str, list[tuple[WrkRun, WrkRun]]] = {label: [] for label in scenarios}
+        with contextlib.ExitStack() as stack:
+            servers = {
+                name: stack.enter_context(
+                    gunicorn(make_conninfo(url, application_name=f"bench-{name}"), workers=1,
+                             threads=plan.threads, log=tmp / f"gunicorn-{name}.log", root=root)
+                )
+                for name, root in roots.items()
+            }  # fmt: skip
+
+            def pair(label: str, seconds: float) -> tuple[WrkRun, WrkRun]:
+                path, script, extra = scenarios[label]
+                jobs = [
+                    WrkJob(script, servers[name].base + path, [api_key, _seed(), *extra], threads=1,
+                           connections=plan.connections // 2, watch=_watch(servers[name], url, name))
+                    for name in ("before", "now")
+                ]  # fmt: skip
+                before, now = wrk_together(jobs, seconds)
+                return before, now
+
+            labels = list(scenarios)
+            for label in labels:
+                pair(label, plan.warmup)
+            for r in range(plan.rounds):
+                for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+                    print(f"# round {r + 1}/{plan.rounds}: {label}", flush=True)
+                    runs[label].append(pair(label, plan.seconds))
+        version = server_version(url)
+    _print(runs, args, version)
+
+
+def _watch(server: Server, url: str, name: str) -> dict[str, list[int]]:
+    """The processes whose CPU a run counts: the server's workers and its own PostgreSQL backends."""
+    return {"app": server.worker_pids(), "db": backend_pids(url, f"bench-{name}")}
+
+
+def _print(runs: dict[str, list[tuple[WrkRun, WrkRun]]], args: argparse.Namespace, version: str) -> None:
+    def ratio(label: str, value: Callable[[WrkRun], float]) -> report.Paired:
+        return report.paired([b for b, _ in runs[label]], [n for _, n in runs[label]], value)
+
+    def cpu(side: list[WrkRun]) -> str:
+        app, db = report.cpu_per_request(side, "app"), report.cpu_per_request(side, "db")
+        return f"{app:.2f} / {db:.2f}"
+
+    print(f"now: this checkout; before: {args.before}\n")
+    print("| scenario | now / before, req/s | now / before, capacity | CPU ms/req before (app / db) | now |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, pairs in runs.items():
+        before, now = [b for b, _ in pairs], [n for _, n in pairs]
+        print(
+            f"| {label} | {ratio(label, report.rps)} | {ratio(label, report.capacity)} | {cpu(before)} |"
+            f" {cpu(now)} |"
+        )
+    print(
+        f"\n- {report.machine(version, 2, 4)}\n- {args.rounds} rounds of {args.seconds:g} s per pair, order"
+        " rotated per round, after a 3 s warm-up of each; each server 1 worker × 4 threads, wrk -t1 -c8"
+        " against each at once\n- load average at the end: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    )
+
+
+if __name__ == "__main__":
+    main()
