@@ -66,6 +66,7 @@ def main() -> None:
         scratch_database(server, DATABASE) as url,
     ):
         tmp = Path(tmpdir)
+        machine = report.machine(server_version(url), 2, 4)  # with the load average at the start
         roots = {
             "now": Path(__file__).resolve().parent.parent,
             "before": snapshot(args.before, tmp / "before"),
@@ -105,8 +106,7 @@ def main() -> None:
                 for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
                     print(f"# round {r + 1}/{plan.rounds}: {label}", flush=True)
                     runs[label].append(pair(label, plan.seconds))
-        version = server_version(url)
-    _print(runs, args, version)
+    _print(runs, args, machine)
 
 
 def _watch(server: Server, url: str, name: str) -> dict[str, list[int]]:
@@ -114,7 +114,7 @@ def _watch(server: Server, url: str, name: str) -> dict[str, list[int]]:
     return {"app": server.worker_pids(), "db": backend_pids(url, f"bench-{name}")}
 
 
-def _print(runs: dict[str, list[tuple[WrkRun, WrkRun]]], args: argparse.Namespace, version: str) -> None:
+def _print(runs: dict[str, list[tuple[WrkRun, WrkRun]]], args: argparse.Namespace, machine: str) -> None:
     def ratio(label: str, value: Callable[[WrkRun], float]) -> report.Paired:
         return report.paired([b for b, _ in runs[label]], [n for _, n in runs[label]], value)
 
@@ -132,9 +132,10 @@ def _print(runs: dict[str, list[tuple[WrkRun, WrkRun]]], args: argparse.Namespac
             f" {cpu(now)} |"
         )
     print(
-        f"\n- {report.machine(version, 2, 4)}\n- {args.rounds} rounds of {args.seconds:g} s per pair, order"
-        " rotated per round, after a 3 s warm-up of each; each server 1 worker × 4 threads, wrk -t1 -c8"
-        " against each at once\n- load average at the end: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+        f"\n- {machine}\n- here each of the two servers has 1 worker × 4 threads and a pool of 4"
+        f" connections, and wrk -t1 -c8 drives each at once; {args.rounds} rounds of {args.seconds:g} s per"
+        " pair, order rotated per round, after a 3 s warm-up of each\n- load average at the end: "
+        + ", ".join(f"{v:.2f}" for v in os.getloadavg())
     )
 
 
