@@ -51,6 +51,21 @@ def signed_in(shop: Flask, api_key: str) -> FlaskClient:
     return client
 
 
+def order_from_the_form(client: FlaskClient, amount: str, currency: str) -> tuple[TestResponse, ...]:
+    """Submit the front page's checkout form: the front page, the answer (303), and the order's page."""
+    front = client.get("/", headers=HTML)
+    order = client.post(
+        "/checkout",
+        data={
+            "csrf_token": field(front, "csrf_token"),
+            "idempotency_key": field(front, "idempotency_key"),
+            "amount": amount,
+            "currency": currency,
+        },
+    )
+    return front, order, client.get(order.headers["Location"], headers=HTML)
+
+
 def test_front_page_offers_sign_in_with_the_demo_key(shop: Flask, org: tuple[int, str]) -> None:
     """Signed out, / is the sign-in page, offering the demo key that `shop serve` configured."""
     shop.config["SHOP_DEMO_API_KEY"] = org[1]
@@ -254,18 +269,8 @@ def test_declined_card_without_javascript(
 ) -> None:
     """The declining test card: the order page says so, and the form is offered again with a new key."""
     client = signed_in(shop, org[1])
-    front = client.get("/", headers=HTML)
+    front, order, page = order_from_the_form(client, "9.99", "GBP")
     token = field(front, "csrf_token")
-    order = client.post(
-        "/checkout",
-        data={
-            "csrf_token": token,
-            "idempotency_key": field(front, "idempotency_key"),
-            "amount": "9.99",
-            "currency": "GBP",
-        },
-    )
-    page = client.get(order.headers["Location"], headers=HTML)
     key = field(page, "idempotency_key")
     paid = client.post(
         order.headers["Location"] + "/pay",
@@ -331,19 +336,9 @@ def test_no_key_in_urls_or_logs(
     client = signed_in(shop, org[1])
     secrets = {org[1]}
     urls: list[str] = []
-    front = client.get("/", headers=HTML)
+    front, order, page = order_from_the_form(client, "3", "EUR")
     secrets.add(field(front, "idempotency_key"))
     token = field(front, "csrf_token")
-    order = client.post(
-        "/checkout",
-        data={
-            "csrf_token": token,
-            "idempotency_key": field(front, "idempotency_key"),
-            "amount": "3",
-            "currency": "EUR",
-        },
-    )
-    page = client.get(order.headers["Location"], headers=HTML)
     secrets.add(field(page, "idempotency_key"))
     paid = client.post(
         order.headers["Location"] + "/pay",
@@ -374,18 +369,8 @@ def test_pay_form_with_unknown_outcome_is_finished_by_recovery(
 ) -> None:
     """Gateway fails after charging: a 503 page with the same form; recovery finishes; a resend replays."""
     client = signed_in(shop, org[1])
-    front = client.get("/", headers=HTML)
+    front, order, page = order_from_the_form(client, "4", "EUR")
     token = field(front, "csrf_token")
-    order = client.post(
-        "/checkout",
-        data={
-            "csrf_token": token,
-            "idempotency_key": field(front, "idempotency_key"),
-            "amount": "4",
-            "currency": "EUR",
-        },
-    )
-    page = client.get(order.headers["Location"], headers=HTML)
     data = {"csrf_token": token, "idempotency_key": field(page, "idempotency_key"), "source": "tok_visa"}
     add_fault(gateway_url, "fail_after")
     unknown = client.post(order.headers["Location"] + "/pay", data=data, headers=HTML)
