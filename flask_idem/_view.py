@@ -16,7 +16,7 @@ import psycopg
 from flask import Request, Response, current_app, g, request
 from psycopg.rows import TupleRow
 
-from . import _engine, signals
+from . import _deadline, _engine, signals
 from ._calls import in_transaction, render
 from .errors import (
     ConfigurationError,
@@ -76,10 +76,23 @@ def handle(
     kwargs: Mapping[str, Any],
     options: ViewOptions,
 ) -> Response:
-    """Answer one request to a decorated view."""
+    """Answer one request to a decorated view, within its database time (``IDEM_DATABASE_DEADLINE``)."""
     req = request._get_current_object()  # type: ignore[attr-defined]  # one proxy lookup, not one per use
     if req.method in SAFE_METHODS:
         return current_app.make_response(view(*args, **kwargs))
+    with _deadline.budget(state.settings.database_deadline):
+        return _keyed(state, req, view, args, kwargs, options)
+
+
+def _keyed(
+    state: IdemState,
+    req: Request,
+    view: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    options: ViewOptions,
+) -> Response:
+    """Answer a write request to a decorated view: with its key, or refuse it (400), or without one."""
     if options.key_from is None:
         key = parse_key(req.headers.getlist(HEADER))
     else:

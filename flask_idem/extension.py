@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -19,7 +21,7 @@ from flask import Flask, Response
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from . import _view
+from . import _deadline, _view
 from .cli import idem_cli
 from .errors import ConfigurationError
 from .flow import Flow
@@ -117,6 +119,7 @@ class Idempotency:
                 )
             sessions = SessionSource.for_app(app, self.sqlalchemy)
             settings = Settings.from_config(app.config, database_url=sessions.conninfo)
+            sessions.deadline = settings.database_deadline
             source = sessions
         app.extensions[EXTENSION_NAME] = IdemState.create(settings, self._flows, source)
         if "idem" not in app.cli.commands:
@@ -266,6 +269,20 @@ class Idempotency:
         :raises RuntimeError: outside an idempotent view handling a write request.
         """
         return _view.current().key
+
+    def deadline(self, seconds: float | None) -> AbstractContextManager[None]:
+        """Give the database work of a ``with`` block ``seconds`` of database time in all, measured by the
+        client, instead of ``IDEM_DATABASE_DEADLINE``::
+
+            with idem.deadline(1.0), idem.pool.connection() as conn:
+                conn.execute("SELECT 1")  # a readiness check: answered within a second, or 503
+
+        Connections borrowed in the block (from :attr:`pool`, or by an idempotent view) are cut when
+        the time is spent, and a borrow after that raises :class:`DeadlineExceeded` at once. ``None``:
+        no deadline at all, for a long maintenance query; the server's own ``statement_timeout`` still
+        applies (``SET LOCAL statement_timeout = 0`` in a transaction lifts it).
+        """
+        return _deadline.budget(seconds if seconds is not None else math.inf)
 
     @property
     def pool(self) -> ConnectionPool[Connection]:

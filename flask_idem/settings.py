@@ -23,6 +23,7 @@ __all__ = [
     "ScopeFunc",
     "Settings",
     "check_database_url",
+    "parse_connect_options",
     "parse_on_mismatch",
     "parse_seconds",
 ]
@@ -109,6 +110,10 @@ class Settings:
     recovery_backoff_cap: float = 300.0
     #: How long a key is remembered after its stored response expired (``IDEM_TOMBSTONE_TTL``).
     tombstone_ttl: float = 30 * 24 * 3600.0
+    #: libpq parameters over the pool's defaults (``IDEM_CONNECT_OPTIONS``); ``None`` removes a default.
+    connect_options: Mapping[str, str | int | None] = field(default_factory=dict, repr=False)
+    #: A request's database time in all, kept by the client (``IDEM_DATABASE_DEADLINE``); ``None``: none.
+    database_deadline: float | None = 10.0
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -156,6 +161,9 @@ class Settings:
         threshold = config.get("IDEM_PREPARE_THRESHOLD", defaults.prepare_threshold)
         if threshold is not None:
             threshold = _positive_int("IDEM_PREPARE_THRESHOLD", threshold)
+        deadline = config.get("IDEM_DATABASE_DEADLINE", defaults.database_deadline)
+        if deadline is not None:
+            deadline = parse_seconds("IDEM_DATABASE_DEADLINE", deadline)
         return cls(
             database_url=url,
             table=table,
@@ -174,6 +182,8 @@ class Settings:
             tombstone_ttl=parse_seconds(
                 "IDEM_TOMBSTONE_TTL", config.get("IDEM_TOMBSTONE_TTL", defaults.tombstone_ttl), zero=True
             ),
+            connect_options=parse_connect_options(config.get("IDEM_CONNECT_OPTIONS", {})),
+            database_deadline=deadline,
             **{
                 name: parse_seconds(
                     f"IDEM_{name.upper()}", config.get(f"IDEM_{name.upper()}", getattr(defaults, name))
@@ -181,6 +191,24 @@ class Settings:
                 for name in ("lease_timeout", "recovery_deadline", "recovery_backoff", "recovery_backoff_cap")
             },
         )
+
+
+def parse_connect_options(value: Any) -> dict[str, str | int | None]:
+    """``IDEM_CONNECT_OPTIONS``: libpq connection parameters, each a string, an int or ``None``."""
+    if not isinstance(value, Mapping) or not all(
+        isinstance(name, str)
+        and (option is None or (isinstance(option, (str, int)) and not isinstance(option, bool)))
+        for name, option in value.items()
+    ):
+        raise ConfigurationError(
+            "IDEM_CONNECT_OPTIONS must be a dict of libpq connection parameters, such as"
+            " {'connect_timeout': 10, 'tcp_user_timeout': 10000}; None removes one of flask-idem's defaults."
+        )
+    try:
+        make_conninfo("", **{name: option for name, option in value.items() if option is not None})
+    except psycopg.ProgrammingError as e:
+        raise ConfigurationError(f"IDEM_CONNECT_OPTIONS: {e}.") from None
+    return dict(value)
 
 
 def check_database_url(url: str) -> None:

@@ -67,6 +67,8 @@ class IdemState:
             max_size=settings.pool_max_size,
             timeout=settings.pool_timeout,
             prepare_threshold=settings.prepare_threshold,
+            connect_options=settings.connect_options,
+            deadline=settings.database_deadline,
         )
         store = Store(
             pool, table=settings.table, tombstone_ttl=settings.tombstone_ttl, distributed=settings.distributed
