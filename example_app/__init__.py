@@ -16,7 +16,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     :meth:`flask.Config.from_prefixed_env`), then from ``test_config``. Without a database URL, an embedded
     PostgreSQL is started with its data in the instance folder.
     """
-    from . import api, db, metrics, orders, payments, problems, web
+    from . import api, db, health, metrics, orders, payments, problems, web
     from .cli import shop_cli
     from .extensions import idem
 
@@ -39,7 +39,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
 
     idem.init_app(app)
     problems.register(app)
-    api.register(app, orders.bp, payments.bp)
+    api.register(app, orders.bp, payments.bp, health.bp)
     web.init_app(app)  # the checkout pages (example_app/web.py)
     metrics.register(app)
     app.cli.add_command(shop_cli)

@@ -116,6 +116,12 @@ class Payment(Schema):
     gateway_charge_id = fields.String(required=True, allow_none=True)
 
 
+class Health(Schema):
+    """Whether the shop (and, for readiness, its database) answers."""
+
+    status = fields.String(required=True, validate=validate.OneOf(["ok"]))
+
+
 class Problem(Schema):
     """An RFC 9457 problem document; extension members (``errors``, ``retry_after``...) may follow."""
 

@@ -11,7 +11,7 @@ from openapi_spec_validator import validate
 from flask_idem.errors import PROBLEM_JSON
 
 WRITES = ["/orders", "/payments"]
-READS = ["/orders", "/orders/{order_id}", "/payments/{payment_id}"]
+READS = ["/orders", "/orders/{order_id}", "/payments/{payment_id}", "/health", "/health/ready"]
 OPERATIONS = [("post", path) for path in WRITES] + [("get", path) for path in READS]
 OPERATION_IDS = [f"{method.upper()} {path}" for method, path in OPERATIONS]
 
@@ -22,6 +22,8 @@ STATUSES = {
     ("get", "/orders"): {200, 401, 500, 503},
     ("get", "/orders/{order_id}"): {200, 401, 404, 500, 503},
     ("get", "/payments/{payment_id}"): {200, 401, 404, 500, 503},
+    ("get", "/health"): {200},
+    ("get", "/health/ready"): {200, 500, 503},
 }
 
 
@@ -100,7 +102,7 @@ def test_writes_require_a_uuid_key(document: dict[str, Any], path: str) -> None:
     )
 
 
-@pytest.mark.parametrize("path", READS, ids=["orders", "order", "payment"])
+@pytest.mark.parametrize("path", READS, ids=["orders", "order", "payment", "health", "ready"])
 def test_reads_take_no_key(document: dict[str, Any], path: str) -> None:
     """The GET routes have no Idempotency-Key parameter."""
     parameters = document["paths"][path].get("parameters", []) + document["paths"][path]["get"].get(
@@ -129,15 +131,21 @@ def test_retry_after_is_documented(document: dict[str, Any], method: str, path: 
             assert header["required"] is True and header["schema"] == {"type": "integer"}
 
 
-def test_bearer_authentication(document: dict[str, Any]) -> None:
-    """The API key is an HTTP bearer scheme, required by every operation."""
+def test_bearer_authentication(document: dict[str, Any], client: FlaskClient) -> None:
+    """The API key is an HTTP bearer scheme, required by every operation but the health checks, which
+    answer without one."""
     assert document["components"]["securitySchemes"]["bearerAuth"]["type"] == "http"
     assert document["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
     assert document["security"] == [{"bearerAuth": []}]
-    operations = [
-        op for item in document["paths"].values() for method, op in item.items() if method != "parameters"
-    ]
-    assert all("security" not in op for op in operations)
+    security = {
+        path: op.get("security")
+        for path, item in document["paths"].items()
+        for method, op in item.items()
+        if method != "parameters"
+    }
+    assert {path for path, value in security.items() if value is not None} == {"/health", "/health/ready"}
+    assert security["/health"] == security["/health/ready"] == []
+    assert client.get("/health").status_code == client.get("/health/ready").status_code == 200
 
 
 @pytest.mark.parametrize(
