@@ -187,8 +187,8 @@ class SessionSource:
             logger.warning(
                 "The SQLAlchemy engine's connections have no %s: a database that goes silent (a dead host,"
                 " a hung pooler) holds requests until TCP gives up, for minutes. Pass"
-                " connect_args=flask_idem.DEFAULT_CONNECT_OPTIONS to the engine"
-                " (SQLALCHEMY_ENGINE_OPTIONS with Flask-SQLAlchemy), and pool_pre_ping=True.",
+                " connect_args=dict(flask_idem.DEFAULT_CONNECT_OPTIONS) to the engine"
+                " (SQLALCHEMY_ENGINE_OPTIONS with Flask-SQLAlchemy).",
                 ", ".join(missing),
             )
 

@@ -28,7 +28,7 @@ from werkzeug.exceptions import NotFound, Unauthorized
 
 from example_app import problems
 from example_app.schemas import OrderIn, load
-from flask_idem import Flow, Idempotency, OutcomeUnknown, Run
+from flask_idem import DEFAULT_CONNECT_OPTIONS, Flow, Idempotency, OutcomeUnknown, Run
 
 from . import pgbouncer
 
@@ -252,8 +252,13 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     app.config.from_prefixed_env()
     app.config.update(test_config or {})
     app.config["SQLALCHEMY_DATABASE_URI"] = sqlalchemy_url(app.config["DATABASE_URL"])
+    # The engine's connections are the application's: give them the timeouts flask-idem gives its own,
+    # where the URL has none (docs/sqlalchemy.rst, "Timeouts").
+    given = conninfo_to_dict(app.config["DATABASE_URL"])
+    connect_args: dict[str, Any] = {k: v for k, v in DEFAULT_CONNECT_OPTIONS.items() if k not in given}
     if pgbouncer.ENABLED:  # transaction pooling: no server-side prepared statements
-        app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"connect_args": {"prepare_threshold": None}}
+        connect_args["prepare_threshold"] = None
+    app.config.setdefault("SQLALCHEMY_ENGINE_OPTIONS", {"connect_args": connect_args})
     db.init_app(app)
     idem.init_app(app)
     problems.register(app)
