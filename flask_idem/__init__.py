@@ -1,6 +1,7 @@
 """flask-idem: idempotency keys for Flask, backed by PostgreSQL."""
 
 from ._deadline import DeadlineExceeded as DeadlineExceeded
+from ._timeouts import DEFAULT_CONNECT_OPTIONS as DEFAULT_CONNECT_OPTIONS
 from .errors import ConfigurationError as ConfigurationError
 from .errors import DatabaseFailed as DatabaseFailed
 from .errors import DatabaseUnavailable as DatabaseUnavailable
@@ -19,7 +20,6 @@ from .flow import Flow as Flow
 from .flow import OutcomeUnknown as OutcomeUnknown
 from .flow import Run as Run
 from .keys import HEADER as HEADER
-from .pool import DEFAULT_CONNECT_OPTIONS as DEFAULT_CONNECT_OPTIONS
 from .replay import REPLAYED_HEADER as REPLAYED_HEADER
 from .scopes import scope_id as scope_id
 from .settings import OnMismatch as OnMismatch

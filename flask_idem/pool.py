@@ -38,7 +38,6 @@ from typing import Any, Protocol
 
 import psycopg
 from psycopg import pq
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
@@ -46,6 +45,7 @@ from . import _deadline, wire
 from ._connection import OWNER, Batched, Connection, batched
 from ._deadline import DeadlineExceeded
 from ._probe import Prober
+from ._timeouts import DEFAULT_CONNECT_OPTIONS, server_timeouts, with_connect_options
 
 __all__ = [
     "DEFAULT_CONNECT_OPTIONS",
@@ -58,20 +58,6 @@ __all__ = [
     "with_connect_options",
 ]
 
-#: libpq connection parameters every connection of the extension gets where its URL does not set them
-#: (``IDEM_CONNECT_OPTIONS`` overrides them one by one): give up connecting after 5 s, probe an idle
-#: connection after 3 s of silence (then every second, 3 times), and give up on a connection whose sent
-#: data stays unacknowledged for 5 s. A peer that stopped answering at the TCP level (a dead host, an
-#: address that moved in a failover) is then noticed within seconds instead of TCP's fifteen minutes.
-DEFAULT_CONNECT_OPTIONS: Mapping[str, str | int] = {
-    "connect_timeout": 5,
-    "keepalives": 1,
-    "keepalives_idle": 3,
-    "keepalives_interval": 1,
-    "keepalives_count": 3,
-    "tcp_user_timeout": 5000,
-}
-
 #: Seconds a request waits for a connection while new connections to the database fail.
 FAIL_FAST_TIMEOUT = 1.0
 
@@ -79,23 +65,6 @@ FAIL_FAST_TIMEOUT = 1.0
 #: it; the next request that needs a connection then starts a new attempt at once. Short, so that a
 #: database that is back is used within a second or two rather than after a long backoff.
 RECONNECT_TIMEOUT = 2.0
-
-
-def with_connect_options(conninfo: str, options: Mapping[str, str | int | None]) -> str:
-    """``conninfo`` with the libpq parameters ``options`` where it does not set them itself.
-
-    A value of ``None`` adds nothing. ``connect_timeout`` is not added either when ``PGCONNECT_TIMEOUT``
-    is set in the environment, which libpq reads instead.
-    """
-    given = conninfo_to_dict(conninfo)
-    extra = {
-        name: value
-        for name, value in options.items()
-        if value is not None
-        and name not in given
-        and not (name == "connect_timeout" and os.environ.get("PGCONNECT_TIMEOUT"))
-    }
-    return make_conninfo(conninfo, **extra) if extra else conninfo
 
 
 class ConnectionSource(Protocol):
@@ -208,19 +177,9 @@ class _Pool(ConnectionPool[Connection]):
             self._owner.lent.discard(conn)
             conn._idem_armed = None
             _deadline.disarm(armed)
-        if self._owner.failing and not conn.broken:
+        if self._owner.failing and not conn.closed:
             self._owner.answered()
         super().putconn(conn)
-
-
-#: What a new connection reads of the server: whether it talks to the server itself (a pooler in
-#: between shows the client a process id of its own), and the two timeouts the server may already have.
-_SERVER_SETTINGS = (
-    "SELECT pg_backend_pid(), current_setting('statement_timeout'),"
-    " current_setting('idle_in_transaction_session_timeout')"
-)
-_SERVER_TIMEOUTS = ("statement_timeout", "idle_in_transaction_session_timeout")
-_pooler_noted = False
 
 
 class ProcessPool:
@@ -336,23 +295,20 @@ class ProcessPool:
             logger.info("The database answers again.")
 
     def _configure(self, conn: Connection) -> None:
-        """Stamp a new connection, and give the server our deadline where it has no timeouts of its own."""
+        """Stamp a new connection, and give the server our deadline where it has no timeouts of its own.
+
+        Its two round trips are under the deadline too: a path that hangs right after connecting must not
+        hold one of the pool's worker threads for good.
+        """
         conn._idem_opened_at = time.monotonic()
         self.answered()
         if self.deadline is None:
             return
-        row = conn.execute(_SERVER_SETTINGS).fetchone()
-        assert row is not None
-        pid, *current = row
-        if pid != conn.info.backend_pid:
-            _note_pooler()
-            return
-        conn._idem_direct = True
-        unset = [name for name, value in zip(_SERVER_TIMEOUTS, current, strict=True) if value == "0"]
-        if unset:
-            millis = str(round(self.deadline * 1000))
-            calls = ", ".join(["set_config(%s, %s, false)"] * len(unset))
-            conn.execute(f"SELECT {calls}", [value for name in unset for value in (name, millis)])
+        armed = _deadline.arm(conn, self.deadline, started=conn._idem_opened_at, on_cut=_nothing)
+        try:
+            conn._idem_direct = server_timeouts(conn, self.deadline)
+        finally:
+            _deadline.disarm(armed)
 
     def close(self) -> None:
         """Close this process's pool, if it has one. A later use opens a new one."""
@@ -404,30 +360,28 @@ class ProcessPool:
                 yield conn
             return
         with ExitStack() as stack:
+            yield self._begin(stack)
+
+    def _begin(self, stack: ExitStack) -> Connection:
+        """Borrow a connection into ``stack`` and begin a transaction on it, replacing one found dead."""
+        conn = stack.enter_context(self.pool.connection())
+        stack.enter_context(_deadline_errors(conn))  # around COMMIT too: it is left after the transaction
+        try:
+            stack.enter_context(conn.transaction())
+        except psycopg.OperationalError:
+            if not (conn.closed or conn.broken) or _cut(conn):
+                raise
+            self.connection_lost(conn)
+            logger.info("A pooled connection was dead before any work was done; running again.")
+            stack.close()  # the dead connection goes back to the pool, which discards it
             conn = stack.enter_context(self.pool.connection())
-            try:
-                stack.enter_context(conn.transaction())
-            except psycopg.OperationalError:
-                if not (conn.closed or conn.broken) or _cut(conn):
-                    raise
-                self.connection_lost(conn)
-                logger.info("A pooled connection was dead before any work was done; running again.")
-                stack.close()  # the dead connection goes back to the pool, which discards it
-                conn = stack.enter_context(self.pool.connection())
-                stack.enter_context(conn.transaction())
-            with _deadline_errors(conn):
-                yield conn
+            stack.enter_context(_deadline_errors(conn))
+            stack.enter_context(conn.transaction())
+        return conn
 
 
-def _note_pooler() -> None:
-    global _pooler_noted
-    if not _pooler_noted:
-        _pooler_noted = True
-        logger.info(
-            "The database is reached through a connection pooler (its process id is not the server's):"
-            " the server-side statement and idle-transaction timeouts are not set per connection. Set the"
-            " pooler's own (PgBouncer: query_timeout, idle_transaction_timeout)."
-        )
+def _nothing(conn: object) -> None:
+    """A connection cut while being configured needs nothing more: psycopg_pool discards it."""
 
 
 def _cut(conn: Connection) -> bool:
