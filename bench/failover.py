@@ -1,7 +1,7 @@
 """Failover figures: how soon the shop answers after the standby is promoted, and what each mode loses.
 
-    uv run python bench/failover.py                              # every mode, gaps 1 3 5 10 20 s (~6 min)
-    uv run python bench/failover.py --modes on --gaps 1 10 --runs 1
+    uv run python bench/failover.py --runs 2        # every mode, gaps 1 3 5 10 20 s, twice (~20 min)
+    uv run python bench/failover.py --modes on --gaps 1 10
 
 The system of ``tests/test_failover.py``: a primary and a streaming standby of the embedded PostgreSQL
 (``tests/replication.py``), the gateway, and the shop under gunicorn (2 workers x 4 threads, the history
@@ -31,16 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/failover.py` from anywhere
 
 import psycopg  # noqa: E402
 
-from tests.failover import Outcome, fail_over_under_load, shop_logging  # noqa: E402
-from tests.history.cluster import running_cluster  # noqa: E402
-from tests.replication import running_pair  # noqa: E402
+from tests.failover import Outcome, fail_over_under_load, running_system  # noqa: E402
 
 MODES = {"on": "on", "remote_apply": "remote_apply", "async": None, "async-cut": None}
 
@@ -55,31 +52,22 @@ def main() -> None:
     )
     args = parser.parse_args()
     rows: list[tuple[str, float, Outcome, int]] = []
-    with running_pair() as pair, tempfile.TemporaryDirectory(prefix="flask-idem-bench-failover-") as tmp:
-        workdir = Path(tmp)
-        with running_cluster(
-            workdir,
-            seed=5,
-            workers=2,
-            threads=4,
-            database_url=pair.create_database("shop"),
-            shop_args=shop_logging(workdir),
-        ) as cluster:
-            for mode in args.modes:
-                gaps = args.async_gaps if MODES[mode] is None else args.gaps
-                for gap in gaps:
-                    for _ in range(args.runs):
-                        outcome = fail_over_under_load(
-                            pair,
-                            cluster,
-                            workdir,
-                            synchronous_commit=MODES[mode],
-                            gap=gap,
-                            cut=1.0 if mode == "async-cut" else None,
-                            every_worker_within=60.0,
-                        )
-                        rows.append((mode, gap, outcome, _ids_reused(cluster.database_url, outcome)))
-                        print(f"# {mode}, gap {gap:g} s\n{outcome.timeline.summary()}\n", flush=True)
+    with running_system(seed=5) as (pair, cluster, workdir):
+        for mode in args.modes:
+            gaps = args.async_gaps if MODES[mode] is None else args.gaps
+            for gap in gaps:
+                for _ in range(args.runs):
+                    outcome = fail_over_under_load(
+                        pair,
+                        cluster,
+                        workdir,
+                        synchronous_commit=MODES[mode],
+                        gap=gap,
+                        cut=1.0 if mode == "async-cut" else None,
+                        every_worker_within=60.0,
+                    )
+                    rows.append((mode, gap, outcome, _ids_reused(cluster.database_url, outcome)))
+                    print(f"# {mode}, gap {gap:g} s\n{outcome.timeline.summary()}\n", flush=True)
     _print(rows)
 
 

