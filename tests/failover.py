@@ -2,7 +2,7 @@
 
 :class:`Prober` threads each place one new order at a time (one attempt, no retry: what a client sees),
 tagging every request with a sequence number that gunicorn's access log writes next to the worker process
-that answered it (:data:`ACCESS_LOG_ARGS`), so the timeline can be told per worker. :func:`fail_over`
+that answered it (:func:`shop_logging`), so the timeline can be told per worker. :func:`fail_over`
 kills the primary, waits like a failover manager that noticed it, promotes the standby, and returns
 once the shop has acknowledged an order again; :class:`Timeline` holds what happened when.
 
@@ -12,6 +12,7 @@ its 201 must be found after the failover like any other acknowledged order.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -121,7 +122,7 @@ class Prober:
         self.probes: list[Probe] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._seq = iter(range(1, 1 << 62))
+        self._seq = itertools.count(1)
         self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads)]
 
     def __enter__(self) -> Prober:
@@ -165,24 +166,27 @@ class Prober:
                 self.probes.append(probe)
             self._stop.wait(self.interval)
 
+    def snapshot(self) -> list[Probe]:
+        """The probes answered so far."""
+        with self._lock:
+            return list(self.probes)
+
     def answered_since(self, moment: float) -> Probe | None:
         """The first probe acknowledged (201) after ``moment``, if any yet."""
-        with self._lock:
-            done = [p for p in self.probes if p.status == 201 and p.done > moment]
+        done = [p for p in self.snapshot() if p.status == 201 and p.done > moment]
         return min(done, key=lambda p: p.done, default=None)
 
     def attribute(self, access_log: Path) -> None:
         """Fill in each probe's worker from gunicorn's access log (:data:`ACCESS_LOG_FORMAT`)."""
-        by_seq = {p.seq: p for p in self.probes}
+        by_seq = {p.seq: p for p in self.snapshot()}
         for line in access_log.read_text().splitlines():
             pid, _, seq = line.split(" ")
             if seq.isdigit() and int(seq) in by_seq:
                 by_seq[int(seq)].pid = int(pid.strip("<>"))
 
-    def ops(self) -> Iterator[Op]:
+    def ops(self) -> list[Op]:
         """The probes as operations of the history checker."""
-        with self._lock:
-            return iter([p.op for p in self.probes])
+        return [p.op for p in self.snapshot()]
 
 
 @dataclass
@@ -201,7 +205,7 @@ class Timeline:
     def read_logs(self, prober: Prober, workdir: Path) -> None:
         """Take the probes (attributed to workers) and the pool's attempts from the shop's logs."""
         prober.attribute(workdir / "access.log")
-        self.probes = list(prober.probes)
+        self.probes = prober.snapshot()
         events = pool_events(workdir / "pool.log", since=self.killed + self.clock)
         self.attempts = {pid: [(t - self.clock, what) for t, what in e] for pid, e in events.items()}
 
@@ -287,7 +291,7 @@ def fail_over(pair: Pair, prober: Prober, *, gap: float, answer_within: float = 
     deadline = timeline.promoted + answer_within
     while prober.answered_since(timeline.promoted) is None:
         if time.monotonic() > deadline:
-            timeline.probes = list(prober.probes)
+            timeline.probes = prober.snapshot()
             raise AssertionError(f"the shop did not answer again:\n{timeline.summary()}")
         time.sleep(0.02)
     return timeline
