@@ -164,7 +164,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument(
-        "--server-url", default=os.environ.get("FLASK_IDEM_TEST_DATABASE_URL", DEFAULT_SERVER_URL)
+        "--server-url", default=os.environ.get("FLASK_IDEM_BENCH_DATABASE_URL", DEFAULT_SERVER_URL)
     )
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the shop")
     parser.add_argument("--keep-log", action="store_true", help="print the end of the shop's log")
