@@ -3,11 +3,11 @@
 A primary and a standby (:mod:`tests.replication`), the gateway and the shop (gunicorn, 2 workers x 4
 threads) on the multi-host URL ``host=127.0.0.1,127.0.0.1 port=A,B target_session_attrs=read-write``.
 Clients place and pay orders through the retry helper while probes place orders one attempt at a time
-(:mod:`tests.failover`); the primary's postmaster is SIGKILLed, the standby promoted a second later, and
-the history checker then holds the database against everything the clients were told.
+(:mod:`tests.failover`); the primary's processes are SIGKILLed, the standby promoted 1 or 5 seconds
+later, and the history checker then holds the database against everything the clients were told.
 
-Figures (the time until the shop answers again, per worker) are printed, not asserted: ``docs/timeouts.rst``
-gives them, and ``bench/failover.py`` measures them over several runs.
+The time until the shop answers again, per worker, is printed; the tests hold it to the 10 s the shop
+promises, and ``docs/timeouts.rst`` gives the figures ``bench/failover.py`` measured over several runs.
 
 These tests bring their own PostgreSQL pair and use nothing of the suite's database, so they run in the
 default mode only: with ``FLASK_IDEM_TEST_PGBOUNCER=1`` or ``FLASK_IDEM_TEST_CITUS=1`` they would repeat
@@ -51,8 +51,13 @@ pytestmark = [
     ),
 ]
 
-#: Seconds between the kill and the promotion: a failover manager that noticed at once.
+#: Seconds between the kill and the promotion: a failover manager that noticed at once, and one that took
+#: a while (with psycopg_pool's own reconnection back-off, the shop took 1.4-1.9 s after a promotion 5 s
+#: after the kill, and up to 10 s after one at 20 s; bench/failover.py measures every gap).
 GAP = 1.0
+SLOW_GAP = 5.0
+#: The shop answers again, every worker of it, within this many seconds of the promotion (issue 20).
+ANSWERS_WITHIN = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -62,19 +67,21 @@ def system() -> Iterator[tuple[Pair, Cluster, Path]]:
         yield system
 
 
-@pytest.mark.parametrize("synchronous_commit", ["on", "remote_apply"])
+@pytest.mark.parametrize(
+    ("synchronous_commit", "gap"), [("on", GAP), ("remote_apply", SLOW_GAP)], ids=["on", "remote_apply"]
+)
 def test_a_synchronous_standby_keeps_every_acknowledged_order(
-    system: tuple[Pair, Cluster, Path], synchronous_commit: str
+    system: tuple[Pair, Cluster, Path], synchronous_commit: str, gap: float
 ) -> None:
-    """Killed under load and failed over, the shop lost nothing acknowledged, duplicated nothing, and
-    acknowledges orders again."""
+    """Killed under load and failed over, the shop lost nothing acknowledged, duplicated nothing, and every
+    worker acknowledges orders again within 10 s of the promotion."""
     pair, cluster, workdir = system
-    outcome = fail_over_under_load(pair, cluster, workdir, synchronous_commit=synchronous_commit, gap=GAP)
-    print(f"synchronous_commit = {synchronous_commit}:", outcome.timeline.summary(), outcome.report.summary())
-    assert outcome.timeline.last_acknowledged_before_kill is not None, (
-        "nothing was acknowledged before the kill"
-    )
-    assert outcome.timeline.first_answer is not None
+    outcome = fail_over_under_load(pair, cluster, workdir, synchronous_commit=synchronous_commit, gap=gap)
+    timeline = outcome.timeline
+    print(f"synchronous_commit = {synchronous_commit}:", timeline.summary(), outcome.report.summary())
+    assert timeline.last_acknowledged_before_kill is not None, "nothing was acknowledged before the kill"
+    for pid, first in timeline.first_answers().items():
+        assert first is not None and first.done - timeline.promoted <= ANSWERS_WITHIN, (pid, first)
     assert outcome.report.ok, outcome.report.summary()
 
 
