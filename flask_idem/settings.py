@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeAlias
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from ._codec import parse_response_keys
 from .errors import ConfigurationError
 
 __all__ = [
@@ -109,6 +110,10 @@ class Settings:
     recovery_backoff_cap: float = 300.0
     #: How long a key is remembered after its stored response expired (``IDEM_TOMBSTONE_TTL``).
     tombstone_ttl: float = 30 * 24 * 3600.0
+    #: The largest response body kept for retries (``IDEM_MAX_RESPONSE_BYTES``).
+    max_response_bytes: int = 1024 * 1024
+    #: Keys of ``store_response="encrypted"`` routes (``IDEM_RESPONSE_KEYS``), the first encrypting.
+    response_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -143,6 +148,11 @@ class Settings:
                 "IDEM_REPLAY_HEADERS must not include Set-Cookie: a replay would hand one client's"
                 " cookies to whoever retries."
             )
+        if {"authorization", "proxy-authorization"} & {h.lower() for h in headers}:
+            raise ConfigurationError(
+                "IDEM_REPLAY_HEADERS must not include Authorization: a replay would hand one client's"
+                " credentials to whoever retries."
+            )
         table = config.get("IDEM_TABLE", defaults.table)
         parts = table.split(".") if isinstance(table, str) else []
         if not 1 <= len(parts) <= 2 or not all(parts):
@@ -174,6 +184,10 @@ class Settings:
             tombstone_ttl=parse_seconds(
                 "IDEM_TOMBSTONE_TTL", config.get("IDEM_TOMBSTONE_TTL", defaults.tombstone_ttl), zero=True
             ),
+            max_response_bytes=_positive_int(
+                "IDEM_MAX_RESPONSE_BYTES", config.get("IDEM_MAX_RESPONSE_BYTES", defaults.max_response_bytes)
+            ),
+            response_keys=parse_response_keys(config.get("IDEM_RESPONSE_KEYS")),
             **{
                 name: parse_seconds(
                     f"IDEM_{name.upper()}", config.get(f"IDEM_{name.upper()}", getattr(defaults, name))
