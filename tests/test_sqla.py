@@ -356,3 +356,22 @@ def test_crash_after_the_write_then_retry(
     again = requests.post(sqla_server + "/orders", json=ORDER, headers=headers(org_key, key), timeout=30)
     assert (again.status_code, again.json()) == (200, retry.json())
     assert count(db, "orders") == 1
+
+
+def test_an_async_view_writes_through_the_session(
+    sqla: Flask, org_key: str, db: psycopg.Connection[Any]
+) -> None:
+    """An async def view's db.session writes commit with the key, and the kit's crash, replay and in-flight
+    checks pass on it."""
+    from flask_idem.testing import Rows, check_in_flight, check_replay
+
+    orders = Rows(db, "orders")
+    first, again = check_replay(
+        sqla, "POST", "/orders/async", json=ORDER, headers=headers(org_key), effect=orders
+    )
+    assert (first.status_code, again.status_code) == (201, 200)
+    held, duplicate = check_in_flight(
+        sqla, "POST", "/orders/async", json=ORDER, headers=headers(org_key), effect=orders
+    )
+    assert (held.status_code, duplicate.status_code) == (201, 409)
+    assert checked_out(sqla) == 0
