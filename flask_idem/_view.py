@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import hmac
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,11 +150,14 @@ class _Attempt:
         """Call the view on ``conn`` and make its response; with it, the document to store for a
         response under 500 (its body read while ``idem.connection`` is still there for a generator)."""
         keyed = self.request
-        with _published(conn, keyed.org_id, keyed.key):
+        setattr(g, _CURRENT_ATTR, Current(conn, keyed.org_id, keyed.key))
+        try:
             response = current_app.make_response(render(lambda: self.view(*self.args, **self.kwargs)))
             if response.status_code >= 500:
                 return response, None
             return response, _record(state, options, response, self.printed)
+        finally:
+            delattr(g, _CURRENT_ATTR)
 
 
 def _record(
@@ -342,23 +344,14 @@ def _call_view(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
 ) -> Any:
-    """Call the view with its connection and key published on ``g``; return what it returned."""
-    with _published(conn, org_id, key):
-        return render(lambda: view(*args, **kwargs))
-
-
-@contextmanager
-def _published(
-    conn: psycopg.Connection[TupleRow], org_id: int | None, key: uuid.UUID | None
-) -> Iterator[None]:
-    """The view's connection and key on ``g`` (:func:`current`) for the duration of the block.
+    """Call the view with its connection and key published on ``g``; return what it returned.
 
     ``g`` belongs to the application context, which an ``async def`` view's coroutine shares although it
     runs on another thread (:mod:`._async`).
     """
     setattr(g, _CURRENT_ATTR, Current(conn, org_id, key))
     try:
-        yield
+        return render(lambda: view(*args, **kwargs))
     finally:
         delattr(g, _CURRENT_ATTR)
 

@@ -370,3 +370,17 @@ def test_the_limit_setting() -> None:
     assert Settings.from_config({"IDEM_DATABASE_URL": "postgresql://x/y"}).max_response_bytes == 1024 * 1024
     with pytest.raises(ConfigurationError, match="IDEM_MAX_RESPONSE_BYTES"):
         Settings.from_config({"IDEM_DATABASE_URL": "postgresql://x/y", "IDEM_MAX_RESPONSE_BYTES": "1MB"})
+
+
+def test_new_response_key_makes_a_working_key(
+    make: Callable[..., Flask], db: psycopg.Connection[Any]
+) -> None:
+    """flask idem new-response-key prints a key that IDEM_RESPONSE_KEYS accepts and encrypts with."""
+    printed = make().test_cli_runner().invoke(args=["idem", "new-response-key"])
+    assert printed.exit_code == 0, printed.output
+    key = printed.output.strip()
+    app = make(IDEM_RESPONSE_KEYS=key)
+    first = post(app, "/secrets", uuid.uuid4(), {})
+    assert first.status_code == 201
+    (document,) = db.execute("SELECT response FROM idempotency_keys").fetchone() or (None,)
+    assert Fernet(key).decrypt(document["body_enc"].encode()) == first.data
