@@ -180,21 +180,12 @@ class _Printed:
     """A request fingerprinted under its route's policy, kept to compare it under earlier policies."""
 
     policy: Fingerprint
-    parts: RequestParts
+    req: Request
     now: Fingerprinted
 
     @classmethod
     def of(cls, req: Request, policy: Fingerprint) -> _Printed:
-        parts = RequestParts(
-            method=req.method,
-            path=req.path,
-            query=req.query_string,
-            mimetype=req.mimetype,
-            body=_whole_body(req),
-            headers={name: req.headers.getlist(name) for name in policy.header_names},
-            custom=None if policy.custom is None else policy.custom(),
-        )
-        return cls(policy, parts, policy.compute(parts))
+        return cls(policy, req, policy.compute(_parts(req, policy)))
 
     def stored(self) -> dict[str, Any] | None:
         """What the stored response keeps of the request: the policy and a digest of each part."""
@@ -203,11 +194,25 @@ class _Printed:
         return {"policy": self.policy.id, "parts": self.now.parts}
 
     def earlier(self, request_sha: bytes) -> bool:
-        """Whether the request is the one first stored with ``request_sha`` under an earlier policy."""
+        """Whether the request is the one first stored with ``request_sha`` under an earlier policy (each
+        reads the headers and calls the function it names itself)."""
         return any(
-            hmac.compare_digest(request_sha, policy.compute(self.parts).sha)
+            hmac.compare_digest(request_sha, policy.compute(_parts(self.req, policy)).sha)
             for policy in self.policy.previous
         )
+
+
+def _parts(req: Request, policy: Fingerprint) -> RequestParts:
+    """What ``policy`` reads of ``req``."""
+    return RequestParts(
+        method=req.method,
+        path=req.path,
+        query=req.query_string,
+        mimetype=req.mimetype,
+        body=_whole_body(req),
+        headers={name: req.headers.getlist(name) for name in policy.header_names},
+        custom=None if policy.custom is None else policy.custom(),
+    )
 
 
 def _same_request(record: KeyRecord, keyed: KeyedRequest, printed: _Printed | None) -> bool:

@@ -384,3 +384,18 @@ def test_new_response_key_makes_a_working_key(
     assert first.status_code == 201
     (document,) = db.execute("SELECT response FROM idempotency_keys").fetchone() or (None,)
     assert Fernet(key).decrypt(document["body_enc"].encode()) == first.data
+
+
+def test_an_earlier_policy_reads_what_it_names(
+    make: Callable[..., Flask], db: psycopg.Connection[Any]
+) -> None:
+    """A previous policy that counted a header the new one does not is compared with that header read
+    again: the same request matches, another currency does not."""
+    old = Fingerprint(headers=["X-Currency"])
+    new = Fingerprint(exclude=["/ts"], previous=[old])
+    key = uuid.uuid4()
+    assert post(make(deploy=old), "/deploy", key, {"a": 1}, **{"X-Currency": "EUR"}).status_code == 201
+    after = make(deploy=new)
+    assert post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "EUR"}).status_code == 200
+    assert post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "USD"}).status_code == 422
+    assert count(db, "notes") == 1
