@@ -15,13 +15,19 @@ What that means for the coroutine, which runs on another thread:
   event loop while it runs, which under WSGI is a loop of this request alone.
 - An object bound to an event loop (an ``httpx.AsyncClient``, an asyncpg pool) must be created inside the
   coroutine: each request, and each async flow step, gets a new loop.
+
+A thread whose own event loop is running cannot wait for a coroutine through asgiref; there (a test
+process holding a loop open) the view is run from a new thread, in a copy of the context, the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import functools
 import importlib.util
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +55,37 @@ def synchronous(func: Callable[..., Any], what: str) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return current_app.ensure_sync(func)(*args, **kwargs)
+        call = current_app.ensure_sync(func)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no event loop runs in this thread: the usual case, under WSGI
+            return call(*args, **kwargs)
+        return _from_another_thread(call, args, kwargs)
 
     return run
+
+
+def _from_another_thread(call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``call`` run from a new thread, in a copy of this thread's context, while this one waits.
+
+    asgiref cannot wait for a coroutine from a thread whose event loop is running: a WSGI application
+    called from such a thread (in a test process where Playwright's synchronous API or an async test
+    framework holds a loop open) would fail. The request's thread waits here as it would for asgiref, so
+    the transaction and the view's connection are used by one thread at a time as usual.
+    """
+    context = contextvars.copy_context()
+    outcome: list[Any] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, context.run(call, *args, **kwargs)))
+        except BaseException as e:  # handed to the request's thread, which raises it
+            outcome.append((False, e))
+
+    thread = threading.Thread(target=target, name="flask-idem-async-view")
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value

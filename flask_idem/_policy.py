@@ -223,7 +223,7 @@ class Fingerprint:
             "include": None if self._include is None else sorted(_show(t) for t in self._include),
             "exclude": sorted(_show(t) for t in self._exclude),
             "headers": [lower for lower, _ in self._header_keys],
-            "custom": None if custom is None else f"{custom.__module__}.{custom.__qualname__}",
+            "custom": None if custom is None else _function_name(custom),
             "version": version,
         }
         #: What the policy counts, as published (:mod:`flask_idem.openapi`) and hashed into its identity.
@@ -310,6 +310,12 @@ class Fingerprint:
         else:
             document = _ABSENT
         return [(name, _encode(_without(_at(document, at), out))) for name, at, out in self._body]
+
+
+def _function_name(function: Callable[..., Any]) -> str:
+    """``module.qualname`` of a function (of its class for another callable, such as a partial)."""
+    named = function if hasattr(function, "__qualname__") else type(function)
+    return f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
 
 
 def _named(name: str, left_out: Sequence[tuple[str, ...]]) -> str:

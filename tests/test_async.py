@@ -7,6 +7,7 @@ tests/test_served.py; this module looks at what is particular to a coroutine.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -58,3 +59,19 @@ def test_an_exception_in_the_coroutine_rolls_back(app: Flask, db: psycopg.Connec
     key = uuid.uuid4()
     assert post(app, "/async/fail", key, {}).status_code == 500
     assert count(db, "notes") == 0 and count(db, "idempotency_keys") == 0
+
+
+def test_an_async_view_called_where_an_event_loop_runs(app: Flask, db: psycopg.Connection[Any]) -> None:
+    """Called from a thread whose event loop is running (as in a test process that holds Playwright's
+    loop open), where asgiref refuses to wait, the coroutine runs from a thread of its own: same
+    transaction, same answers."""
+    key = uuid.uuid4()
+
+    async def from_a_running_loop() -> list[Any]:
+        return [post(app, "/async/notes", key, {"body": "in a loop"}) for _ in range(2)]
+
+    first, again = asyncio.run(from_a_running_loop())
+    assert first.status_code == 201, first.data
+    assert first.json["reservation_visible"] is True
+    assert again.status_code == 200 and again.data == first.data
+    assert count(db, "notes") == 1

@@ -399,3 +399,13 @@ def test_an_earlier_policy_reads_what_it_names(
     assert post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "EUR"}).status_code == 200
     assert post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "USD"}).status_code == 422
     assert count(db, "notes") == 1
+
+
+def test_a_flow_keeps_its_answers_in_full() -> None:
+    """store_response= is refused on a multi-step route: its finish step (also run by the recovery job,
+    away from the route) stores the answer."""
+    from flask_idem import Flow, Idempotency
+    from flask_idem.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="store_response= is for atomic routes"):
+        Idempotency(scope=lambda: 1).idempotent(flow=Flow("policies.flow"), store_response="location")
