@@ -24,21 +24,15 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
-from typing import Any, Final
-from urllib.parse import parse_qsl
+from typing import Any
 
-from .errors import ConfigurationError, InvalidBody
+from ._canonical import ABSENT, at, encode, form, jsonlike, without
+from .errors import ConfigurationError
 from .fingerprint import canonical_query, decode_json, fingerprint, is_json
 
 __all__ = ["Fingerprint", "Fingerprinted", "RequestParts", "describe_mismatch"]
 
-#: Marks a part that is not in the request (a member the body lacks, a header not sent). Distinct from
-#: every JSON value, ``null`` included.
-_ABSENT: Final = object()
-
 _FORM = "application/x-www-form-urlencoded"
-_INDEX = re.compile(r"0|[1-9][0-9]*")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _SALT = b"flask-idem/fingerprint-policy/v1"
 
@@ -287,9 +281,9 @@ class Fingerprint:
         parts.extend(self._body_parts(mimetype, request.body))
         for lower, name in self._header_keys:
             values = request.headers.get(lower)
-            parts.append((f"header {name}", _encode(list(values) if values else _ABSENT)))
+            parts.append((f"header {name}", encode(list(values) if values else ABSENT)))
         if self.custom is not None:
-            parts.append(("custom", _encode(_jsonlike(request.custom))))
+            parts.append(("custom", encode(jsonlike(request.custom))))
         digest = hashlib.sha256(_SALT)
         digest.update(self._identity)
         shown: dict[str, str] = {}
@@ -304,12 +298,12 @@ class Fingerprint:
         if body and is_json(mimetype):
             document: Any = decode_json(body)
         elif body and mimetype == _FORM:
-            document = _form(body)
+            document = form(body)
         elif body:  # neither JSON nor a form: no parts to point at, the whole body counts
             return [(self._body[0][0] if self._include is None else "body", body)]
         else:
-            document = _ABSENT
-        return [(name, _encode(_without(_at(document, at), out))) for name, at, out in self._body]
+            document = ABSENT
+        return [(name, encode(without(at(document, where), out))) for name, where, out in self._body]
 
 
 def _function_name(function: Callable[..., Any]) -> str:
@@ -323,103 +317,6 @@ def _named(name: str, left_out: Sequence[tuple[str, ...]]) -> str:
     if not left_out:
         return name
     return f"{name} except {', '.join(sorted(_show(t) for t in left_out))}"
-
-
-def _form(body: bytes) -> dict[str, list[str]]:
-    """A form body as ``{"field": ["value", ...]}``; bytes read as latin-1 (every byte kept exactly)."""
-    document: dict[str, list[str]] = {}
-    for name, value in parse_qsl(body.decode("latin-1"), keep_blank_values=True, encoding="latin-1"):
-        document.setdefault(name, []).append(value)
-    return document
-
-
-def _at(value: Any, tokens: tuple[str, ...]) -> Any:
-    """The part of ``value`` at ``tokens``, or :data:`_ABSENT`."""
-    for token in tokens:
-        if isinstance(value, dict):
-            value = value.get(token, _ABSENT)
-        elif isinstance(value, list) and _INDEX.fullmatch(token) and int(token) < len(value):
-            value = value[int(token)]
-        else:
-            return _ABSENT
-    return value
-
-
-def _without(value: Any, paths: Sequence[tuple[str, ...]]) -> Any:
-    """``value`` without the parts at ``paths`` (a new value where something is left out; never mutated)."""
-    if not paths or not isinstance(value, (dict, list)):
-        return value
-    dropped = {p[0] for p in paths if len(p) == 1}
-    deeper: dict[str, list[tuple[str, ...]]] = {}
-    for p in paths:
-        if len(p) > 1:
-            deeper.setdefault(p[0], []).append(p[1:])
-    if isinstance(value, dict):
-        return {k: _without(v, deeper.get(k, ())) for k, v in value.items() if k not in dropped}
-    return [_without(v, deeper.get(str(i), ())) for i, v in enumerate(value) if str(i) not in dropped]
-
-
-def _number(value: Decimal) -> bytes:
-    """A number's one spelling: sign, significant digits, exponent (``1.50`` and ``15e-1`` -> ``15e-1``)."""
-    sign, digits, exponent = value.as_tuple()
-    assert isinstance(exponent, int)  # JSON has no NaN or infinity, and a function's are refused
-    text = "".join(map(str, digits)).lstrip("0")
-    if not text:
-        return b"0"
-    stripped = text.rstrip("0")
-    exponent += len(text) - len(stripped)
-    return b"%s%se%d" % (b"-" if sign else b"", stripped.encode("ascii"), exponent)
-
-
-def _encode(value: Any) -> bytes:
-    """A canonical, one-to-one encoding of a JSON value (or :data:`_ABSENT`): members sorted, numbers
-    spelled one way, strings as JSON writes them."""
-    if value is _ABSENT:
-        return b"~"
-    if value is None:
-        return b"null"
-    if value is True:
-        return b"true"
-    if value is False:
-        return b"false"
-    if isinstance(value, str):
-        try:
-            return json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidBody(
-                "The JSON body contains an escaped lone surrogate, which is not text."
-            ) from None
-    if isinstance(value, Decimal):
-        return _number(value)
-    if isinstance(value, list):
-        return b"[" + b",".join(_encode(v) for v in value) + b"]"
-    if isinstance(value, dict):
-        return b"{" + b",".join(_encode(k) + b":" + _encode(value[k]) for k in sorted(value)) + b"}"
-    raise AssertionError(f"not a decoded JSON value: {type(value).__name__}")
-
-
-def _jsonlike(value: Any) -> Any:
-    """What a ``custom`` function returned, as decoded JSON is (numbers as ``Decimal``)."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return Decimal(value)
-    if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ConfigurationError("A Fingerprint's custom function returned a float that is not finite.")
-        return Decimal(repr(value))
-    if isinstance(value, Decimal):
-        if not value.is_finite():
-            raise ConfigurationError("A Fingerprint's custom function returned a Decimal that is not finite.")
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonlike(v) for v in value]
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {k: _jsonlike(v) for k, v in value.items()}
-    raise ConfigurationError(
-        "A Fingerprint's custom function must return JSON-like values (dict with str keys, list, tuple,"
-        f" str, int, float, bool, None), not {type(value).__name__}."
-    )
 
 
 def describe_mismatch(

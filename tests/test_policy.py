@@ -330,7 +330,7 @@ def spelled(value: Any, rng: random.Random) -> str:
     return ("-" if sign else "") + rng.choice(choices).lstrip("-")
 
 
-@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(DOCUMENTS, st.data())
 def test_excluded_parts_never_change_the_fingerprint(document: dict[str, Any], data: st.DataObject) -> None:
     """Whatever replaces an excluded part (or removes it), the fingerprint stays."""
@@ -341,7 +341,7 @@ def test_excluded_parts_never_change_the_fingerprint(document: dict[str, Any], d
     assert sha(policy, parts(spelled(after, random.Random(2)).encode())) == before
 
 
-@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(DOCUMENTS, st.data())
 def test_included_parts_always_change_the_fingerprint(document: dict[str, Any], data: st.DataObject) -> None:
     """Any change of an included part (as a JSON value, not a spelling) changes the fingerprint, and so
@@ -360,7 +360,7 @@ def test_included_parts_always_change_the_fingerprint(document: dict[str, Any], 
         assert sha(excluding, parts(old_text)) != sha(excluding, parts(new_text))
 
 
-@settings(max_examples=100)
+@settings(max_examples=60)
 @given(DOCUMENTS, st.integers(0, 2**32))
 def test_member_order_whitespace_and_number_spelling_never_count(document: dict[str, Any], seed: int) -> None:
     """The same document written another way (members shuffled, 1.0 as 10e-1) has one fingerprint."""
