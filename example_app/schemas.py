@@ -103,6 +103,15 @@ class OrderList(Schema):
     orders = fields.List(fields.Nested(Order), required=True)
 
 
+class ReceiptLink(Schema):
+    """A receipt link as minted: its url holds the secret token, shown in this answer only."""
+
+    id = fields.Integer(required=True)
+    order_id = fields.Integer(required=True)
+    url = fields.String(required=True, metadata={"description": "GET it, without the API key."})
+    created_at = fields.DateTime(required=True)
+
+
 class Payment(Schema):
     """A payment as the API answers it. It never carries the payment source."""
 

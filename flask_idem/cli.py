@@ -14,6 +14,7 @@ from flask import current_app
 from flask.cli import AppGroup
 from psycopg.conninfo import conninfo_to_dict
 
+from ._codec import new_key
 from .errors import missing_table_hint
 from .pool import ProcessPool
 from .recovery import RecoveryReport, recover, run_forever
@@ -217,3 +218,13 @@ def _size(size: int) -> str:
             return f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} GB"
+
+
+@idem_cli.command("new-response-key")
+def new_response_key_command() -> None:
+    """Print a new key for IDEM_RESPONSE_KEYS (encrypted stored responses).
+
+    To rotate, put it first in the list and keep the old key after it for IDEM_KEY_TTL, until every
+    response the old key encrypted has expired; then drop the old key.
+    """
+    click.echo(new_key())

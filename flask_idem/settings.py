@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeAlias
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from ._codec import parse_response_keys
 from .errors import ConfigurationError
 
 __all__ = [
@@ -114,6 +115,10 @@ class Settings:
     connect_options: Mapping[str, str | int | None] = field(default_factory=dict, repr=False)
     #: A request's database time in all, kept by the client (``IDEM_DATABASE_DEADLINE``); ``None``: none.
     database_deadline: float | None = 10.0
+    #: The largest response body kept for retries (``IDEM_MAX_RESPONSE_BYTES``).
+    max_response_bytes: int = 1024 * 1024
+    #: Keys of ``store_response="encrypted"`` routes (``IDEM_RESPONSE_KEYS``), the first encrypting.
+    response_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -147,6 +152,11 @@ class Settings:
             raise ConfigurationError(
                 "IDEM_REPLAY_HEADERS must not include Set-Cookie: a replay would hand one client's"
                 " cookies to whoever retries."
+            )
+        if {"authorization", "proxy-authorization"} & {h.lower() for h in headers}:
+            raise ConfigurationError(
+                "IDEM_REPLAY_HEADERS must not include Authorization: a replay would hand one client's"
+                " credentials to whoever retries."
             )
         table = config.get("IDEM_TABLE", defaults.table)
         parts = table.split(".") if isinstance(table, str) else []
@@ -184,6 +194,10 @@ class Settings:
             ),
             connect_options=parse_connect_options(config.get("IDEM_CONNECT_OPTIONS", {})),
             database_deadline=deadline,
+            max_response_bytes=_positive_int(
+                "IDEM_MAX_RESPONSE_BYTES", config.get("IDEM_MAX_RESPONSE_BYTES", defaults.max_response_bytes)
+            ),
+            response_keys=parse_response_keys(config.get("IDEM_RESPONSE_KEYS")),
             **{
                 name: parse_seconds(
                     f"IDEM_{name.upper()}", config.get(f"IDEM_{name.upper()}", getattr(defaults, name))

@@ -15,6 +15,7 @@ import psycopg
 from flask import Flask, current_app
 from psycopg.rows import TupleRow
 
+from ._codec import ResponseCodec
 from .flow import Flow
 from .pool import ConnectionSource, ProcessPool
 from .settings import Settings
@@ -43,6 +44,9 @@ class IdemState:
     flows: Mapping[str, Flow]
     #: Test hooks, called at each point of :meth:`fire`; empty outside :mod:`flask_idem.testing`.
     hooks: list[Hook] = field(default_factory=list)
+    #: Encrypts the stored bodies of ``store_response="encrypted"`` routes; ``None`` without
+    #: ``IDEM_RESPONSE_KEYS``.
+    codec: ResponseCodec | None = None
 
     def fire(self, point: str, conn: psycopg.Connection[TupleRow] | None) -> None:
         """Call the test hooks at ``point``: ``"view"`` after the view ran, inside its transaction;
@@ -73,7 +77,8 @@ class IdemState:
         store = Store(
             pool, table=settings.table, tombstone_ttl=settings.tombstone_ttl, distributed=settings.distributed
         )
-        return cls(settings=settings, pool=pool, store=store, flows=flows)
+        codec = ResponseCodec(settings.response_keys) if settings.response_keys else None
+        return cls(settings=settings, pool=pool, store=store, flows=flows, codec=codec)
 
 
 def get_state(app: Flask | None = None) -> IdemState:

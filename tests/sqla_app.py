@@ -10,6 +10,7 @@ multi-step flow whose steps write through ``db.session`` too.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import signal
@@ -114,6 +115,17 @@ def create_order() -> Any:
     if request.headers.get("X-Test-Crash") == "kill":  # written and flushed, not committed
         os.kill(os.getpid(), signal.SIGKILL)
     return order.to_dict(), 201, {"Location": url_for(".get_order", order_id=order.id)}
+
+
+@bp.post("/orders/async")
+@idem.idempotent()
+async def create_order_async() -> Any:
+    """``async def``: ``db.session`` on the coroutine's thread is the request's session (scoped by the
+    application context, which the coroutine shares)."""
+    await asyncio.sleep(0)
+    order = _new_order()
+    await asyncio.sleep(0)
+    return order.to_dict(), 201
 
 
 @bp.get("/orders/<int:order_id>")

@@ -404,3 +404,22 @@ def test_a_silent_session_connection_is_cut_at_the_deadline(
     while count(db, "orders") != 2:
         assert time.monotonic() < deadline, "the order of the cut transaction was kept"
         time.sleep(0.2)
+
+
+def test_an_async_view_writes_through_the_session(
+    sqla: Flask, org_key: str, db: psycopg.Connection[Any]
+) -> None:
+    """An async def view's db.session writes commit with the key, and the kit's crash, replay and in-flight
+    checks pass on it."""
+    from flask_idem.testing import Rows, check_in_flight, check_replay
+
+    orders = Rows(db, "orders")
+    first, again = check_replay(
+        sqla, "POST", "/orders/async", json=ORDER, headers=headers(org_key), effect=orders
+    )
+    assert (first.status_code, again.status_code) == (201, 200)
+    held, duplicate = check_in_flight(
+        sqla, "POST", "/orders/async", json=ORDER, headers=headers(org_key), effect=orders
+    )
+    assert (held.status_code, duplicate.status_code) == (201, 409)
+    assert checked_out(sqla) == 0
