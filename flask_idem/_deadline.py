@@ -102,11 +102,15 @@ class _Watchdog:
         with self._lock:
             if armed not in self._armed:
                 return False
-            self._armed.discard(armed)
-            armed.cut, armed.why = True, why
-            _shutdown(armed.fd)
+            self._cut(armed, why)
         _cut_done(armed)
         return True
+
+    def _cut(self, armed: Armed, why: str) -> None:
+        """Under the lock, so that :func:`disarm` cannot close the descriptor meanwhile."""
+        self._armed.discard(armed)
+        armed.cut, armed.why = True, why
+        _shutdown(armed.fd)
 
     def _run(self) -> None:
         while True:
@@ -118,13 +122,8 @@ class _Watchdog:
                         break
                     self._wake_at = min((armed.deadline for armed in self._armed), default=math.inf)
                     self._changed.wait(None if self._wake_at == math.inf else self._wake_at - now)
-                for armed in due:  # under the lock: disarm() cannot close the descriptor meanwhile
-                    self._armed.discard(armed)
-                    armed.cut = True
-                    armed.why = (
-                        f"no answer within its deadline of {armed.seconds:.1f} s (IDEM_DATABASE_DEADLINE)"
-                    )
-                    _shutdown(armed.fd)
+                for armed in due:
+                    self._cut(armed, f"no answer within its deadline of {armed.seconds:.1f} s")
             for armed in due:
                 _cut_done(armed)
 
