@@ -7,6 +7,7 @@ leaving a request goes through :func:`.errors.database_error`.
 from __future__ import annotations
 
 import hmac
+import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from . import _engine, signals
 from ._calls import in_transaction, render
 from .errors import (
     ConfigurationError,
+    DatabaseUnavailable,
     IdempotencyError,
     KeyExpired,
     KeyInUse,
@@ -42,6 +44,8 @@ __all__ = ["SAFE_METHODS", "Current", "ViewOptions", "current", "handle"]
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 _CURRENT_ATTR = "_flask_idem_current"
+
+logger = logging.getLogger("flask_idem")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,7 @@ def handle(
         key = parse_key(options.key_from())
     keyed: KeyedRequest | None = None
     try:
+        _ready(state)
         if key is None:
             required = state.settings.require_key if options.required is None else options.required
             if required or options.flow is not None:
@@ -118,6 +123,20 @@ def handle(
                 sqlstate=e.sqlstate,
             )
         raise error from None
+
+
+def _ready(state: IdemState) -> None:
+    """Check the key table's layout at the first write request (:meth:`.IdemState.check_layout`).
+
+    A missing or unusable key table is the deployment's problem, not the client's, and it ends once the
+    migration has run: the request is answered 503 with ``Retry-After`` (nothing was recorded; a retry
+    with the same key is safe), and the error, with the command to run, goes to the log.
+    """
+    try:
+        state.check_layout()
+    except ConfigurationError as e:
+        logger.error("%s Answered 503 until then.", e)
+        raise DatabaseUnavailable(retry_after=state.settings.retry_after) from None
 
 
 @dataclass(frozen=True, slots=True)

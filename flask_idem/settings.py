@@ -109,6 +109,8 @@ class Settings:
     recovery_backoff_cap: float = 300.0
     #: How long a key is remembered after its stored response expired (``IDEM_TOMBSTONE_TTL``).
     tombstone_ttl: float = 30 * 24 * 3600.0
+    #: How long a migration's statement waits for a lock before its transaction is tried again.
+    migration_lock_timeout: float = 2.0
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -178,7 +180,13 @@ class Settings:
                 name: parse_seconds(
                     f"IDEM_{name.upper()}", config.get(f"IDEM_{name.upper()}", getattr(defaults, name))
                 )
-                for name in ("lease_timeout", "recovery_deadline", "recovery_backoff", "recovery_backoff_cap")
+                for name in (
+                    "lease_timeout",
+                    "recovery_deadline",
+                    "recovery_backoff",
+                    "recovery_backoff_cap",
+                    "migration_lock_timeout",
+                )
             },
         )
 
