@@ -41,7 +41,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from . import _layout
-from ._layout import Found, Revision
+from ._layout import Found, Index, Revision
 
 __all__ = ["ATTEMPTS", "Report", "connect", "grant", "pending", "upgrade"]
 
@@ -60,6 +60,16 @@ _MAX_PAUSE = 5.0
 #: Session settings of the migration's connection: no timeout for statements (index builds) or for locks
 #: outside its transactions (an index build waits for older transactions without blocking anyone).
 _SESSION = "-c statement_timeout=0 -c lock_timeout=0"
+
+#: Whether another session is building index %(name)s right now (a migration's build, which runs as the
+#: same role and so shows its query; on Citus the build's locks are on the workers, not here).
+_BUILDING = (
+    "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND state = 'active'"
+    " AND datname = current_database() AND query ILIKE 'CREATE INDEX CONCURRENTLY%%'"
+    " AND strpos(query, %(name)s) > 0)"
+)
+#: Seconds between two looks at another migration's index build.
+_BUILD_POLL = 0.2
 
 _VALID = "SELECT coalesce((SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)::oid), false)"
 _INVALID = "SELECT EXISTS (SELECT FROM pg_index WHERE indexrelid = to_regclass(%s)::oid AND NOT indisvalid)"
@@ -183,21 +193,32 @@ class _Runner:
             try:
                 return self._apply(revision)
             except _InvalidIndex as e:
+                name, cause = e.args[0], e.args[1] if len(e.args) > 1 else None
                 if attempt == _BUILD_ATTEMPTS:
+                    if isinstance(cause, psycopg.Error):
+                        raise cause from None
                     raise RuntimeError(
-                        f"Building index {e} of layout {revision.layout} failed {attempt} times (it is left"
-                        " invalid); see the server's log, then run 'flask idem migrate' again."
+                        f"Building index {name} of layout {revision.layout} failed {attempt} times (it is"
+                        " left invalid); see the server's log, then run 'flask idem migrate' again."
                     ) from None
-                self.echo(f"Index {e} is not valid (its build failed); building it again.")
+                reason = f" ({type(cause).__name__})" if cause is not None else ""
+                self.echo(f"Index {name} is not valid: its build failed{reason}; building it again.")
         raise AssertionError("unreachable")
 
     def _apply(self, revision: Revision) -> bool:
+        def valid(conn: psycopg.Connection[Any]) -> bool:
+            return all(
+                conn.execute(_VALID, (self._name(index.name),)).fetchone() == (True,)
+                for index in revision.indexes
+            )
+
         def ddl(conn: psycopg.Connection[Any]) -> bool:
-            if (_layout.read(conn, self.table).layout or 0) >= revision.layout:
+            recorded = (_layout.read(conn, self.table).layout or 0) >= revision.layout
+            if recorded and valid(conn):
                 return False
             for index in revision.indexes:
                 self._drop_if_invalid(conn, index.name)
-            if revision.sql:
+            if revision.sql and not recorded:
                 conn.execute(sql.SQL(revision.sql).format(**self.names))
             if not revision.indexes:
                 self._record(conn, revision)
@@ -210,25 +231,43 @@ class _Runner:
         if not revision.indexes:
             return True
         for index in revision.indexes:
-            self.echo(f"Building index {self._name(index.name)} concurrently (writes go on meanwhile).")
-            statement = sql.SQL("CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ").format(self.names[index.name])
-            try:
-                self.conn.execute(statement + sql.SQL(index.definition).format(**self.names))
-            except (psycopg.errors.DeadlockDetected, psycopg.errors.LockNotAvailable) as e:
-                # A build waits for every older transaction, another migration's included, which may
-                # wait for this build's lock on the table: PostgreSQL breaks the deadlock, here or there.
-                raise _InvalidIndex(self._name(index.name)) from e
+            self._build(index)
 
         def record(conn: psycopg.Connection[Any]) -> bool:
-            if (_layout.read(conn, self.table).layout or 0) >= revision.layout:
-                return False
             for index in revision.indexes:
                 if not conn.execute(_VALID, (self._name(index.name),)).fetchone() == (True,):
                     raise _InvalidIndex(self._name(index.name))
+            if (_layout.read(conn, self.table).layout or 0) >= revision.layout:
+                return False
             self._record(conn, revision)
             return True
 
         return self.transaction(record)
+
+    def _build(self, index: Index) -> None:
+        """Build ``index`` with ``CREATE INDEX CONCURRENTLY``, unless it exists (valid, or being built by
+        another migration, which is waited for).
+
+        An index that exists is never built "again" with ``IF NOT EXISTS``: PostgreSQL would skip it, but
+        Citus marks the existing index invalid while it goes over the shards.
+        """
+        self._wait_for_builds(index.name)
+        if self.conn.execute("SELECT to_regclass(%s) IS NOT NULL", (self._name(index.name),)).fetchone() == (
+            True,
+        ):
+            return
+        self.echo(f"Building index {self._name(index.name)} concurrently (writes go on meanwhile).")
+        statement = sql.SQL("CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ").format(self.names[index.name])
+        try:
+            self.conn.execute(statement + sql.SQL(index.definition).format(**self.names))
+        except psycopg.Error as e:
+            # A build waits for every older transaction, another migration's included, which may wait for
+            # this build's lock on the table: PostgreSQL breaks the deadlock, here or there. Citus may trip
+            # over another migration's build of the same index on a shard. Either way the index is left
+            # missing or invalid, and the revision is tried again.
+            if self.conn.closed or self.conn.broken:
+                raise
+            raise _InvalidIndex(self._name(index.name), e) from e
 
     def distribute(self) -> None:
         """Run every revision's Citus statements, in one transaction (each is safe to run again)."""
@@ -277,7 +316,7 @@ class _Runner:
         here would deadlock: a concurrent build waits for every older transaction, this one included).
         """
         literal = self._name(name)
-        if not conn.execute(_INVALID, (literal,)).fetchone() == (True,):
+        if not conn.execute(_INVALID, (literal,)).fetchone() == (True,) or self._building(conn, name):
             return
         try:
             with conn.transaction():  # a savepoint: NOWAIT failing must not end the revision's transaction
@@ -289,6 +328,20 @@ class _Runner:
         if conn.execute(_INVALID, (literal,)).fetchone() == (True,):
             self.echo(f"Dropping index {literal}, left invalid by a failed build.")
             conn.execute(sql.SQL("DROP INDEX {}").format(self.names[f"{name}_qualified"]))
+
+    def _building(self, conn: psycopg.Connection[Any], name: str) -> bool:
+        bare = self.names[name].as_string(None).strip('"')
+        return conn.execute(_BUILDING, {"name": bare}).fetchone() == (True,)
+
+    def _wait_for_builds(self, name: str) -> None:
+        """Wait while another migration builds index ``name``: on plain PostgreSQL a second build would
+        wait for the first by itself, but on Citus it would trip over it on the shards."""
+        told = False
+        while self._building(self.conn, name):
+            if not told:
+                self.echo(f"Another migration is building {self._name(name)}; waiting for it.")
+                told = True
+            time.sleep(_BUILD_POLL)
 
     def _record(self, conn: psycopg.Connection[Any], revision: Revision) -> None:
         conn.execute(

@@ -192,18 +192,22 @@ def run_upgrade(revision: Revision) -> None:
     for index in revision.indexes:
         name = names[f"{index.name}_qualified"].as_string(None)
         if not context.is_offline_mode():
-            invalid = op.get_bind().exec_driver_sql(
-                "SELECT EXISTS (SELECT FROM pg_index WHERE indexrelid = to_regclass(%(name)s)::oid"
-                " AND NOT indisvalid)",
-                {"name": name},
+            # A valid index is kept (Citus would mark it invalid while going over the shards again); one
+            # left invalid by a failed build is dropped and built again.
+            found = (
+                op.get_bind()
+                .exec_driver_sql(
+                    "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%(name)s)::oid",
+                    {"name": name},
+                )
+                .scalar()
             )
-            if invalid.scalar():
+            if found is True:
+                continue
+            if found is False:
                 with op.get_context().autocommit_block():
-                    _execute(
-                        sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(
-                            names[f"{index.name}_qualified"]
-                        )
-                    )
+                    qualified = names[f"{index.name}_qualified"]
+                    _execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(qualified))
         with op.get_context().autocommit_block():
             create = sql.SQL("CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ").format(names[index.name])
             _execute(create + sql.SQL(index.definition).format(**names))

@@ -91,14 +91,14 @@ _distributed_option = click.option(
 )
 
 
-def _upgrade(distributed: bool) -> _migrate.Report:
+def _upgrade(distributed: bool, *, quiet: bool = False) -> _migrate.Report:
     settings = get_state().settings
     return _migrate.upgrade(
         settings.database_url,
         table=settings.table,
         distributed=distributed or settings.distributed,
         lock_timeout=settings.migration_lock_timeout,
-        echo=click.echo,
+        echo=(lambda _: None) if quiet else click.echo,
     )
 
 
@@ -110,7 +110,7 @@ def init_db(distributed: bool) -> None:
 
     Run it as a role that may create tables (see the privileges in the documentation).
     """
-    _upgrade(distributed)
+    _upgrade(distributed, quiet=True)
     click.echo(f"Key table {get_state().settings.table} is ready (layout {_layout.latest()}).")
 
 

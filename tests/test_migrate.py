@@ -172,7 +172,7 @@ def test_first_release_rows_keep_the_contract_after_the_upgrade(
         )
         db.execute(
             sql.SQL(
-                "UPDATE {} SET next_attempt_at = now(), created_at = created_at - interval '2 hours'"
+                "UPDATE {} SET next_attempt_at = now(), created_at = now() - interval '2 hours'"
                 " WHERE idem_key = %s"
             ).format(keys),
             (flagged,),

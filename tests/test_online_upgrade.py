@@ -117,7 +117,11 @@ def test_upgrade_under_load(
     during = [seconds for during, _, seconds in answers if during]
 
     def ms(values: list[float], q: int) -> str:
-        return f"{statistics.quantiles(values, n=100)[q - 1] * 1000:.1f}" if len(values) > 1 else "-"
+        return (
+            f"{statistics.quantiles(values, n=100, method='inclusive')[q - 1] * 1000:.1f}"
+            if len(values) > 1
+            else "-"
+        )
 
     print(
         f"\nupgrade of {ROWS:,} rows to layout {report.after}: {took:.2f} s,"
