@@ -123,8 +123,10 @@ def upgrade(
 ) -> Report:
     """Create the key table, or bring it to the latest layout, on a connection of its own to ``url``.
 
-    Safe to run twice, and from two processes at once. With ``distributed`` the tables are also
-    distributed on Citus (every revision's ``distributed_sql``, which is safe to run again too).
+    Safe to run twice, and from two processes at once. With ``distributed`` each revision applied also
+    runs its Citus statements (``distributed_sql``) in its transaction, and a key table that is not
+    distributed yet gets those of every revision (each is safe to run again). A table in the latest
+    layout, distributed as asked, is not touched: the command then needs no privilege beyond reading.
 
     :param url: a role that may create and alter the tables (their owner), not the application's role.
     :param lock_timeout: seconds a statement of a revision's transaction waits for a lock before the
@@ -133,7 +135,7 @@ def upgrade(
     """
     names = _layout.names(table)
     with connect(url) as conn:
-        runner = _Runner(conn, table, names, lock_timeout, echo)
+        runner = _Runner(conn, table, names, lock_timeout, echo, distributed=distributed)
         found, todo = pending(conn, table)
         report = Report(before=found, after=found.layout or 0)
         runner.report = report
@@ -141,7 +143,7 @@ def upgrade(
             if runner.apply(revision):
                 report.applied.append(revision.layout)
             report.after = revision.layout
-        if distributed:
+        if distributed and not runner.is_distributed():
             runner.distribute()
     return report
 
@@ -178,8 +180,11 @@ class _Runner:
         names: dict[str, sql.Composable],
         lock_timeout: float,
         echo: Callable[[str], None],
+        *,
+        distributed: bool = False,
     ) -> None:
         self.conn = conn
+        self.distributed = distributed
         self.table = table
         self.names = names
         self.lock_timeout = sql.Literal(f"{max(1, round(lock_timeout * 1000))}ms")
@@ -220,6 +225,10 @@ class _Runner:
                 self._drop_if_invalid(conn, index.name)
             if revision.sql and not recorded:
                 conn.execute(sql.SQL(revision.sql).format(**self.names))
+            if self.distributed and revision.distributed_sql and not recorded:
+                # Citus runs a function's DDL over one connection per node, so the whole transaction must.
+                conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
+                conn.execute(sql.SQL(revision.distributed_sql).format(**self.names))
             if not revision.indexes:
                 self._record(conn, revision)
             return True
@@ -268,6 +277,14 @@ class _Runner:
             if self.conn.closed or self.conn.broken:
                 raise
             raise _InvalidIndex(self._name(index.name), e) from e
+
+    def is_distributed(self) -> bool:
+        """Whether the key table is a Citus distributed table already."""
+        found = self.conn.execute(
+            "SELECT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = to_regclass(%s))",
+            (self.names["table"].as_string(None),),
+        ).fetchone()
+        return found == (True,)
 
     def distribute(self) -> None:
         """Run every revision's Citus statements, in one transaction (each is safe to run again)."""
@@ -327,7 +344,8 @@ class _Runner:
             return
         if conn.execute(_INVALID, (literal,)).fetchone() == (True,):
             self.echo(f"Dropping index {literal}, left invalid by a failed build.")
-            conn.execute(sql.SQL("DROP INDEX {}").format(self.names[f"{name}_qualified"]))
+            # IF EXISTS: on Citus the drop goes to every shard, where a failed build may have made none.
+            conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(self.names[f"{name}_qualified"]))
 
     def _building(self, conn: psycopg.Connection[Any], name: str) -> bool:
         bare = self.names[name].as_string(None).strip('"')

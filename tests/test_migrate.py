@@ -329,8 +329,8 @@ def test_invalid_index_left_by_a_failed_build_is_built_again(
     with pytest.raises(psycopg.errors.UniqueViolation):
         db.execute(
             sql.SQL(
-                "CREATE UNIQUE INDEX CONCURRENTLY {} ON {} ((greatest(lease_expires_at, next_attempt_at)))"
-                " WHERE lease_expires_at IS NOT NULL"
+                "CREATE UNIQUE INDEX CONCURRENTLY {} ON {}"
+                " (org_id, (greatest(lease_expires_at, next_attempt_at))) WHERE lease_expires_at IS NOT NULL"
             ).format(sql.Identifier(legacy + "_due_idx"), keys)
         )
     assert any(index.endswith(" INVALID") for index in catalog(db, legacy)["indexes"])
@@ -339,7 +339,7 @@ def test_invalid_index_left_by_a_failed_build_is_built_again(
     assert f'Dropping index "{legacy}_due_idx", left invalid by a failed build.' in lines
     due = [index for index in catalog(db, legacy)["indexes"] if "GREATEST" in index]
     assert len(due) == 1
-    assert "UNIQUE" not in due[0] and "INVALID" not in due[0]
+    assert "UNIQUE" not in due[0] and "INVALID" not in due[0] and "org_id" not in due[0]
     assert layout_of(db, legacy) == _layout.latest()
 
 
