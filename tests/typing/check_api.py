@@ -87,6 +87,7 @@ def create_note() -> Response:
 with app.app_context():
     pool: ConnectionPool[Any] = idem.pool
     idem.create_table()
+    idem.check_layout()
     idem.close()
 
 # -- multi-step flows: both forms of Flow.call, the finish step, what a step sees --------------------------
