@@ -424,3 +424,56 @@ def test_grant_gives_the_application_role_dml_only(
     finally:
         db.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
         db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+# -- what layout 2 is for ----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(citus.ENABLED, reason="Citus claims organisation by organisation, with other plans")
+def test_claim_reads_only_due_rows_on_layout_2(
+    legacy: str, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """With 5,000 stranded requests backing off and 3 due, the recovery claim reads them all on layout 1
+    and only the due ones through layout 2's index (its plan names the index: the claim statement and
+    the index's expression must stay in step). Prints the buffers each plan touched."""
+    from flask_idem.store import Store
+
+    keys = sql.Identifier(legacy)
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, flow, lease_token,"
+            " lease_expires_at, next_attempt_at, expires_at)"
+            " SELECT i % 7, gen_random_uuid(), sha256('x'), 'POST', '/t', 'processing', 'notes.transfer',"
+            " gen_random_uuid(), now() - interval '1 minute',"
+            " CASE WHEN i <= 3 THEN now() - interval '1 second' ELSE now() + interval '1 hour' END,"
+            " now() + interval '1 day' FROM generate_series(1, 5000) AS i"
+        ).format(keys)
+    )
+    db.execute(sql.SQL("ANALYZE {}").format(keys))
+    claim = Store(None, table=legacy)._sql.claim  # type: ignore[arg-type]  # the statement only
+    params = {
+        "token": uuid.uuid4(),
+        "lease": 30.0,
+        "limit": 1,
+        "deadline": 3600.0,
+        "flows": ["notes.transfer"],
+    }
+
+    def explain() -> tuple[str, int]:
+        with db.transaction(force_rollback=True):
+            rows = db.execute(b"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim, params).fetchone()
+        assert rows is not None
+        tree = rows[0][0]["Plan"]
+        text = str(tree)
+        return text, int(tree.get("Shared Hit Blocks", 0)) + int(tree.get("Shared Read Blocks", 0))
+
+    before, blocks_before = explain()
+    _migrate.upgrade(direct_database_url, table=legacy)
+    after, blocks_after = explain()
+    print(
+        f"\nclaim with 5,000 rows backing off: {blocks_before} buffers on layout 1,"
+        f" {blocks_after} on layout 2"
+    )
+    assert f"{legacy}_due_idx" not in before
+    assert f"{legacy}_due_idx" in after
+    assert blocks_after < blocks_before
