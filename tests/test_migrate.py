@@ -477,3 +477,58 @@ def test_claim_reads_only_due_rows_on_layout_2(
     assert f"{legacy}_due_idx" not in before
     assert f"{legacy}_due_idx" in after
     assert blocks_after < blocks_before
+
+
+def test_column_revision_gives_way_to_a_long_transaction(
+    legacy: str, direct_database_url: str, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A revision that adds a column needs an instant of ACCESS EXCLUSIVE. Behind a long transaction
+    it waits at most the lock timeout, lets the writers queued behind it through, and tries again; it
+    rewrites nothing (a constant default)."""
+    _migrate.upgrade(direct_database_url, table=legacy, distributed=citus.ENABLED)
+    column = _layout.Revision(
+        layout=_layout.latest() + 1,
+        compatible_from=1,
+        summary="a column, for this test",
+        sql="ALTER TABLE {table} ADD COLUMN IF NOT EXISTS test_policy text NOT NULL DEFAULT 'strict'",
+    )
+    with_column = (*_layout.revisions(), column)
+    monkeypatch.setattr(_layout, "revisions", lambda: with_column)
+    keys = sql.Identifier(legacy)
+    insert = sql.SQL(
+        "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response, expires_at)"
+        " VALUES (1, gen_random_uuid(), sha256('x'), 'POST', '/x', 'completed', '{{}}', now())"
+    ).format(keys)
+    relfilenode = sql.SQL("SELECT pg_relation_filenode({})").format(sql.Literal(legacy))
+    file_before = db.execute(relfilenode).fetchone()
+    lines: list[str] = []
+    reports: list[_migrate.Report] = []
+    with psycopg.connect(direct_database_url) as holder, psycopg.connect(direct_database_url) as writer:
+        holder.execute(insert)  # a long transaction that wrote to the table
+        thread = threading.Thread(
+            target=lambda: reports.append(
+                _migrate.upgrade(
+                    direct_database_url,
+                    table=legacy,
+                    distributed=citus.ENABLED,
+                    lock_timeout=0.2,
+                    echo=lines.append,
+                )
+            )
+        )
+        thread.start()
+        try:
+            wait_for(lambda: any("a lock was not free in time" in line for line in lines))
+            writer.execute("SET lock_timeout = '10s'")  # waits 0.2 s at most behind the ALTER
+            writer.execute(insert)
+            writer.commit()
+        finally:
+            holder.commit()
+            thread.join(60)
+    [report] = reports
+    assert report.applied == [column.layout]
+    assert report.lock_retries >= 1
+    assert layout_of(db, legacy) == column.layout
+    assert db.execute(relfilenode).fetchone() == file_before  # no rewrite
+    policies = db.execute(sql.SQL("SELECT DISTINCT test_policy FROM {}").format(keys)).fetchall()
+    assert policies == [("strict",)]
