@@ -91,11 +91,11 @@ def handle(
         key = parse_key(options.key_from())
     keyed: KeyedRequest | None = None
     try:
-        _ready(state)
         if key is None:
             required = state.settings.require_key if options.required is None else options.required
             if required or options.flow is not None:
                 raise MissingKey()
+            _ready(state)
             return in_transaction(
                 state.pool,
                 lambda conn: current_app.make_response(_call_view(conn, None, None, view, args, kwargs)),
@@ -108,6 +108,7 @@ def handle(
             body=_whole_body(req),
         )
         keyed = KeyedRequest(_org_id(options.scope), key, request_sha, req.method, req.path)
+        _ready(state)
         attempt = _Attempt(view, args, kwargs, keyed)
         if options.flow is None:
             return _atomic(state, options, attempt)
