@@ -138,6 +138,12 @@ def test_new_project(projects: Any, scratch: str) -> None:
     own folder), upgrade; an idempotent route works; autogenerate then finds nothing to change."""
     project = projects()
     assert project.flask_db("init").exit_code == 0
+    offline = project.flask_db("upgrade", "--sql")  # the SQL a DBA would run, printed, nothing run
+    assert offline.exit_code == 0, offline.output
+    assert 'CREATE TABLE IF NOT EXISTS "idempotency_keys"' in offline.output
+    assert 'CREATE INDEX CONCURRENTLY IF NOT EXISTS "idempotency_keys_due_idx"' in offline.output
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") is None
     assert project.flask_db("upgrade").exit_code == 0
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") == 2
