@@ -2,11 +2,14 @@
 
     uv run python bench/before.py --before 3da42f4                  # 6 rounds of 8 s per pair (~6 min)
     uv run python bench/before.py --before 3da42f4 --rounds 4 --seconds 5
+    uv run python bench/before.py --before-env FLASK_IDEM_DATABASE_DEADLINE=null   # one code, two settings
 
 ``bench/run.py`` compares scenarios of one code with each other; this compares two codes in one
 scenario. Two gunicorns of 1 worker × 4 threads serve the shop (``bench/app.py``) on one scratch
 database: **now**, this checkout, and **before**, the commit ``--before`` extracted with ``git archive``
-(its ``flask_idem``, ``example_app`` and ``bench``; the key table's schema must be the same). Each pair is
+(its ``flask_idem``, ``example_app`` and ``bench``; the key table's schema must be the same), or this
+checkout too when ``--before`` is not given. ``--before-env`` and ``--now-env`` (``NAME=VALUE``, repeated)
+set the environment of one server, to compare two settings of one code. Each pair is
 two wrk runs at once, one against each server (wrk -t1 -c8 each, as in ``run.py``), so both see the same
 moments of the machine; the ratio now / before is taken round by round, by requests per second and by
 capacity (requests per CPU second of the server's workers and of its own PostgreSQL backends), and the
@@ -54,7 +57,9 @@ DATABASE = "flask_idem_bench_before"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", required=True, help="the commit to compare this checkout with")
+    parser.add_argument("--before", help="the commit to compare this checkout with (default: this one)")
+    parser.add_argument("--before-env", action="append", default=[], help="NAME=VALUE for 'before'")
+    parser.add_argument("--now-env", action="append", default=[], help="NAME=VALUE for 'now'")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seconds", type=float, default=8)
     args = parser.parse_args()
@@ -67,9 +72,11 @@ def main() -> None:
     ):
         tmp = Path(tmpdir)
         machine = report.machine(server_version(url), 2, 4)  # with the load average at the start
-        roots = {
-            "now": Path(__file__).resolve().parent.parent,
-            "before": snapshot(args.before, tmp / "before"),
+        here = Path(__file__).resolve().parent.parent
+        roots = {"now": here, "before": snapshot(args.before, tmp / "before") if args.before else here}
+        envs = {
+            name: dict(item.split("=", 1) for item in items)
+            for name, items in (("now", args.now_env), ("before", args.before_env))
         }
         org_id, api_key = set_up_shop(url)
         with gunicorn(url, workers=1, threads=plan.threads, log=tmp / "gunicorn.log") as shop:
@@ -84,7 +91,8 @@ def main() -> None:
             servers = {
                 name: stack.enter_context(
                     gunicorn(make_conninfo(url, application_name=f"bench-{name}"), workers=1,
-                             threads=plan.threads, log=tmp / f"gunicorn-{name}.log", root=root)
+                             threads=plan.threads, log=tmp / f"gunicorn-{name}.log", root=root,
+                             env=envs[name])
                 )
                 for name, root in roots.items()
             }  # fmt: skip
@@ -122,7 +130,10 @@ def _print(runs: dict[str, list[tuple[WrkRun, WrkRun]]], args: argparse.Namespac
         app, db = report.cpu_per_request(side, "app"), report.cpu_per_request(side, "db")
         return f"{app:.2f} / {db:.2f}"
 
-    print(f"now: this checkout; before: {args.before}\n")
+    def side(commit: str | None, env: list[str]) -> str:
+        return (commit or "this checkout") + (f" with {' '.join(env)}" if env else "")
+
+    print(f"now: {side(None, args.now_env)}; before: {side(args.before, args.before_env)}\n")
     print("| scenario | now / before, req/s | now / before, capacity | CPU ms/req before (app / db) | now |")
     print("| --- | --- | --- | --- | --- |")
     for label, pairs in runs.items():

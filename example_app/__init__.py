@@ -16,7 +16,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     :meth:`flask.Config.from_prefixed_env`), then from ``test_config``. Without a database URL, an embedded
     PostgreSQL is started with its data in the instance folder.
     """
-    from . import api, db, metrics, orders, payments, problems, web
+    from . import api, db, health, metrics, orders, payments, problems, receipts, web
     from .cli import shop_cli
     from .extensions import idem
 
@@ -36,10 +36,12 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
         app.config.update(test_config)
     if not app.config.get("IDEM_DATABASE_URL"):
         app.config["IDEM_DATABASE_URL"] = db.database_url(app)
+    if not app.config.get("IDEM_RESPONSE_KEYS"):  # receipt links are kept encrypted (example_app/receipts.py)
+        app.config["IDEM_RESPONSE_KEYS"] = receipts.response_keys(app)
 
     idem.init_app(app)
     problems.register(app)
-    api.register(app, orders.bp, payments.bp)
+    api.register(app, orders.bp, payments.bp, receipts.bp, receipts.public, health.bp)
     web.init_app(app)  # the checkout pages (example_app/web.py)
     metrics.register(app)
     app.cli.add_command(shop_cli)

@@ -24,3 +24,12 @@ BEGIN
     ALTER TABLE payments ADD CONSTRAINT payments_org_id_fkey FOREIGN KEY (org_id) REFERENCES orgs (id);
 END
 $$;
+
+-- Receipt links: with their orders, by org_id (they reference orders only, so no foreign key to drop).
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = 'receipt_links'::regclass) THEN
+        PERFORM create_distributed_table('receipt_links', 'org_id', colocate_with => {key_table});
+    END IF;
+END
+$$;

@@ -44,3 +44,16 @@ CREATE TABLE IF NOT EXISTS payments (
 -- An order is paid at most once, whatever the keys: one pending or succeeded payment per order.
 CREATE UNIQUE INDEX IF NOT EXISTS payments_one_live_per_order
     ON payments (org_id, order_id) WHERE status IN ('pending', 'succeeded');
+
+-- Links to an order's receipt (example_app/receipts.py): the token itself is never stored, only its hash.
+CREATE TABLE IF NOT EXISTS receipt_links (
+    id           bigint      GENERATED ALWAYS AS IDENTITY,
+    org_id       bigint      NOT NULL,
+    order_id     bigint      NOT NULL,
+    token_sha    bytea       NOT NULL CHECK (octet_length(token_sha) = 32),
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (org_id, id),
+    FOREIGN KEY (org_id, order_id) REFERENCES orders (org_id, id)
+);
+
+CREATE INDEX IF NOT EXISTS receipt_links_token ON receipt_links (token_sha);

@@ -103,6 +103,15 @@ class OrderList(Schema):
     orders = fields.List(fields.Nested(Order), required=True)
 
 
+class ReceiptLink(Schema):
+    """A receipt link as minted: its url holds the secret token, shown in this answer only."""
+
+    id = fields.Integer(required=True)
+    order_id = fields.Integer(required=True)
+    url = fields.String(required=True, metadata={"description": "GET it, without the API key."})
+    created_at = fields.DateTime(required=True)
+
+
 class Payment(Schema):
     """A payment as the API answers it. It never carries the payment source."""
 
@@ -114,6 +123,12 @@ class Payment(Schema):
         required=True, validate=validate.OneOf(["pending", "succeeded", "declined", "failed"])
     )
     gateway_charge_id = fields.String(required=True, allow_none=True)
+
+
+class Health(Schema):
+    """Whether the shop (and, for readiness, its database) answers."""
+
+    status = fields.String(required=True, validate=validate.OneOf(["ok"]))
 
 
 class Problem(Schema):

@@ -1,5 +1,8 @@
 """flask-idem: idempotency keys for Flask, backed by PostgreSQL."""
 
+from ._deadline import DeadlineExceeded as DeadlineExceeded
+from ._policy import Fingerprint as Fingerprint
+from ._timeouts import DEFAULT_CONNECT_OPTIONS as DEFAULT_CONNECT_OPTIONS
 from .errors import ConfigurationError as ConfigurationError
 from .errors import DatabaseFailed as DatabaseFailed
 from .errors import DatabaseUnavailable as DatabaseUnavailable
@@ -13,22 +16,28 @@ from .errors import MissingKey as MissingKey
 from .errors import NoScope as NoScope
 from .errors import OperationFailed as OperationFailed
 from .errors import OutcomePending as OutcomePending
+from .errors import ResponseNotStored as ResponseNotStored
+from .errors import StoredResponseUnreadable as StoredResponseUnreadable
 from .extension import Idempotency as Idempotency
 from .flow import Flow as Flow
 from .flow import OutcomeUnknown as OutcomeUnknown
 from .flow import Run as Run
 from .keys import HEADER as HEADER
 from .replay import REPLAYED_HEADER as REPLAYED_HEADER
+from .replay import StoreResponse as StoreResponse
 from .scopes import scope_id as scope_id
 from .settings import OnMismatch as OnMismatch
 from .settings import ScopeFunc as ScopeFunc
 
 __all__ = [
+    "DEFAULT_CONNECT_OPTIONS",
     "HEADER",
     "REPLAYED_HEADER",
     "ConfigurationError",
     "DatabaseFailed",
     "DatabaseUnavailable",
+    "DeadlineExceeded",
+    "Fingerprint",
     "Flow",
     "Idempotency",
     "IdempotencyError",
@@ -43,7 +52,10 @@ __all__ = [
     "OperationFailed",
     "OutcomePending",
     "OutcomeUnknown",
+    "ResponseNotStored",
     "Run",
     "ScopeFunc",
+    "StoreResponse",
+    "StoredResponseUnreadable",
     "scope_id",
 ]

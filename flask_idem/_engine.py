@@ -174,7 +174,9 @@ def _finish(
 def _store_final(
     state: IdemState, conn: psycopg.Connection[TupleRow], lease: Lease, response: Response
 ) -> None:
-    if not state.store.complete(conn, lease, record_response(response, state.settings.replay_headers)):
+    settings = state.settings
+    document = record_response(response, settings.replay_headers, max_bytes=settings.max_response_bytes)
+    if not state.store.complete(conn, lease, document):
         raise _LeaseLost()
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -42,6 +42,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from . import _layout
 from ._layout import Found, Index, Revision
+from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
 
 __all__ = ["ATTEMPTS", "Report", "connect", "grant", "pending", "upgrade"]
 
@@ -89,12 +90,18 @@ class Report:
 
 
 @contextmanager
-def connect(url: str) -> Iterator[psycopg.Connection[Any]]:
+def connect(
+    url: str, connect_options: Mapping[str, str | int | None] | None = None
+) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection of its own to ``url`` for DDL, with no statement or lock timeout.
 
-    Behind PgBouncer in transaction mode the session settings do not stick (``options`` is ignored or
-    refused); each transaction sets its own, and the index builds run with the server's defaults.
+    It gets the TCP timeouts of every connection of the extension (:data:`DEFAULT_CONNECT_OPTIONS` under
+    ``connect_options``, ``IDEM_CONNECT_OPTIONS``), not the request deadline the pool's connections
+    give the server. Behind PgBouncer in transaction mode the session settings do not stick
+    (``options`` is ignored or refused); each transaction sets its own, and the index builds run with
+    the server's defaults.
     """
+    url = with_connect_options(url, {**DEFAULT_CONNECT_OPTIONS, **(connect_options or {})})
     options = " ".join(filter(None, [str(conninfo_to_dict(url).get("options") or ""), _SESSION]))
     try:
         conn = psycopg.connect(url, autocommit=True, options=options, application_name="flask-idem migrate")
@@ -119,6 +126,7 @@ def upgrade(
     table: str,
     distributed: bool = False,
     lock_timeout: float = 2.0,
+    connect_options: Mapping[str, str | int | None] | None = None,
     echo: Callable[[str], None] = logger.info,
 ) -> Report:
     """Create the key table, or bring it to the latest layout, on a connection of its own to ``url``.
@@ -131,10 +139,11 @@ def upgrade(
     :param url: a role that may create and alter the tables (their owner), not the application's role.
     :param lock_timeout: seconds a statement of a revision's transaction waits for a lock before the
         transaction is tried again.
+    :param connect_options: libpq parameters over the default TCP timeouts (``IDEM_CONNECT_OPTIONS``).
     :param echo: told of each step, for a person watching.
     """
     names = _layout.names(table)
-    with connect(url) as conn:
+    with connect(url, connect_options) as conn:
         runner = _Runner(conn, table, names, lock_timeout, echo, distributed=distributed)
         found, todo = pending(conn, table)
         report = Report(before=found, after=found.layout or 0)
@@ -148,7 +157,14 @@ def upgrade(
     return report
 
 
-def grant(url: str, *, table: str, role: str, lock_timeout: float = 2.0) -> None:
+def grant(
+    url: str,
+    *,
+    table: str,
+    role: str,
+    lock_timeout: float = 2.0,
+    connect_options: Mapping[str, str | int | None] | None = None,
+) -> None:
     """Grant ``role`` what the application needs at run time on flask-idem's tables, and nothing more:
     ``SELECT, INSERT, UPDATE, DELETE`` (and ``USAGE`` on the key table's schema, if it names one)."""
     names = {**_layout.names(table), "role": sql.Identifier(role)}
@@ -161,7 +177,7 @@ def grant(url: str, *, table: str, role: str, lock_timeout: float = 2.0) -> None
             0,
             sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(parts[0]), sql.Identifier(role)),
         )
-    with connect(url) as conn:
+    with connect(url, connect_options) as conn:
         runner = _Runner(conn, table, names, lock_timeout, logger.info)
         runner.transaction(lambda c: [c.execute(statement) for statement in statements])
 

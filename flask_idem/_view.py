@@ -17,8 +17,9 @@ import psycopg
 from flask import Request, Response, current_app, g, request
 from psycopg.rows import TupleRow
 
-from . import _engine, signals
+from . import _deadline, _engine, signals
 from ._calls import in_transaction, render
+from ._policy import Fingerprint, Fingerprinted, RequestParts, describe_mismatch
 from .errors import (
     ConfigurationError,
     DatabaseUnavailable,
@@ -33,7 +34,7 @@ from .errors import (
 from .fingerprint import fingerprint
 from .flow import INTENT, Flow, Run, run_from_record
 from .keys import HEADER, parse_key
-from .replay import record_response, replay_response
+from .replay import StoreResponse, record_response, replay_response
 from .settings import OnMismatch, ScopeFunc, Settings
 from .state import IdemState
 from .store import KeyedRequest, KeyRecord, Lease
@@ -67,6 +68,10 @@ class ViewOptions:
     ttl: float | None
     flow: Flow | None = None
     key_from: Callable[[], Sequence[str]] | None = None
+    #: What counts as the same request; ``None``: the whole request (the default policy).
+    fingerprint: Fingerprint | None = None
+    #: What is kept of the route's answers for retries.
+    store_response: StoreResponse = "full"
 
     def key_ttl(self, settings: Settings) -> float:
         """Seconds a key of this route is kept: the route's ``ttl``, or ``IDEM_KEY_TTL``."""
@@ -80,10 +85,23 @@ def handle(
     kwargs: Mapping[str, Any],
     options: ViewOptions,
 ) -> Response:
-    """Answer one request to a decorated view."""
+    """Answer one request to a decorated view, within its database time (``IDEM_DATABASE_DEADLINE``)."""
     req = request._get_current_object()  # type: ignore[attr-defined]  # one proxy lookup, not one per use
     if req.method in SAFE_METHODS:
         return current_app.make_response(view(*args, **kwargs))
+    with _deadline.budget(state.settings.database_deadline):
+        return _keyed(state, req, view, args, kwargs, options)
+
+
+def _keyed(
+    state: IdemState,
+    req: Request,
+    view: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    options: ViewOptions,
+) -> Response:
+    """Answer a write request to a decorated view: with its key, or refuse it (400), or without one."""
     if options.key_from is None:
         key = parse_key(req.headers.getlist(HEADER))
     else:
@@ -100,16 +118,21 @@ def handle(
                 state.pool,
                 lambda conn: current_app.make_response(_call_view(conn, None, None, view, args, kwargs)),
             )
-        request_sha = fingerprint(
-            method=req.method,
-            path=req.path,
-            query=req.query_string,
-            mimetype=req.mimetype,
-            body=_whole_body(req),
-        )
+        printed: _Printed | None = None
+        if options.fingerprint is None:  # the default policy, as it always was: nothing more to do
+            request_sha = fingerprint(
+                method=req.method,
+                path=req.path,
+                query=req.query_string,
+                mimetype=req.mimetype,
+                body=_whole_body(req),
+            )
+        else:
+            printed = _Printed.of(req, options.fingerprint)
+            request_sha = printed.now.sha
         keyed = KeyedRequest(_org_id(options.scope), key, request_sha, req.method, req.path)
         _ready(state)
-        attempt = _Attempt(view, args, kwargs, keyed)
+        attempt = _Attempt(view, args, kwargs, keyed, printed)
         if options.flow is None:
             return _atomic(state, options, attempt)
         return _multistep(state, options, options.flow, attempt)
@@ -148,27 +171,110 @@ class _Attempt:
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
     request: KeyedRequest
+    printed: _Printed | None = None
 
     def call(self, conn: psycopg.Connection[TupleRow]) -> Any:
         """Call the view on ``conn`` (:func:`_call_view`)."""
         return _call_view(conn, self.request.org_id, self.request.key, self.view, self.args, self.kwargs)
+
+    def respond(
+        self, state: IdemState, options: ViewOptions, conn: psycopg.Connection[TupleRow]
+    ) -> tuple[Response, dict[str, Any] | None]:
+        """Call the view on ``conn`` and make its response; with it, the document to store for a
+        response under 500 (its body read while ``idem.connection`` is still there for a generator)."""
+        keyed = self.request
+        setattr(g, _CURRENT_ATTR, Current(conn, keyed.org_id, keyed.key))
+        try:
+            response = current_app.make_response(render(lambda: self.view(*self.args, **self.kwargs)))
+            if response.status_code >= 500:
+                return response, None
+            return response, _record(state, options, response, self.printed)
+        finally:
+            delattr(g, _CURRENT_ATTR)
+
+
+def _record(
+    state: IdemState, options: ViewOptions, response: Response, printed: _Printed | None
+) -> dict[str, Any]:
+    """What is stored of ``response``, by the route's ``store_response`` and ``IDEM_MAX_RESPONSE_BYTES``."""
+    settings = state.settings
+    return record_response(
+        response,
+        settings.replay_headers,
+        max_bytes=settings.max_response_bytes,
+        store=options.store_response,
+        codec=state.codec,
+        request=None if printed is None else printed.stored(),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Printed:
+    """A request fingerprinted under its route's policy, kept to compare it under earlier policies."""
+
+    policy: Fingerprint
+    req: Request
+    now: Fingerprinted
+
+    @classmethod
+    def of(cls, req: Request, policy: Fingerprint) -> _Printed:
+        return cls(policy, req, policy.compute(_parts(req, policy)))
+
+    def stored(self) -> dict[str, Any] | None:
+        """What the stored response keeps of the request: the policy and a digest of each part."""
+        if self.now.parts is None:
+            return None
+        return {"policy": self.policy.id, "parts": self.now.parts}
+
+    def earlier(self, request_sha: bytes) -> bool:
+        """Whether the request is the one first stored with ``request_sha`` under an earlier policy (each
+        reads the headers and calls the function it names itself)."""
+        return any(
+            hmac.compare_digest(request_sha, policy.compute(_parts(self.req, policy)).sha)
+            for policy in self.policy.previous
+        )
+
+
+def _parts(req: Request, policy: Fingerprint) -> RequestParts:
+    """What ``policy`` reads of ``req``."""
+    return RequestParts(
+        method=req.method,
+        path=req.path,
+        query=req.query_string,
+        mimetype=req.mimetype,
+        body=_whole_body(req),
+        headers={name: req.headers.getlist(name) for name in policy.header_names},
+        custom=None if policy.custom is None else policy.custom(),
+    )
+
+
+def _same_request(record: KeyRecord, keyed: KeyedRequest, printed: _Printed | None) -> bool:
+    """Whether a key's first request and this one are the same request, under the policy of the first."""
+    if hmac.compare_digest(record.request_sha, keyed.request_sha):
+        return True
+    return printed is not None and printed.earlier(record.request_sha)
 
 
 def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Response:
     """Reserve, run the view and store its response in one transaction."""
     keyed, settings = attempt.request, state.settings
     stored = False
+    if options.store_response == "encrypted" and state.codec is None:
+        raise ConfigurationError(
+            f"{request.endpoint} keeps its answers encrypted (store_response='encrypted'), and"
+            " IDEM_RESPONSE_KEYS is not set: make a key with 'flask idem new-response-key'."
+        )
 
     def body(conn: psycopg.Connection[TupleRow]) -> Response | IdempotencyError:
         nonlocal stored
         found = state.store.reserve(conn, keyed, ttl=options.key_ttl(settings))
         if not found.reserved:
-            return _answer_existing(settings, options, found.record, keyed)
+            return _answer_existing(state, options, found.record, attempt)
         if signals.wanted(signals.key_reserved):
             signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=None)
-        response = current_app.make_response(attempt.call(conn))
-        if response.status_code < 500:
-            state.store.complete(conn, keyed, record_response(response, settings.replay_headers))
+        response, document = attempt.respond(state, options, conn)
+        if document is not None:
+            state.store.complete(conn, keyed, document)
             stored = True
         state.fire("view", conn)
         return response
@@ -216,7 +322,7 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
             if not isinstance(intent, dict):  # the view answered at once, e.g. abort(404)
                 response = current_app.make_response(intent)
                 if response.status_code < 500:
-                    state.store.complete(conn, lease, record_response(response, settings.replay_headers))
+                    state.store.complete(conn, lease, _record(state, options, response, attempt.printed))
                     stored = True
                 return response
             state.store.record_step(conn, lease, INTENT, intent)
@@ -230,13 +336,13 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
             and record.status == "processing"
             and record.flow == flow.name
             and not record.lease_live
-            and hmac.compare_digest(record.request_sha, keyed.request_sha)
+            and _same_request(record, keyed, attempt.printed)
             and state.store.take_over(conn, lease)
         ):
             return run_from_record(
                 flow, org_id=keyed.org_id, key=keyed.key, step=record.step, state=record.state
             )
-        return _answer_existing(settings, options, record, keyed)
+        return _answer_existing(state, options, record, attempt)
 
     started = in_transaction(state.pool, begin, batched=True)
     if not isinstance(started, Run):
@@ -276,7 +382,11 @@ def _call_view(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
 ) -> Any:
-    """Call the view with its connection and key published on ``g``; return what it returned."""
+    """Call the view with its connection and key published on ``g``; return what it returned.
+
+    ``g`` belongs to the application context, which an ``async def`` view's coroutine shares although it
+    runs on another thread (:mod:`._async`).
+    """
     setattr(g, _CURRENT_ATTR, Current(conn, org_id, key))
     try:
         return render(lambda: view(*args, **kwargs))
@@ -311,13 +421,14 @@ def _org_id(scope: ScopeFunc) -> int:
 
 
 def _answer_existing(
-    settings: Settings, options: ViewOptions, record: KeyRecord | None, keyed: KeyedRequest
+    state: IdemState, options: ViewOptions, record: KeyRecord | None, attempt: _Attempt
 ) -> Response | IdempotencyError:
     """The answer to a request whose key is already taken: the stored response, or the 409 or 422 to raise.
 
     The error is returned, not raised, so that the caller can end its transaction with a COMMIT: a
     ROLLBACK would make psycopg forget the connection's prepared statements, and nothing was written.
     """
+    settings, keyed = state.settings, attempt.request
     retention = {
         "retention": {
             "response_seconds": options.key_ttl(settings),
@@ -327,12 +438,12 @@ def _answer_existing(
     replayed = signals.response_replayed
     if record is None:
         return _in_flight(settings, keyed, retention)
-    if not hmac.compare_digest(record.request_sha, keyed.request_sha):
+    if not _same_request(record, keyed, attempt.printed):
         on_mismatch = settings.on_mismatch if options.on_mismatch is None else options.on_mismatch
         if on_mismatch != "replay":
             if signals.wanted(signals.mismatch_rejected):
                 signals.send(signals.mismatch_rejected, org_id=keyed.org_id, key=keyed.key)
-            return KeyMismatch(members=retention)
+            return _mismatch(attempt.printed, record, retention)
         replayed = signals.mismatch_replayed
     if record.response is None:
         return _in_flight(settings, keyed, retention)
@@ -344,7 +455,18 @@ def _answer_existing(
         return answer
     if signals.wanted(replayed):
         signals.send(replayed, org_id=keyed.org_id, key=keyed.key, status=record.response["status"])
-    return replay_response(record.response)
+    return replay_response(record.response, state.codec)
+
+
+def _mismatch(printed: _Printed | None, record: KeyRecord, retention: dict[str, Any]) -> KeyMismatch:
+    """The 422, naming the parts of the request that differ when the route's policy can tell."""
+    if printed is None:
+        return KeyMismatch(members=retention)
+    told = describe_mismatch(printed.policy, record.response, printed.now)
+    if told is None:
+        return KeyMismatch(printed.policy.mismatch_detail(), members=retention)
+    detail, differs = told
+    return KeyMismatch(detail, members={**retention, "differs": differs})
 
 
 def _in_flight(settings: Settings, keyed: KeyedRequest, retention: dict[str, Any]) -> KeyInUse:

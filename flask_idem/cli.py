@@ -15,6 +15,7 @@ from flask.cli import AppGroup
 from psycopg.conninfo import conninfo_to_dict
 
 from . import _layout, _migrate
+from ._codec import new_key
 from .errors import ConfigurationError, missing_table_hint
 from .pool import ProcessPool
 from .recovery import RecoveryReport, recover, run_forever
@@ -98,6 +99,7 @@ def _upgrade(distributed: bool, *, quiet: bool = False) -> _migrate.Report:
         table=settings.table,
         distributed=distributed or settings.distributed,
         lock_timeout=settings.migration_lock_timeout,
+        connect_options=settings.connect_options,
         echo=(lambda _: None) if quiet else click.echo,
     )
 
@@ -141,7 +143,7 @@ def migrate(distributed: bool, check: bool, roles: tuple[str, ...]) -> None:
     """
     settings = get_state().settings
     if check:
-        with _migrate.connect(settings.database_url) as conn:
+        with _migrate.connect(settings.database_url, settings.connect_options) as conn:
             found, todo = _migrate.pending(conn, settings.table)
         where = "missing" if found.layout is None else f"at layout {found.layout}"
         click.echo(f"Key table {settings.table} is {where}; the latest layout is {_layout.latest()}.")
@@ -155,7 +157,9 @@ def migrate(distributed: bool, check: bool, roles: tuple[str, ...]) -> None:
         return
     report = _upgrade(distributed)
     for role in roles:
-        _migrate.grant(settings.database_url, table=settings.table, role=role)
+        _migrate.grant(
+            settings.database_url, table=settings.table, role=role, connect_options=settings.connect_options
+        )
         click.echo(f"Granted {role} SELECT, INSERT, UPDATE, DELETE on the key table.")
     before = "missing" if report.before.layout is None else f"layout {report.before.layout}"
     if report.applied:
@@ -297,3 +301,13 @@ def _size(size: int) -> str:
             return f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} GB"
+
+
+@idem_cli.command("new-response-key")
+def new_response_key_command() -> None:
+    """Print a new key for IDEM_RESPONSE_KEYS (encrypted stored responses).
+
+    To rotate, put it first in the list and keep the old key after it for IDEM_KEY_TTL, until every
+    response the old key encrypted has expired; then drop the old key.
+    """
+    click.echo(new_key())

@@ -50,6 +50,8 @@ __all__ = [
     "NoScope",
     "OperationFailed",
     "OutcomePending",
+    "ResponseNotStored",
+    "StoredResponseUnreadable",
     "missing_table_hint",
     "problem",
 ]
@@ -240,6 +242,36 @@ class OperationFailed(IdempotencyError, InternalServerError):
     default_detail = (
         "The request could not be completed and has been referred to a person. Retrying with the same "
         "Idempotency-Key returns this answer again."
+    )
+
+
+class ResponseNotStored(IdempotencyError, InternalServerError):
+    """500, not stored: the view's answer cannot be kept for retries, so the request was rolled back.
+
+    Its body is over ``IDEM_MAX_RESPONSE_BYTES``, or a route that keeps only the ``Location`` of its
+    answers gave none. Nothing the view wrote was committed and the key stays free, so no retry can
+    find the operation half done; but a retry meets the same limit: the route or the limit must change.
+    """
+
+    problem_type = _TYPE_PREFIX + "response-not-stored"
+    title = "The answer could not be kept for retries"
+    default_detail = (
+        "The answer to this request cannot be kept for retries, so the request was not carried out."
+    )
+
+
+class StoredResponseUnreadable(IdempotencyError, InternalServerError):
+    """500: the stored answer of this key is encrypted with a key the server no longer has.
+
+    The operation was carried out and is not carried out again; the server's ``IDEM_RESPONSE_KEYS`` lost
+    the key that encrypted its answer before the answer expired.
+    """
+
+    problem_type = _TYPE_PREFIX + "stored-response-unreadable"
+    title = "The stored answer cannot be read"
+    default_detail = (
+        "The request first sent with this Idempotency-Key was carried out, but its stored answer cannot be"
+        " read by the server now. It will not be carried out again."
     )
 
 

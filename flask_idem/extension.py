@@ -7,10 +7,11 @@ This is the top floor: it puts together the settings (:mod:`.settings`), the per
 from __future__ import annotations
 
 import functools
-import inspect
+import math
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -19,11 +20,14 @@ from flask import Flask, Response
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from . import _migrate, _view
+from . import _deadline, _migrate, _view
+from ._async import synchronous
+from ._policy import Fingerprint
 from .cli import idem_cli
 from .errors import ConfigurationError
 from .flow import Flow
 from .pool import Connection, ConnectionSource, ProcessPool
+from .replay import StoreResponse, parse_store_response
 from .settings import OnMismatch, ScopeFunc, Settings, parse_on_mismatch, parse_seconds
 from .state import EXTENSION_NAME, IdemState, get_state
 
@@ -120,6 +124,7 @@ class Idempotency:
                 )
             sessions = SessionSource.for_app(app, self.sqlalchemy)
             settings = Settings.from_config(app.config, database_url=sessions.conninfo)
+            sessions.deadline = settings.database_deadline
             source = sessions
         app.extensions[EXTENSION_NAME] = IdemState.create(settings, self._flows, source)
         if "idem" not in app.cli.commands:
@@ -159,6 +164,8 @@ class Idempotency:
         ttl: float | timedelta | None = None,
         flow: Flow | None = None,
         key_from: Callable[[], Sequence[str]] | None = None,
+        fingerprint: Fingerprint | None = None,
+        store_response: StoreResponse = "full",
     ) -> Callable[[F], F]:
         """Decorate a view so that retried write requests are answered once.
 
@@ -191,6 +198,16 @@ class Idempotency:
             no key), e.g. ``lambda: request.form.getlist("idempotency_key")`` for a plain HTML form.
             The body is read for the fingerprint before it is called. Default: the
             ``Idempotency-Key`` header.
+        :param fingerprint: what counts as the same request (:class:`~flask_idem.Fingerprint`): parts of
+            the body left out or picked by JSON Pointer, headers, a function. Default: the method, path,
+            query and the whole body (:doc:`/fingerprints`).
+        :param store_response: what is kept of the route's answers for retries: ``"full"``; ``"location"``,
+            a 2xx kept as its status and ``Location`` only and replayed as ``303 See Other`` there, for
+            answers that hold a secret; or ``"encrypted"``, the body encrypted with
+            ``IDEM_RESPONSE_KEYS``. Atomic routes only.
+
+        The view may be ``async def`` (with ``flask[async]`` installed): Flask runs it to completion, with
+        its awaitables, inside the key's transaction, and ``idem.connection`` works in it.
         :raises ConfigurationError: at decoration time, when there is no scope or an option is invalid.
         """
         scope = scope or self.scope
@@ -206,6 +223,14 @@ class Idempotency:
             known = self._flows.setdefault(flow.name, flow)
             if known is not flow:
                 raise ConfigurationError(f"Two flows are named {flow.name!r}; flow names must be unique.")
+        if fingerprint is not None and not isinstance(fingerprint, Fingerprint):
+            raise ConfigurationError(f"fingerprint= takes a flask_idem.Fingerprint, not {fingerprint!r}.")
+        store = parse_store_response("store_response", store_response)
+        if flow is not None and store != "full":
+            raise ConfigurationError(
+                "store_response= is for atomic routes: a multi-step route's answer is stored by its finish"
+                " step, which the recovery job also runs, away from the route. Keep secrets out of it."
+            )
         options = _view.ViewOptions(
             scope=scope,
             required=required,
@@ -213,17 +238,19 @@ class Idempotency:
             ttl=None if ttl is None else parse_seconds("ttl", ttl),
             flow=flow,
             key_from=key_from,
+            # The default policy without earlier ones is no policy: nothing more to do per request.
+            fingerprint=None
+            if fingerprint is None or (fingerprint.default and not fingerprint.previous)
+            else fingerprint,
+            store_response=store,
         )
 
         def decorator(view: F) -> F:
-            if inspect.iscoroutinefunction(view):
-                raise ConfigurationError(
-                    f"{view.__qualname__} is async; flask-idem supports synchronous views only."
-                )
+            run = synchronous(view, "view")
 
             @functools.wraps(view)
             def wrapper(*args: Any, **kwargs: Any) -> Response:
-                return _view.handle(get_state(), view, args, kwargs, options)
+                return _view.handle(get_state(), run, args, kwargs, options)
 
             self._wrappers[view] = wrapper
             for app in self._apps:
@@ -243,6 +270,7 @@ class Idempotency:
             table=settings.table,
             distributed=settings.distributed,
             lock_timeout=settings.migration_lock_timeout,
+            connect_options=settings.connect_options,
         )
 
     def check_layout(self) -> None:
@@ -289,6 +317,20 @@ class Idempotency:
         :raises RuntimeError: outside an idempotent view handling a write request.
         """
         return _view.current().key
+
+    def deadline(self, seconds: float | None) -> AbstractContextManager[None]:
+        """Give the database work of a ``with`` block ``seconds`` of database time in all, measured by the
+        client, instead of ``IDEM_DATABASE_DEADLINE``::
+
+            with idem.deadline(1.0), idem.pool.connection() as conn:
+                conn.execute("SELECT 1")  # a readiness check: answered within a second, or 503
+
+        Connections borrowed in the block (from :attr:`pool`, or by an idempotent view) are cut when
+        the time is spent, and a borrow after that raises :class:`DeadlineExceeded` at once. ``None``:
+        no deadline at all, for a long maintenance query; the server's own ``statement_timeout`` still
+        applies (``SET LOCAL statement_timeout = 0`` in a transaction lifts it).
+        """
+        return _deadline.budget(seconds if seconds is not None else math.inf)
 
     @property
     def pool(self) -> ConnectionPool[Connection]:

@@ -15,13 +15,14 @@ import hashlib
 import json
 import math
 import re
+from decimal import Decimal
 from itertools import accumulate
 from typing import Any, NoReturn
 from urllib.parse import parse_qsl, urlencode
 
 from .errors import InvalidBody
 
-__all__ = ["canonical_body", "canonical_json", "canonical_query", "fingerprint", "is_json"]
+__all__ = ["canonical_body", "canonical_json", "canonical_query", "decode_json", "fingerprint", "is_json"]
 
 #: Nesting deeper than this is refused (400) rather than parsed: no real API body needs it, and Python's
 #: parser would otherwise recurse until it fails.
@@ -81,13 +82,14 @@ _DECODER = json.JSONDecoder(
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def canonical_json(data: bytes) -> bytes:
-    """Parse a JSON body and serialise it canonically: sorted member names, no insignificant whitespace.
+#: Numbers as exact decimals, for the fingerprints of route policies (flask_idem._policy): 1, 1.0 and
+#: 10e-1 are one number there, and no digit is lost to a float.
+_EXACT_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_pairs, parse_constant=_reject_constant, parse_float=Decimal, parse_int=Decimal
+)
 
-    :raises InvalidBody: when the body is not UTF-8 JSON, nests deeper than :data:`MAX_JSON_DEPTH`,
-        contains ``NaN``, ``Infinity`` or an escaped lone surrogate, or repeats a member name within one
-        object (parsers disagree on which value wins, so such a body has no single meaning to fingerprint).
-    """
+
+def _decode(data: bytes, decoder: json.JSONDecoder) -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -96,12 +98,30 @@ def canonical_json(data: bytes) -> bytes:
     if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _depth(data) > MAX_JSON_DEPTH:
         _invalid(f"The JSON body nests deeper than {MAX_JSON_DEPTH} levels.")
     try:
-        value = _DECODER.decode(text)
+        return decoder.decode(text)
     except json.JSONDecodeError as e:
         _invalid(f"The request body is not valid JSON (line {e.lineno}, column {e.colno}).")
     except ValueError:  # e.g. an integer longer than Python's int_max_str_digits
         _invalid("The JSON body holds a value that cannot be read.")
-    text = _ENCODER.encode(value)
+
+
+def decode_json(data: bytes) -> Any:
+    """Parse a JSON body with the checks of :func:`canonical_json`, numbers as exact ``Decimal`` values.
+
+    :raises InvalidBody: as :func:`canonical_json` does (a lone surrogate is found when the value is
+        written out again, not here).
+    """
+    return _decode(data, _EXACT_DECODER)
+
+
+def canonical_json(data: bytes) -> bytes:
+    """Parse a JSON body and serialise it canonically: sorted member names, no insignificant whitespace.
+
+    :raises InvalidBody: when the body is not UTF-8 JSON, nests deeper than :data:`MAX_JSON_DEPTH`,
+        contains ``NaN``, ``Infinity`` or an escaped lone surrogate, or repeats a member name within one
+        object (parsers disagree on which value wins, so such a body has no single meaning to fingerprint).
+    """
+    text = _ENCODER.encode(_decode(data, _DECODER))
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # "\ud800": an escaped lone surrogate is no character at all

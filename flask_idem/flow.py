@@ -36,6 +36,10 @@ deduplicates our own retries of it::
 
 Steps after the first see no request: a request may be finished by the recovery job, long after its
 client left. They get everything from the :class:`Run`.
+
+The view and any step may be ``async def``: each is run to completion through Flask's ``ensure_sync``
+before the next begins (:mod:`._async`), in the same transaction (or, for a call step, with none) as a
+synchronous one, so an outside call can use an async HTTP client created inside the step.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from typing import Any, TypeVar, overload
 import psycopg
 from psycopg.rows import TupleRow
 
+from ._async import synchronous
 from .errors import ConfigurationError
 from .settings import parse_seconds
 
@@ -158,7 +163,7 @@ class Flow:
 
         Its return value (JSON-serialisable) is recorded in that transaction.
         """
-        self._add(Step(func.__name__, func, outside=False))
+        self._add(Step(func.__name__, synchronous(func, "step"), outside=False))
         return func
 
     @overload
@@ -179,7 +184,14 @@ class Flow:
         """
 
         def add(f: F) -> F:
-            self._add(Step(f.__name__, f, outside=True, resolve=resolve))
+            self._add(
+                Step(
+                    f.__name__,
+                    synchronous(f, "step"),
+                    outside=True,
+                    resolve=None if resolve is None else synchronous(resolve, "resolver"),
+                )
+            )
             return f
 
         return add if func is None else add(func)
@@ -192,7 +204,7 @@ class Flow:
         """
         if self.finisher is not None:
             raise ConfigurationError(f"Flow {self.name!r} already has a finish step.")
-        self.finisher = func
+        self.finisher = synchronous(func, "finish step")
         return func
 
     def remaining(self, last_step: str | None) -> list[Step]:

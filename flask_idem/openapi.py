@@ -11,7 +11,11 @@ behaviour. :class:`IdempotencyPlugin` does it from the routes themselves: every 
   ``Problem`` schema), the ``409`` and ``503`` with their ``Retry-After`` header; while expired keys are
   remembered (``IDEM_TOMBSTONE_TTL``), the ``410`` of a late retry, and its ``303`` when the success
   response has a ``Location``;
-- an ``x-idempotency`` object with the same facts for machines.
+- an ``x-idempotency`` object with the same facts for machines, with the route's fingerprint policy
+  (``fingerprint``: what counts; ``fingerprintPolicy``: its pointers, headers and id) and, when it is not
+  ``"full"``, what a stored answer keeps (``storeResponse``);
+- for a route that keeps only the ``Location`` of its answers (``store_response="location"``), the
+  ``303`` a retry gets instead of the ``200`` replay.
 
 apispec is an optional dependency: install ``flask-idem[openapi]``.
 
@@ -174,10 +178,23 @@ class IdempotencyPlugin(BasePlugin):
             response = responses[status]
             if not isinstance(response, dict):
                 continue
+            if contract.store_response == "location":
+                continue  # a retry gets the 303 below, not this answer again
             if str(status) == "201" and not any(str(s) == "200" for s in responses):
                 responses["200"] = _replay_of(response)
             else:
                 response.setdefault("headers", {}).setdefault(REPLAYED_HEADER, dict(_MAYBE_REPLAYED))
+        if contract.store_response == "location" and not any(str(s) == "303" for s in responses):
+            responses["303"] = {
+                "description": (
+                    "A retry: the request was carried out, and its result is at the Location the first"
+                    " answer gave. The first answer's body is not kept, so it is not sent again."
+                ),
+                "headers": {
+                    "Location": _location(responses) or {"schema": {"type": "string"}, "required": True},
+                    REPLAYED_HEADER: dict(_MAYBE_REPLAYED),
+                },
+            }
         if contract.tombstone_ttl and not any(str(s) == "303" for s in responses):
             location = _location(responses)
             if location is not None:
@@ -266,6 +283,8 @@ class _Contract:
         #: Whether the key comes from the header; ``key_from=`` takes it from elsewhere, such as a form field.
         self.from_header = options.key_from is None
         self.on_mismatch: str = options.on_mismatch or settings.on_mismatch
+        self.policy = options.fingerprint
+        self.store_response = options.store_response
 
     def parameter(self) -> dict[str, Any]:
         """The ``Idempotency-Key`` header parameter."""
@@ -278,6 +297,10 @@ class _Contract:
             description += (
                 f" Then the key is remembered for {_duration(self.tombstone_ttl)}: a retry is never run again"
                 " (303 to the first answer's Location, or 410)."
+            )
+        if self.policy is not None:
+            description += (
+                f" A retry must repeat what this route compares: {'; '.join(self.policy.counted())}."
             )
         if not self.required:
             description += " Without the header the request runs once, unprotected against retries."
@@ -301,13 +324,19 @@ class _Contract:
         }
         if self.on_mismatch == "reject":
             result["422"] = _MISMATCH
+            if self.policy is not None:
+                result["422"] = (
+                    "The Idempotency-Key was already used for a different request. This route compares:"
+                    f" {'; '.join(self.policy.counted())}. The problem's 'differs' member names the parts"
+                    " that differ, when the server can tell."
+                )
         if self.tombstone_ttl:
             result["410"] = _EXPIRED
         return dict(sorted(result.items()))
 
     def extension(self) -> dict[str, Any]:
         """The ``x-idempotency`` object: the policy, for machines."""
-        return {
+        extension: dict[str, Any] = {
             "header": HEADER if self.from_header else None,
             "required": self.required,
             "keyRetentionSeconds": self.ttl,
@@ -316,6 +345,16 @@ class _Contract:
             "onMismatch": self.on_mismatch,
             "multiStep": self.multi_step,
         }
+        if self.policy is not None:
+            extension["fingerprint"] = self.policy.counted()
+            extension["fingerprintPolicy"] = {
+                "id": self.policy.id,
+                **{k: v for k, v in self.policy.description.items() if v is not None},
+                "previous": [earlier.id for earlier in self.policy.previous],
+            }
+        if self.store_response != "full":
+            extension["storeResponse"] = self.store_response
+        return extension
 
 
 def _duration(seconds: int) -> str:

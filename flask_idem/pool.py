@@ -12,6 +12,16 @@ readable when the connection is handed out means the server closed it or is clos
 (:func:`_usable`, one ``poll()`` system call). Such a connection is replaced before anyone uses it, and
 the first one found makes the pool drop its other idle connections of that age at once
 (:meth:`ProcessPool.connection_lost`).
+
+A database can also go silent without closing anything (a dead host, a hung server or pooler). Every
+connection is opened with a connect timeout, TCP keepalives and a TCP user timeout
+(:data:`DEFAULT_CONNECT_OPTIONS`, where the URL does not set its own), so that the kernel notices a peer
+that stopped acknowledging within seconds; every connection lent out is under a deadline kept by the
+client's own clock (:mod:`._deadline`), which notices a peer that acknowledges and never answers; and on a
+direct connection the server gets the same deadline as its ``statement_timeout`` and
+``idle_in_transaction_session_timeout``, so that it ends the transaction of a client that vanished and
+releases its locks (and its key). While new connections fail, a request waits for one only briefly, so
+that threads are not all tied up waiting for a database that is not there.
 """
 
 from __future__ import annotations
@@ -22,20 +32,39 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, Protocol
 
 import psycopg
 from psycopg import pq
-from psycopg.abc import Transformer
-from psycopg.adapt import Transformer as Adapters
-from psycopg.rows import DictRow, TupleRow
+from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from . import wire
+from . import _deadline, wire
+from ._connection import OWNER, Batched, Connection, batched
+from ._deadline import DeadlineExceeded
+from ._probe import Prober
+from ._timeouts import DEFAULT_CONNECT_OPTIONS, server_timeouts, with_connect_options
 
-__all__ = ["Batched", "Connection", "ConnectionSource", "ProcessPool", "batched"]
+__all__ = [
+    "DEFAULT_CONNECT_OPTIONS",
+    "Batched",
+    "Connection",
+    "ConnectionSource",
+    "DeadlineExceeded",
+    "ProcessPool",
+    "batched",
+    "with_connect_options",
+]
+
+#: Seconds a request waits for a connection while new connections to the database fail.
+FAIL_FAST_TIMEOUT = 1.0
+
+#: Seconds psycopg_pool keeps retrying a connection it failed to open (with backoff) before giving up on
+#: it; the next request that needs a connection then starts a new attempt at once. Short, so that a
+#: database that is back is used within a second or two rather than after a long backoff.
+RECONNECT_TIMEOUT = 2.0
 
 
 class ConnectionSource(Protocol):
@@ -73,54 +102,6 @@ class ConnectionSource(Protocol):
 logger = logging.getLogger("flask_idem")
 
 
-class Connection(psycopg.Connection[TupleRow]):
-    """The connections of a :class:`ProcessPool`: psycopg connections that keep one cursor for the store.
-
-    psycopg gives every new cursor an empty cache of parameter adapters, so the first statement on a new
-    cursor looks up how to send each parameter again. The store's statements run on every write request,
-    so they share one cursor per connection, which keeps that cache warm.
-    """
-
-    _store_cursor: psycopg.Cursor[DictRow] | None = None
-    #: When the pool opened it (``time.monotonic()``), to tell stale connections from fresh ones.
-    _opened_at: float = 0.0
-    #: The batched transaction open on it, if any (:meth:`ProcessPool.transaction`).
-    _batched: Batched | None = None
-    #: What batches need of it: adapters, and the names of the statements they prepared on it.
-    _transformer: Transformer | None = None
-    _batch_names: set[bytes] | None = None
-
-    def _deallocate(self, name: bytes | None) -> Any:
-        """psycopg's hook for deallocating its prepared statements; ``None`` stands for all of them.
-
-        psycopg sends ``DEALLOCATE ALL`` after a rollback (a savepoint's included) and after it saw
-        ``DISCARD ALL`` or ``DEALLOCATE ALL`` go by: the statements batches prepared go with it, so the
-        batches forget their names at that moment (:mod:`flask_idem.wire`).
-        """
-        if name is None and self._batch_names:
-            self._batch_names.clear()
-        return super()._deallocate(name)
-
-    def commit(self) -> None:
-        """Commit, unless flask-idem's transaction is open: it commits with the key, or not at all."""
-        self._refuse("commit")
-        super().commit()
-
-    def rollback(self) -> None:
-        """Roll back, unless flask-idem's transaction is open: it decides when its transaction ends."""
-        self._refuse("rollback")
-        super().rollback()
-
-    def _refuse(self, action: str) -> None:
-        if self._batched is not None:
-            # psycopg's own words inside a Transaction context, which this transaction stands for.
-            raise psycopg.ProgrammingError(
-                f"Explicit {action}() forbidden within a Transaction context: flask-idem commits the"
-                " view's writes together with its key when the view returns, and rolls them back when it"
-                " raises. Use a nested 'with conn.transaction():' block for a savepoint."
-            )
-
-
 def _usable(conn: psycopg.Connection[Any]) -> bool:
     """Whether an idle connection is still open on the server's side, asked of the socket alone.
 
@@ -146,25 +127,59 @@ def _usable(conn: psycopg.Connection[Any]) -> bool:
 
 
 class _Pool(ConnectionPool[Connection]):
-    """psycopg's pool, which hands out no connection that the server has already closed."""
+    """psycopg's pool, which hands out no connection that the server has already closed, lends each one
+    under a deadline, and waits for one only briefly while the database cannot be reached."""
 
-    def __init__(self, *args: Any, on_lost: Callable[[Connection], None], **kwargs: Any) -> None:
-        self._on_lost = on_lost
+    def __init__(self, *args: Any, owner: ProcessPool, **kwargs: Any) -> None:
+        self._owner = owner
         super().__init__(*args, **kwargs)
 
     def getconn(self, timeout: float | None = None) -> Connection:
-        """A connection from the pool; dead ones are closed and replaced, without a round trip."""
-        conn = super().getconn(timeout)
-        while not _usable(conn):
-            self._on_lost(conn)
-            conn.close()
-            self.putconn(conn)  # a closed connection is discarded and a new one opened in its place
-            conn = super().getconn(timeout)
+        """A live connection, armed with the request's remaining database time (:mod:`._deadline`).
+
+        The wait for it counts: it is bounded by ``timeout`` (the pool's), by that remaining time, and
+        by :data:`FAIL_FAST_TIMEOUT` while new connections fail.
+        """
+        owner = self._owner
+        started = time.monotonic()
+        limit = _deadline.seconds_left(owner.deadline)
+        wait = self.timeout if timeout is None else timeout
+        if limit is not None:
+            if limit <= 0:
+                raise DeadlineExceeded("The request's database time (IDEM_DATABASE_DEADLINE) is spent.")
+            wait = min(wait, limit)
+        if owner.failing:
+            wait = min(wait, FAIL_FAST_TIMEOUT)
+        try:
+            conn = self._live(started + wait)
+        except BaseException:
+            _deadline.spend(time.monotonic() - started)
+            raise
+        if limit is not None:
+            conn._idem_armed = _deadline.arm(conn, limit, started=started, on_cut=owner.connection_lost)
+            owner.lent.add(conn)
         return conn
 
+    def _live(self, until: float) -> Connection:
+        """A connection from the pool; dead ones are closed and replaced, without a round trip."""
+        conn = super().getconn(max(0.0, until - time.monotonic()))
+        while not _usable(conn):
+            self._owner.connection_lost(conn)
+            conn.close()
+            self.putconn(conn)  # a closed connection is discarded and a new one opened in its place
+            conn = super().getconn(max(0.0, until - time.monotonic()))
+        return conn
 
-def _stamp(conn: Connection) -> None:
-    conn._opened_at = time.monotonic()
+    def putconn(self, conn: Connection) -> None:
+        """Take the connection out from under its deadline and give it back."""
+        armed = conn._idem_armed
+        if armed is not None:
+            self._owner.lent.discard(conn)
+            conn._idem_armed = None
+            _deadline.disarm(armed)
+        if self._owner.failing and not conn.closed:
+            self._owner.answered()
+        super().putconn(conn)
 
 
 class ProcessPool:
@@ -182,6 +197,12 @@ class ProcessPool:
     :param timeout: seconds a request waits for a free connection before the pool gives up.
     :param prepare_threshold: psycopg's server-side prepared statements after this many runs of a
         statement; ``None`` turns them off (PgBouncer in transaction mode before 1.21).
+    :param connect_options: libpq parameters over :data:`DEFAULT_CONNECT_OPTIONS` (``None`` removes
+        one); the URL's own win over both.
+    :param deadline: seconds a connection may stay lent out (a request's database time in all, within
+        a :func:`._deadline.budget`) before it is cut; also the server's ``statement_timeout`` and
+        ``idle_in_transaction_session_timeout`` on direct connections where the server has none.
+        ``None``: no deadline.
     """
 
     def __init__(
@@ -193,8 +214,13 @@ class ProcessPool:
         max_size: int = 10,
         timeout: float = 5.0,
         prepare_threshold: int | None = 5,
+        connect_options: Mapping[str, str | int | None] | None = None,
+        deadline: float | None = 10.0,
     ) -> None:
-        self._conninfo = conninfo
+        self._conninfo = with_connect_options(
+            conninfo, {**DEFAULT_CONNECT_OPTIONS, **(connect_options or {})}
+        )
+        self.deadline = deadline
         #: Batches prepare their statements when psycopg may prepare its own, libpq can close them, and
         #: psycopg tells when it deallocates them all (Connection._deallocate).
         self._prepare = (
@@ -207,12 +233,17 @@ class ProcessPool:
             "min_size": min_size,
             "max_size": max_size,
             "timeout": timeout,
-            "kwargs": {"autocommit": True, "prepare_threshold": prepare_threshold},
+            "reconnect_timeout": RECONNECT_TIMEOUT,
+            "kwargs": {"autocommit": True, "prepare_threshold": prepare_threshold, OWNER: self},
         }
         self._pool: ConnectionPool[Connection] | None = None
         self._pid = 0
         self._lock = threading.Lock()
         self._drained_at = 0.0
+        self._failing_since: float | None = None
+        #: Connections lent out now, under a deadline; the prober asks the server about the slow ones.
+        self.lent: set[Connection] = set()
+        self._prober = Prober(self._conninfo, lambda: list(self.lent), self.connect_failed)
         atexit.register(self.close)
 
     @property
@@ -229,13 +260,55 @@ class ProcessPool:
                     self._conninfo,
                     connection_class=Connection,
                     open=False,
-                    configure=_stamp,
-                    on_lost=self.connection_lost,
+                    configure=self._configure,
+                    owner=self,
                     **self._pool_args,
                 )
                 self._pool.open(wait=False)
                 self._pid = os.getpid()
+                self._failing_since = None
+                self.lent = set()
+                if self.deadline is not None:
+                    self._prober.ensure_running()
             return self._pool
+
+    @property
+    def failing(self) -> bool:
+        """Whether the last news of the database was a failure to connect to it (its own connection's or
+        the prober's), and no connection opened or came back in working order since."""
+        return self._failing_since is not None
+
+    def connect_failed(self) -> None:
+        """Note that opening a connection failed: requests stop waiting long for one."""
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+            logger.warning(
+                "Cannot open a connection to the database; requests wait at most %.1f s for one"
+                " until a connection opens again.",
+                FAIL_FAST_TIMEOUT,
+            )
+
+    def answered(self) -> None:
+        """Note that the database answered (a connection opened, or one came back in working order)."""
+        if self._failing_since is not None:
+            self._failing_since = None
+            logger.info("The database answers again.")
+
+    def _configure(self, conn: Connection) -> None:
+        """Stamp a new connection, and give the server our deadline where it has no timeouts of its own.
+
+        Its two round trips are under the deadline too: a path that hangs right after connecting must not
+        hold one of the pool's worker threads for good.
+        """
+        conn._idem_opened_at = time.monotonic()
+        self.answered()
+        if self.deadline is None:
+            return
+        armed = _deadline.arm(conn, self.deadline, started=conn._idem_opened_at, on_cut=_nothing)
+        try:
+            conn._idem_direct = server_timeouts(conn, self.deadline)
+        finally:
+            _deadline.disarm(armed)
 
     def close(self) -> None:
         """Close this process's pool, if it has one. A later use opens a new one."""
@@ -243,28 +316,30 @@ class ProcessPool:
             if self._pool is not None and self._pid == os.getpid():
                 self._pool.close()
             self._pool = None
+        self._prober.stop()
 
     def connection_lost(self, conn: psycopg.Connection[Any]) -> None:
-        """Note that ``conn`` was found dead: the first time, drop the pool's other idle connections.
+        """Note that ``conn`` was found dead or cut: the first time, drop the pool's other idle connections.
 
-        A restart kills every connection opened before it, so once one of them is found dead the others
-        are closed and replaced together, instead of one failure per pooled connection. Connections that
-        are out of the pool are replaced when they come back. A connection opened after the last drain
-        starts no new one, so many threads finding dead connections at once drain the pool once.
+        A restart kills every connection opened before it, and a database that went silent silences
+        them all, so once one of them is found dead the others are closed and replaced together, instead
+        of one failure (or one deadline) per pooled connection. Connections that are out of the pool are
+        replaced when they come back. A connection opened after the last drain starts no new one, so
+        many threads finding dead connections at once drain the pool once.
         """
-        opened_at = getattr(conn, "_opened_at", 0.0)
+        opened_at = getattr(conn, "_idem_opened_at", 0.0)
         with self._lock:
             pool = self._pool
             if pool is None or self._pid != os.getpid() or opened_at < self._drained_at:
                 return
             self._drained_at = time.monotonic()
-        logger.warning("A pooled connection was closed by the server; replacing the idle ones.")
+        logger.warning("A pooled connection was lost; replacing the idle ones.")
         pool.drain()
 
     @contextmanager
     def connection(self) -> Iterator[Connection]:
         """Borrow a connection from the pool for the duration of a ``with`` block."""
-        with self.pool.connection() as conn:
+        with self.pool.connection() as conn, _deadline_errors(conn):
             yield conn
 
     @contextmanager
@@ -277,117 +352,50 @@ class ProcessPool:
         there, and the caller runs the block again: :func:`flask_idem._calls.in_transaction`).
         """
         if batched:
-            with self.pool.connection() as conn, Batched(conn, prepare=self._prepare):
+            with (
+                self.pool.connection() as conn,
+                _deadline_errors(conn),
+                Batched(conn, prepare=self._prepare),
+            ):
                 yield conn
             return
         with ExitStack() as stack:
+            yield self._begin(stack)
+
+    def _begin(self, stack: ExitStack) -> Connection:
+        """Borrow a connection into ``stack`` and begin a transaction on it, replacing one found dead."""
+        conn = stack.enter_context(self.pool.connection())
+        stack.enter_context(_deadline_errors(conn))  # around COMMIT too: it is left after the transaction
+        try:
+            stack.enter_context(conn.transaction())
+        except psycopg.OperationalError:
+            if not (conn.closed or conn.broken) or _cut(conn):
+                raise
+            self.connection_lost(conn)
+            logger.info("A pooled connection was dead before any work was done; running again.")
+            stack.close()  # the dead connection goes back to the pool, which discards it
             conn = stack.enter_context(self.pool.connection())
-            try:
-                stack.enter_context(conn.transaction())
-            except psycopg.OperationalError:
-                if not (conn.closed or conn.broken):
-                    raise
-                self.connection_lost(conn)
-                logger.info("A pooled connection was dead before any work was done; running again.")
-                stack.close()  # the dead connection goes back to the pool, which discards it
-                conn = stack.enter_context(self.pool.connection())
-                stack.enter_context(conn.transaction())
-            yield conn
+            stack.enter_context(_deadline_errors(conn))
+            stack.enter_context(conn.transaction())
+        return conn
 
 
-def batched(conn: psycopg.Connection[Any]) -> Batched | None:
-    """The batched transaction open on ``conn``, if it is one (:meth:`ProcessPool.transaction`)."""
-    return conn._batched if isinstance(conn, Connection) else None
+def _nothing(conn: object) -> None:
+    """A connection cut while being configured needs nothing more: psycopg_pool discards it."""
 
 
-class Batched:
-    """A transaction whose ``BEGIN`` travels with its first statement, and its ``COMMIT`` with its last.
+def _cut(conn: Connection) -> bool:
+    armed = conn._idem_armed
+    return armed is not None and armed.cut
 
-    A fresh key's transaction is the reservation, the view's statements and the completion. Sent as
-    psycopg sends them, ``BEGIN`` and ``COMMIT`` each cost a round trip of their own; here the store sends
-    ``BEGIN`` together with the reservation (:meth:`begin`), and defers the completion to ``COMMIT``
-    (:meth:`defer`), in batches of the extended protocol (:mod:`flask_idem.wire`): the view's own
-    round trips and two more, as without the extension.
 
-    Until :meth:`begin`, the connection is out of autocommit: should any statement run first through
-    psycopg, psycopg opens the transaction itself, so nothing ever runs outside it. While the transaction
-    is open, ``commit()`` and ``rollback()`` on the connection are refused as inside psycopg's own
-    ``transaction()`` block; savepoints (nested ``conn.transaction()`` blocks) work as there. A
-    rollback goes through psycopg, which then forgets (and deallocates) its prepared statements; the
-    batches' names are forgotten with them.
-    """
-
-    def __init__(self, conn: Connection, *, prepare: bool) -> None:
-        self.conn = conn
-        self._prepare = prepare
-        self._deferred: list[wire.Item] = []
-
-    def __enter__(self) -> Batched:
-        conn = self.conn
-        if conn._transformer is None:
-            conn._transformer = Adapters(conn)
-            conn._batch_names = set()
-        conn.autocommit = False
-        conn._batched = self
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        conn = self.conn
-        try:
-            if exc is None and self.begun:
-                deferred, self._deferred = self._deferred, []
-                conn._batched = None
-                if deferred:
-                    self._run([*deferred, wire.COMMIT], prepare=self._prepare)
-                else:
-                    conn.commit()  # psycopg's own COMMIT: a simple query
-        finally:
-            conn._batched = None
-            self._deferred.clear()
-            self._end()
-
-    @property
-    def begun(self) -> bool:
-        """Whether the transaction has begun on the server."""
-        return self.conn.pgconn.transaction_status != pq.TransactionStatus.IDLE
-
-    def begin(self, statement: wire.Statement, params: Mapping[str, Any]) -> wire.Result:
-        """Send ``BEGIN`` and the transaction's first statement in one round trip; return its result.
-
-        A prepared statement found deallocated (SQLSTATE 26000, after a ``DEALLOCATE ALL`` the batch did
-        not see) is prepared again, and the two sent once more: nothing had run.
-        """
-        if self.begun:
-            raise RuntimeError("The batched transaction has begun already.")
-        try:
-            return self._run([wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
-        except psycopg.errors.InvalidSqlStatementName:
-            self._run([wire.ROLLBACK], prepare=False)
-            return self._run([wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
-
-    def defer(self, statement: wire.Statement, params: Mapping[str, Any]) -> None:
-        """Run ``statement`` with ``COMMIT``, in its round trip, after every statement sent before it.
-
-        Its result is not seen; should it fail, the transaction is rolled back and its error raised.
-        """
-        if not self.begun:
-            raise RuntimeError("A statement can only be deferred to COMMIT once the transaction has begun.")
-        self._deferred.append((statement, params))
-
-    def _run(self, items: list[wire.Item], *, prepare: bool) -> list[wire.Result]:
-        conn = self.conn
-        assert conn._transformer is not None
-        prepared = conn._batch_names if prepare else None
-        return wire.run(conn, items, transformer=conn._transformer, prepared=prepared)
-
-    def _end(self) -> None:
-        """Leave the connection as the pool lends it: idle and in autocommit, or closed."""
-        conn = self.conn
-        if conn.closed or conn.broken:
-            return
-        try:
-            if conn.info.transaction_status != pq.TransactionStatus.IDLE:
-                conn.rollback()  # through psycopg, which deallocates its prepared statements (and ours)
-            conn.autocommit = True
-        except psycopg.Error:
-            conn.close()  # the pool discards it
+@contextmanager
+def _deadline_errors(conn: Connection) -> Iterator[None]:
+    """An error on a connection the watchdog cut becomes :class:`DeadlineExceeded`."""
+    try:
+        yield
+    except psycopg.OperationalError as e:
+        armed = conn._idem_armed
+        if armed is not None and armed.cut and not isinstance(e, DeadlineExceeded):
+            raise armed.error() from e
+        raise

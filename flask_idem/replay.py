@@ -1,39 +1,120 @@
 """Stored responses: what is kept of a view's answer, and how a retry gets it back.
 
 Shared by the atomic path (:mod:`._view`), the multi-step engine (:mod:`._engine`) and the recovery job.
+
+What a stored response may hold is the route's choice (``store_response``):
+
+- ``"full"``: status, the allow-listed headers and the body, byte for byte;
+- ``"location"``: for a 2xx, its status and ``Location`` only, replayed as ``303 See Other`` there: for
+  answers that carry a secret the retry must not get again (other statuses are kept in full);
+- ``"encrypted"``: as ``"full"``, with the body encrypted at rest (:mod:`._codec`).
+
+A body larger than ``IDEM_MAX_RESPONSE_BYTES`` is never stored cut short, nor left unstored while the
+request's writes commit: the request is refused with :class:`.ResponseNotStored` (500) and rolled back.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 from flask import Response
 
-__all__ = ["REPLAYED_HEADER", "record_response", "replay_response"]
+from ._codec import ResponseCodec
+from .errors import ResponseNotStored, StoredResponseUnreadable
+
+__all__ = [
+    "NEVER_REPLAYED",
+    "REPLAYED_HEADER",
+    "STORE_CHOICES",
+    "StoreResponse",
+    "parse_store_response",
+    "record_response",
+    "replay_response",
+]
+
+logger = logging.getLogger("flask_idem")
 
 #: Response header that marks a replayed response.
 REPLAYED_HEADER = "Idempotent-Replayed"
 
+#: What a route keeps of its responses for retries (``store_response``).
+StoreResponse: TypeAlias = Literal["full", "location", "encrypted"]
 
-def record_response(response: Response, replay_headers: Collection[str]) -> dict[str, Any]:
+STORE_CHOICES: tuple[StoreResponse, ...] = ("full", "location", "encrypted")
+
+#: Headers never stored, whatever ``IDEM_REPLAY_HEADERS`` says: a replay must not hand one client's
+#: session or credentials to whoever retries.
+NEVER_REPLAYED = frozenset({"set-cookie", "authorization", "proxy-authorization"})
+
+
+def parse_store_response(name: str, value: Any) -> StoreResponse:
+    """``value`` as a :data:`StoreResponse` choice; ``name`` is the option it came from."""
+    from .errors import ConfigurationError
+
+    for choice in STORE_CHOICES:
+        if value == choice:
+            return choice
+    raise ConfigurationError(f"{name} must be 'full', 'location' or 'encrypted', not {value!r}.")
+
+
+def record_response(
+    response: Response,
+    replay_headers: Collection[str],
+    *,
+    max_bytes: int | None = None,
+    store: StoreResponse = "full",
+    codec: ResponseCodec | None = None,
+    request: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The JSON document stored for a response: status, the headers worth replaying, and the body.
 
-    ``replay_headers`` are the lower-case names of the headers to keep (``IDEM_REPLAY_HEADERS``).
+    ``replay_headers`` are the lower-case names of the headers to keep (``IDEM_REPLAY_HEADERS``; never
+    :data:`NEVER_REPLAYED`).
 
     The body is kept as text when it is UTF-8 without NUL characters (which ``jsonb`` cannot hold), and
-    as base64 otherwise, so a replay is byte for byte the original. Streamed and file responses are
-    read into memory first: an idempotent view's answer must fit in the key table.
+    as base64 otherwise, so a replay is byte for byte the original. Streamed and file responses are read
+    into memory first, at most ``max_bytes`` of them: the client is then sent what was read.
+
+    :param store: what to keep (see the module's documentation).
+    :param codec: encrypts the body when ``store`` is ``"encrypted"``.
+    :param request: what the route's fingerprint policy keeps of the request (:mod:`._policy`).
+    :raises ResponseNotStored: the body is over ``max_bytes``, or a 2xx under ``"location"`` has no
+        ``Location``: the caller's transaction must roll back.
     """
-    response.direct_passthrough = False  # a file response (send_file) is read into memory to be kept
-    data = response.get_data()
-    record: dict[str, Any] = {
-        "status": response.status_code,
-        "headers": [
-            [name, value] for name, value in response.headers.items() if name.lower() in replay_headers
-        ],
-    }
+    status = response.status_code
+    headers = [
+        [name, value]
+        for name, value in response.headers.items()
+        if name.lower() in replay_headers and name.lower() not in NEVER_REPLAYED
+    ]
+    record: dict[str, Any] = {"status": status}
+    if request is not None:
+        record["request"] = request
+    if store == "location" and 200 <= status < 300:
+        location = response.headers.get("Location")
+        if not location:
+            logger.error(
+                "The %d answer of a route with store_response='location' has no Location header; it"
+                " cannot be stored, and the request was rolled back.",
+                status,
+            )
+            raise ResponseNotStored(
+                "This route keeps only where its result is (the Location header) for a retry, and its"
+                " answer gave none. Nothing was done."
+            )
+        record["headers"] = [["Location", location]]
+        record["see_other"] = True
+        return record
+    record["headers"] = headers
+    data = _read_body(response, max_bytes)
+    if store == "encrypted":
+        if codec is None:
+            raise ResponseNotStored("This route keeps its answers encrypted, and no key is configured.")
+        record["body_enc"] = codec.encrypt(data)
+        return record
     try:
         text: str | None = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -45,13 +126,89 @@ def record_response(response: Response, replay_headers: Collection[str]) -> dict
     return record
 
 
-def replay_response(record: Mapping[str, Any]) -> Response:
+def _read_body(response: Response, max_bytes: int | None) -> bytes:
+    """The whole body, or :class:`ResponseNotStored` once it is known to be over ``max_bytes``.
+
+    A file response (``send_file``) is read from its file, a streamed one from its generator, chunk by
+    chunk, and no further than one byte past the limit; the response then sends what was read.
+    """
+    announced = response.content_length
+    if max_bytes is not None and announced is not None and announced > max_bytes:
+        _close_unread(response)
+        raise _too_large(f"{announced} bytes", max_bytes)
+    if response.is_sequence:
+        data = response.get_data()
+        if max_bytes is not None and len(data) > max_bytes:
+            raise _too_large(f"{len(data)} bytes", max_bytes)
+        return data
+    source = response.response
+    close = getattr(source, "close", None)
+    response.direct_passthrough = False  # a file response (send_file) is read into memory to be kept
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        for chunk in response.iter_encoded():
+            chunks.append(chunk)
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise _too_large(f"more than {max_bytes} bytes (streamed)", max_bytes)
+    finally:
+        if close is not None:
+            close()
+    data = b"".join(chunks)
+    response.set_data(data)
+    return data
+
+
+def _close_unread(response: Response) -> None:
+    """Close a body that will not be read (a file stays open otherwise)."""
+    if not response.is_sequence:
+        response.close()
+
+
+def _too_large(size: str, max_bytes: int) -> ResponseNotStored:
+    logger.error(
+        "A response of %s is over IDEM_MAX_RESPONSE_BYTES (%d) and cannot be stored for retries; the"
+        " request was rolled back.",
+        size,
+        max_bytes,
+    )
+    return ResponseNotStored(
+        "The answer to this request is larger than the server keeps for retries, so the request was not"
+        " carried out (nothing was changed). This is a server-side limit: retrying will not help."
+    )
+
+
+def replay_response(record: Mapping[str, Any], codec: ResponseCodec | None = None) -> Response:
     """Rebuild a stored response, marked with ``Idempotent-Replayed: true``.
 
-    A stored 201 is replayed as 200: the resource was created by the first request, not by this one.
+    A stored 201 is replayed as 200: the resource was created by the first request, not by this one. A
+    response stored as its ``Location`` only is replayed as ``303 See Other`` there.
+
+    :raises StoredResponseUnreadable: an encrypted body whose key is no longer configured.
     """
-    body = record["body"].encode("utf-8") if "body" in record else base64.b64decode(record["body_b64"])
+    if record.get("see_other"):
+        response = Response(status=303, headers=[tuple(h) for h in record["headers"]])
+        response.headers[REPLAYED_HEADER] = "true"
+        return response
+    if "body_enc" in record:
+        body = _decrypt(record["body_enc"], codec)
+    elif "body" in record:
+        body = record["body"].encode("utf-8")
+    else:
+        body = base64.b64decode(record["body_b64"])
     status = 200 if record["status"] == 201 else record["status"]
     response = Response(body, status=status, headers=[tuple(h) for h in record["headers"]])
     response.headers[REPLAYED_HEADER] = "true"
     return response
+
+
+def _decrypt(token: str, codec: ResponseCodec | None) -> bytes:
+    body = None if codec is None else codec.decrypt(token)
+    if body is None:
+        logger.error(
+            "A stored response is encrypted with a key that is not in IDEM_RESPONSE_KEYS (any more);"
+            " it cannot be replayed. Keep retired keys in the list for IDEM_KEY_TTL after a rotation."
+        )
+        raise StoredResponseUnreadable()
+    return body

@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeAlias
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from ._codec import parse_response_keys
 from .errors import ConfigurationError
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "ScopeFunc",
     "Settings",
     "check_database_url",
+    "parse_connect_options",
     "parse_on_mismatch",
     "parse_seconds",
 ]
@@ -109,6 +111,14 @@ class Settings:
     recovery_backoff_cap: float = 300.0
     #: How long a key is remembered after its stored response expired (``IDEM_TOMBSTONE_TTL``).
     tombstone_ttl: float = 30 * 24 * 3600.0
+    #: libpq parameters over the pool's defaults (``IDEM_CONNECT_OPTIONS``); ``None`` removes a default.
+    connect_options: Mapping[str, str | int | None] = field(default_factory=dict, repr=False)
+    #: A request's database time in all, kept by the client (``IDEM_DATABASE_DEADLINE``); ``None``: none.
+    database_deadline: float | None = 10.0
+    #: The largest response body kept for retries (``IDEM_MAX_RESPONSE_BYTES``).
+    max_response_bytes: int = 1024 * 1024
+    #: Keys of ``store_response="encrypted"`` routes (``IDEM_RESPONSE_KEYS``), the first encrypting.
+    response_keys: tuple[str, ...] = field(default=(), repr=False)
     #: How long a migration's statement waits for a lock before its transaction is tried again.
     migration_lock_timeout: float = 2.0
 
@@ -145,6 +155,11 @@ class Settings:
                 "IDEM_REPLAY_HEADERS must not include Set-Cookie: a replay would hand one client's"
                 " cookies to whoever retries."
             )
+        if {"authorization", "proxy-authorization"} & {h.lower() for h in headers}:
+            raise ConfigurationError(
+                "IDEM_REPLAY_HEADERS must not include Authorization: a replay would hand one client's"
+                " credentials to whoever retries."
+            )
         table = config.get("IDEM_TABLE", defaults.table)
         parts = table.split(".") if isinstance(table, str) else []
         if not 1 <= len(parts) <= 2 or not all(parts):
@@ -158,6 +173,9 @@ class Settings:
         threshold = config.get("IDEM_PREPARE_THRESHOLD", defaults.prepare_threshold)
         if threshold is not None:
             threshold = _positive_int("IDEM_PREPARE_THRESHOLD", threshold)
+        deadline = config.get("IDEM_DATABASE_DEADLINE", defaults.database_deadline)
+        if deadline is not None:
+            deadline = parse_seconds("IDEM_DATABASE_DEADLINE", deadline)
         return cls(
             database_url=url,
             table=table,
@@ -176,6 +194,12 @@ class Settings:
             tombstone_ttl=parse_seconds(
                 "IDEM_TOMBSTONE_TTL", config.get("IDEM_TOMBSTONE_TTL", defaults.tombstone_ttl), zero=True
             ),
+            connect_options=parse_connect_options(config.get("IDEM_CONNECT_OPTIONS", {})),
+            database_deadline=deadline,
+            max_response_bytes=_positive_int(
+                "IDEM_MAX_RESPONSE_BYTES", config.get("IDEM_MAX_RESPONSE_BYTES", defaults.max_response_bytes)
+            ),
+            response_keys=parse_response_keys(config.get("IDEM_RESPONSE_KEYS")),
             **{
                 name: parse_seconds(
                     f"IDEM_{name.upper()}", config.get(f"IDEM_{name.upper()}", getattr(defaults, name))
@@ -189,6 +213,24 @@ class Settings:
                 )
             },
         )
+
+
+def parse_connect_options(value: Any) -> dict[str, str | int | None]:
+    """``IDEM_CONNECT_OPTIONS``: libpq connection parameters, each a string, an int or ``None``."""
+    if not isinstance(value, Mapping) or not all(
+        isinstance(name, str)
+        and (option is None or (isinstance(option, (str, int)) and not isinstance(option, bool)))
+        for name, option in value.items()
+    ):
+        raise ConfigurationError(
+            "IDEM_CONNECT_OPTIONS must be a dict of libpq connection parameters, such as"
+            " {'connect_timeout': 10, 'tcp_user_timeout': 10000}; None removes one of flask-idem's defaults."
+        )
+    try:
+        make_conninfo("", **{name: option for name, option in value.items() if option is not None})
+    except psycopg.ProgrammingError as e:
+        raise ConfigurationError(f"IDEM_CONNECT_OPTIONS: {e}.") from None
+    return dict(value)
 
 
 def check_database_url(url: str) -> None:

@@ -13,11 +13,18 @@ Inside such a transaction the session belongs to the extension: ``db.session.com
 ``db.session.rollback()``, which would undo the key reservation too, fails the request the same way. See
 the SQLAlchemy page of the documentation for why.
 
+The engine's connections are the application's, so flask-idem does not set their connection options;
+it puts the session's connection under the request's deadline while its transaction is open, as it does
+its own pool's (:mod:`._deadline`), and warns once when the engine's connections lack a connect timeout
+and the TCP timeouts that notice a silent database (``connect_args`` in the SQLAlchemy page).
+
 SQLAlchemy is imported only when this module is, so the extension does not depend on it otherwise.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -30,6 +37,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, SessionTransaction, scoped_session
 
+from . import _deadline
+from ._deadline import DeadlineExceeded
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -37,6 +46,12 @@ if TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
 
 __all__ = ["SessionCommitRefused", "SessionSource", "conninfo_of"]
+
+logger = logging.getLogger("flask_idem")
+
+#: libpq parameters without which a silent database holds a request for minutes (``keepalives`` is on by
+#: default in libpq; its idle time is the system's, two hours by default).
+_SILENCE_OPTIONS = ("connect_timeout", "keepalives_idle", "tcp_user_timeout")
 
 #: ``session.info`` keys: the root transaction the extension opened, and whether it is ending it itself.
 _OPEN = "flask_idem.transaction"
@@ -59,9 +74,13 @@ class SessionSource:
         ``db.session``); calling it gives the session of the current context.
     :param engine: the engine of that session's default bind: the key store's own statements (``init-db``,
         ``purge``, ``stuck``) borrow its connections.
+    :param deadline: a request's database time in all (``IDEM_DATABASE_DEADLINE``), kept on the session's
+        connection while the extension's transaction is open; ``None``: none.
     """
 
-    def __init__(self, session: scoped_session[Any], engine: Engine) -> None:
+    def __init__(
+        self, session: scoped_session[Any], engine: Engine, *, deadline: float | None = 10.0
+    ) -> None:
         if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg":
             raise ConfigurationError(
                 "flask-idem runs its statements on the session's own connection, so the engine must use"
@@ -69,6 +88,8 @@ class SessionSource:
             )
         self._session: Callable[[], Session] = session
         self.engine = engine
+        self.deadline = deadline
+        self._options_checked = False
         for name, listener in (("before_commit", _refuse_commit), ("after_transaction_end", _refuse_end)):
             if not event.contains(session, name, listener):
                 event.listen(session, name, listener)
@@ -123,25 +144,53 @@ class SessionSource:
         session = self._session()
         if _OPEN in session.info:
             raise RuntimeError("An idempotent transaction is already open on this session.")
+        started = time.monotonic()
+        limit = _deadline.seconds_left(self.deadline)
+        if limit is not None and limit <= 0:
+            raise DeadlineExceeded("The request's database time (IDEM_DATABASE_DEADLINE) is spent.")
+        armed: _deadline.Armed | None = None
         with _driver_errors():
             try:
-                raw = session.connection().connection.driver_connection
+                dbapi = session.connection().connection
+                raw: psycopg.Connection[TupleRow] = dbapi.driver_connection  # type: ignore[assignment]
+                self._check_options(raw)
+                if limit is not None:
+                    armed = _deadline.arm(raw, limit, started=started, on_cut=_invalidated_by_sqlalchemy)
                 root = session.info[_OPEN] = session.get_transaction()
-                yield raw  # type: ignore[misc]
+                yield raw
                 if session.get_transaction() is not root:  # application code caught the error and went on
                     raise SessionCommitRefused("The session's transaction ended inside the view.")
                 session.info[_ENDING] = True
                 session.commit()
-            except BaseException:
+            except BaseException as e:
                 session.info[_ENDING] = True
                 try:
                     session.rollback()
                 except DBAPIError:  # a dead connection (now invalidated): the first error is the news
                     session.close()
+                if armed is not None and armed.cut and _is_operational(e):
+                    raise armed.error() from e
                 raise
             finally:
+                if armed is not None:
+                    _deadline.disarm(armed)
                 session.info.pop(_OPEN, None)
                 session.info.pop(_ENDING, None)
+
+    def _check_options(self, conn: psycopg.Connection[Any]) -> None:
+        """Warn once if the engine's connections cannot notice a silent database within seconds."""
+        if self._options_checked:
+            return
+        self._options_checked = True
+        missing = [name for name in _SILENCE_OPTIONS if name not in conn.info.get_parameters()]
+        if missing:
+            logger.warning(
+                "The SQLAlchemy engine's connections have no %s: a database that goes silent (a dead host,"
+                " a hung pooler) holds requests until TCP gives up, for minutes. Pass"
+                " connect_args=dict(flask_idem.DEFAULT_CONNECT_OPTIONS) to the engine"
+                " (SQLALCHEMY_ENGINE_OPTIONS with Flask-SQLAlchemy).",
+                ", ".join(missing),
+            )
 
     def close(self) -> None:
         """Nothing to do: the engine and its pool belong to the application (Flask-SQLAlchemy)."""
@@ -149,6 +198,16 @@ class SessionSource:
     def connection_lost(self, conn: psycopg.Connection[Any]) -> None:
         """Nothing to do: the session's rollback met the dead connection, and SQLAlchemy's pool
         invalidated it then, with every connection opened before it."""
+
+
+def _invalidated_by_sqlalchemy(conn: psycopg.Connection[Any]) -> None:
+    """Nothing to do for a cut connection: SQLAlchemy invalidates it when the error reaches it."""
+
+
+def _is_operational(error: BaseException) -> bool:
+    if isinstance(error, DBAPIError):
+        error = error.orig  # type: ignore[assignment]
+    return isinstance(error, psycopg.OperationalError)
 
 
 def conninfo_of(engine: Engine) -> str:

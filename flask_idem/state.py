@@ -18,6 +18,7 @@ from flask import Flask, current_app
 from psycopg.rows import TupleRow
 
 from . import _layout
+from ._codec import ResponseCodec
 from .flow import Flow
 from .pool import ConnectionSource, ProcessPool
 from .settings import Settings
@@ -48,6 +49,9 @@ class IdemState:
     flows: Mapping[str, Flow]
     #: Test hooks, called at each point of :meth:`fire`; empty outside :mod:`flask_idem.testing`.
     hooks: list[Hook] = field(default_factory=list)
+    #: Encrypts the stored bodies of ``store_response="encrypted"`` routes; ``None`` without
+    #: ``IDEM_RESPONSE_KEYS``.
+    codec: ResponseCodec | None = None
     #: Set once the key table was found in a layout this code runs on (:meth:`check_layout`).
     layout_checked: threading.Event = field(default_factory=threading.Event)
 
@@ -104,11 +108,14 @@ class IdemState:
             max_size=settings.pool_max_size,
             timeout=settings.pool_timeout,
             prepare_threshold=settings.prepare_threshold,
+            connect_options=settings.connect_options,
+            deadline=settings.database_deadline,
         )
         store = Store(
             pool, table=settings.table, tombstone_ttl=settings.tombstone_ttl, distributed=settings.distributed
         )
-        return cls(settings=settings, pool=pool, store=store, flows=flows)
+        codec = ResponseCodec(settings.response_keys) if settings.response_keys else None
+        return cls(settings=settings, pool=pool, store=store, flows=flows, codec=codec)
 
 
 def get_state(app: Flask | None = None) -> IdemState:

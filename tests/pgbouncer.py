@@ -57,6 +57,9 @@ def start(workdir: Path, server_url: str) -> tuple[str, subprocess.Popen[bytes]]
         f"auth_type = trust\nauth_file = {workdir / 'userlist.txt'}\n"
         "pool_mode = transaction\nmax_client_conn = 1000\ndefault_pool_size = 40\n"
         "ignore_startup_parameters = extra_float_digits,options\n"
+        # As docs/timeouts advises behind a pooler, which flask-idem cannot give its own server-side
+        # timeouts: end a transaction whose client vanished, releasing its locks and its key.
+        "idle_transaction_timeout = 10\n"
         f"admin_users = {user}\nstats_users = {user}\n"
         f"logfile = {workdir / 'pgbouncer.log'}\npidfile = {workdir / 'pgbouncer.pid'}\n"
         + (f"user = {_unprivileged_user()}\n" if os.geteuid() == 0 else "")

@@ -26,7 +26,7 @@ def free_port() -> int:
         return port
 
 
-def wait_for_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+def wait_for_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     """Poll ``url`` until it answers anything, failing early if ``proc`` exits."""
     import requests
 

@@ -10,6 +10,7 @@ multi-step flow whose steps write through ``db.session`` too.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import signal
@@ -28,7 +29,7 @@ from werkzeug.exceptions import NotFound, Unauthorized
 
 from example_app import problems
 from example_app.schemas import OrderIn, load
-from flask_idem import Flow, Idempotency, OutcomeUnknown, Run
+from flask_idem import DEFAULT_CONNECT_OPTIONS, Flow, Idempotency, OutcomeUnknown, Run
 
 from . import pgbouncer
 
@@ -114,6 +115,17 @@ def create_order() -> Any:
     if request.headers.get("X-Test-Crash") == "kill":  # written and flushed, not committed
         os.kill(os.getpid(), signal.SIGKILL)
     return order.to_dict(), 201, {"Location": url_for(".get_order", order_id=order.id)}
+
+
+@bp.post("/orders/async")
+@idem.idempotent()
+async def create_order_async() -> Any:
+    """``async def``: ``db.session`` on the coroutine's thread is the request's session (scoped by the
+    application context, which the coroutine shares)."""
+    await asyncio.sleep(0)
+    order = _new_order()
+    await asyncio.sleep(0)
+    return order.to_dict(), 201
 
 
 @bp.get("/orders/<int:order_id>")
@@ -252,8 +264,13 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     app.config.from_prefixed_env()
     app.config.update(test_config or {})
     app.config["SQLALCHEMY_DATABASE_URI"] = sqlalchemy_url(app.config["DATABASE_URL"])
+    # The engine's connections are the application's: give them the timeouts flask-idem gives its own,
+    # where the URL has none (docs/sqlalchemy.rst, "Timeouts").
+    given = conninfo_to_dict(app.config["DATABASE_URL"])
+    connect_args: dict[str, Any] = {k: v for k, v in DEFAULT_CONNECT_OPTIONS.items() if k not in given}
     if pgbouncer.ENABLED:  # transaction pooling: no server-side prepared statements
-        app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"connect_args": {"prepare_threshold": None}}
+        connect_args["prepare_threshold"] = None
+    app.config.setdefault("SQLALCHEMY_ENGINE_OPTIONS", {"connect_args": connect_args})
     db.init_app(app)
     idem.init_app(app)
     problems.register(app)

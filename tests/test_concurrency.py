@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 ORDER = {"amount": 4200, "currency": "EUR"}
 
 
-def fire(base: str, requests_to_send: list[dict[str, Any]]) -> list[requests.Response]:
-    """Send every request at once from its own thread; return the responses in order."""
+def fire(base: str, requests_to_send: list[dict[str, Any]], path: str = "/orders") -> list[requests.Response]:
+    """POST every request to ``path`` at once, each from its own thread; return the responses in order."""
     barrier = threading.Barrier(len(requests_to_send))
     results: list[requests.Response | BaseException | None] = [None] * len(requests_to_send)
 
@@ -28,7 +28,7 @@ def fire(base: str, requests_to_send: list[dict[str, Any]]) -> list[requests.Res
         with requests.Session() as session:
             barrier.wait(30)
             try:
-                results[i] = session.post(base + "/orders", timeout=30, **spec)
+                results[i] = session.post(base + path, timeout=30, **spec)
             except BaseException as e:  # reported below, with the others
                 results[i] = e
 

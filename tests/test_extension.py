@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from datetime import timedelta
 from typing import Any
 
@@ -116,13 +117,15 @@ def test_bad_decorator_options(options: dict[str, Any]) -> None:
         Idempotency(scope=lambda: 1).idempotent(**options)
 
 
-def test_async_views_are_refused() -> None:
-    """An async view is refused: the transaction handling is synchronous."""
+def test_async_views_need_asgiref(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without asgiref (flask[async]), an async view is refused when decorated, naming what to install."""
 
     async def view() -> None:
         await asyncio.sleep(0)
 
-    with pytest.raises(ConfigurationError, match="async"):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "asgiref" else real(name))
+    with pytest.raises(ConfigurationError, match=r"view\b.*install flask-idem\[async\]"):
         Idempotency(scope=lambda: 1).idempotent()(view)
 
 

@@ -15,7 +15,7 @@ from flask import Flask
 from flask.views import MethodView
 from openapi_spec_validator import validate
 
-from flask_idem import Flow, Idempotency
+from flask_idem import Fingerprint, Flow, Idempotency
 from flask_idem.errors import PROBLEM_JSON, ConfigurationError
 from flask_idem.openapi import PROBLEM_SCHEMA, IdempotencyPlugin
 
@@ -281,3 +281,45 @@ def test_flask_smorest_app() -> None:
     assert key_parameter(item["put"])["required"] is False  # type: ignore[index]
     assert item["put"]["responses"]["200"]["headers"]["Idempotent-Replayed"]["required"] is False
     assert key_parameter(item["get"]) is None and "x-idempotency" not in item["get"]
+
+
+def test_a_routes_policies_are_published() -> None:
+    """A fingerprint policy shows what counts (x-idempotency, the key's description and the 422); a route
+    that keeps only its Location documents the 303 a retry gets instead of a 200 replay."""
+    app, idem = make_app()
+    old = Fingerprint(exclude=["/client_ts"])
+    policy = Fingerprint(exclude=["/client_ts", "/trace"], headers=["X-Currency"], previous=[old])
+
+    @app.post("/orders")
+    @idem.idempotent(fingerprint=policy)
+    def orders() -> Any:
+        raise AssertionError("never called")
+
+    @app.post("/tokens")
+    @idem.idempotent(store_response="location")
+    def tokens() -> Any:
+        raise AssertionError("never called")
+
+    created = {"201": {**CREATED["201"], "headers": {"Location": {"schema": {"type": "string"}}}}}
+    spec = APISpec("Shop", "1.0", "3.0.3", plugins=[FlaskPlugin(), IdempotencyPlugin(app)])
+    spec.path(view=orders, operations={"post": {"responses": CREATED}}, app=app)
+    spec.path(view=tokens, operations={"post": {"responses": created}}, app=app)
+    document = spec.to_dict()
+    validate(document)
+    post = document["paths"]["/orders"]["post"]
+    counted = ["method", "path", "query", "media type", "body except /client_ts, /trace", "header X-Currency"]
+    assert post["x-idempotency"]["fingerprint"] == counted
+    assert post["x-idempotency"]["fingerprintPolicy"] == {
+        "id": policy.id,
+        "exclude": ["/client_ts", "/trace"],
+        "headers": ["x-currency"],
+        "previous": [old.id],
+    }
+    assert "storeResponse" not in post["x-idempotency"]
+    assert "; ".join(counted) in key_parameter(post)["description"]  # type: ignore[index]
+    assert "'differs' member" in post["responses"]["422"]["description"]
+    token = document["paths"]["/tokens"]["post"]
+    assert token["x-idempotency"]["storeResponse"] == "location"
+    assert token["x-idempotency"]["fingerprint"] == ["method", "path", "query", "body"]
+    assert "200" not in token["responses"]
+    assert token["responses"]["303"]["headers"]["Location"] == {"schema": {"type": "string"}}

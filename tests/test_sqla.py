@@ -24,8 +24,10 @@ from example_app.auth import hash_api_key, new_api_key
 from flask_idem import ConfigurationError, Idempotency
 from flask_idem.errors import PROBLEM_JSON
 from flask_idem.sqla import SessionCommitRefused
+from flask_idem.state import get_state
 
 from . import sqla_app
+from .faultproxy import running_proxy
 from .helpers import count, gunicorn, headers
 from .test_concurrency import fire
 
@@ -356,3 +358,68 @@ def test_crash_after_the_write_then_retry(
     again = requests.post(sqla_server + "/orders", json=ORDER, headers=headers(org_key, key), timeout=30)
     assert (again.status_code, again.json()) == (200, retry.json())
     assert count(db, "orders") == 1
+
+
+def test_engine_without_timeouts_is_warned_once(
+    make_sqla_app: Callable[..., Flask], org_key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine whose connections cannot notice a silent database is named in one warning; the shop's
+    engine, with flask-idem's connect options, is not."""
+    caplog.set_level(logging.WARNING, logger="flask_idem")
+    bare = make_sqla_app(SQLALCHEMY_ENGINE_OPTIONS={"connect_args": {"prepare_threshold": None}})
+    for _ in range(2):
+        assert post(bare, "/orders", org_key, uuid.uuid4()).status_code == 201
+    warnings = [r.getMessage() for r in caplog.records if "SQLAlchemy engine's connections" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "connect_timeout, keepalives_idle, tcp_user_timeout" in warnings[0]
+    caplog.clear()
+    assert post(make_sqla_app(), "/orders", org_key, uuid.uuid4()).status_code == 201
+    assert not [r for r in caplog.records if "SQLAlchemy engine's connections" in r.getMessage()]
+
+
+def test_a_silent_session_connection_is_cut_at_the_deadline(
+    make_sqla_app: Callable[..., Flask], database_url: str, org_key: str, db: psycopg.Connection[Any]
+) -> None:
+    """The session's connection goes silent (the peer ACKs, nothing answers) once the view ran: the
+    request is answered 503 with Retry-After at the deadline, its order is not kept, and the next request
+    works on a new connection."""
+    with running_proxy(database_url, release_after=5.0) as proxy:
+        app = make_sqla_app(DATABASE_URL=proxy.conninfo(database_url), IDEM_DATABASE_DEADLINE=2.0)
+        assert post(app, "/orders", org_key, uuid.uuid4()).status_code == 201
+        silence = [True]
+
+        def silence_once(point: str, conn: Any) -> None:
+            if point == "view" and silence:
+                silence.clear()
+                proxy.silence("hung")
+
+        get_state(app).hooks.append(silence_once)
+        started = time.monotonic()
+        answer = post(app, "/orders", org_key, uuid.uuid4())
+        assert answer.status_code == 503, answer.json
+        assert answer.mimetype == PROBLEM_JSON and int(answer.headers["Retry-After"]) >= 1
+        assert time.monotonic() - started < 2.0 + 3.0
+        assert post(app, "/orders", org_key, uuid.uuid4()).status_code == 201
+    deadline = time.monotonic() + 30  # the silent transaction ends when its server side is closed
+    while count(db, "orders") != 2:
+        assert time.monotonic() < deadline, "the order of the cut transaction was kept"
+        time.sleep(0.2)
+
+
+def test_an_async_view_writes_through_the_session(
+    sqla: Flask, org_key: str, db: psycopg.Connection[Any]
+) -> None:
+    """An async def view's db.session writes commit with the key, and the kit's crash, replay and in-flight
+    checks pass on it."""
+    from flask_idem.testing import Rows, check_in_flight, check_replay
+
+    orders = Rows(db, "orders")
+    first, again = check_replay(
+        sqla, "POST", "/orders/async", json=ORDER, headers=headers(org_key), effect=orders
+    )
+    assert (first.status_code, again.status_code) == (201, 200)
+    held, duplicate = check_in_flight(
+        sqla, "POST", "/orders/async", json=ORDER, headers=headers(org_key), effect=orders
+    )
+    assert (held.status_code, duplicate.status_code) == (201, 409)
+    assert checked_out(sqla) == 0

@@ -59,31 +59,33 @@ def paid(db: psycopg.Connection[Any]) -> Rows:
     return Rows(db, "kit_payments", where="status = 'paid'")
 
 
-def test_a_retry_safe_route_passes_every_check(app: Flask, orders: Rows) -> None:
-    """The sample's POST /orders passes replay, mismatch, in-flight, scope and hammer checks."""
-    first, again = check_replay(app, "POST", "/orders", json=ORDER, headers=ORG_1, effect=orders)
+@pytest.mark.parametrize("path", ["/orders", "/async/orders"], ids=["sync", "async"])
+def test_a_retry_safe_route_passes_every_check(app: Flask, orders: Rows, path: str) -> None:
+    """The sample's POST /orders, and its async def twin, pass replay, mismatch, in-flight, scope and
+    hammer checks."""
+    first, again = check_replay(app, "POST", path, json=ORDER, headers=ORG_1, effect=orders)
     assert (first.status_code, again.status_code) == (201, 200)
     assert (
         check_mismatch(
-            app, "POST", "/orders", json=ORDER, changed={"amount": 1}, headers=ORG_1, effect=orders
+            app, "POST", path, json=ORDER, changed={"amount": 1}, headers=ORG_1, effect=orders
         ).status_code
         == 422
     )
-    held, duplicate = check_in_flight(app, "POST", "/orders", json=ORDER, headers=ORG_1, effect=orders)
+    held, duplicate = check_in_flight(app, "POST", path, json=ORDER, headers=ORG_1, effect=orders)
     assert (held.status_code, duplicate.status_code) == (201, 409)
-    check_scope(app, "POST", "/orders", json=ORDER, headers=ORG_1, other_headers=ORG_2, effect=orders)
-    statuses = {
-        r.status_code for r in hammer(app, "POST", "/orders", json=ORDER, headers=ORG_1, effect=orders)
-    }
+    check_scope(app, "POST", path, json=ORDER, headers=ORG_1, other_headers=ORG_2, effect=orders)
+    statuses = {r.status_code for r in hammer(app, "POST", path, json=ORDER, headers=ORG_1, effect=orders)}
     assert statuses <= {201, 200, 409} and 201 in statuses
     assert orders() == 1 + 1 + 1 + 2 + 1  # one per check, two for the scope check
 
 
-def test_a_retry_safe_flow_survives_a_crash_after_each_step(app: Flask, charges: Rows, paid: Rows) -> None:
-    """POST /payments, killed in its view and after each step (database, call, finish), charges once."""
-    points = crash_between_steps(
-        app, "POST", "/payments", json=ORDER, headers=ORG_1, outside=charges, effect=paid
-    )
+@pytest.mark.parametrize("path", ["/payments", "/async/payments"], ids=["sync", "async"])
+def test_a_retry_safe_flow_survives_a_crash_after_each_step(
+    app: Flask, charges: Rows, paid: Rows, path: str
+) -> None:
+    """POST /payments, killed in its view and after each step (database, call, finish), charges once; so
+    does its twin whose view and steps are all async def."""
+    points = crash_between_steps(app, "POST", path, json=ORDER, headers=ORG_1, outside=charges, effect=paid)
     assert points == ["view", "authorise", "charge", "finish"]
     assert charges() == paid() == 5  # the run without a crash, then one per point
 

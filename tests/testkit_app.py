@@ -11,10 +11,17 @@ Planted bugs, each one a route the kit must flag:
 2. ``POST /bad/charge-in-view``: a flow whose view (the first, transactional step) calls the ledger.
 3. ``POST /bad/random-key``: a flow whose call step gives the ledger a new key on every attempt.
 4. ``POST /bad/body-scope``: the scope is read from the request body instead of the credentials.
+
+``POST /async/orders`` and ``POST /async/payments`` are ``async def`` twins of ``POST /orders`` and
+``POST /payments`` (every step of the flow async too), for the same checks. A request with an ``X-Hold``
+header waits inside its transaction, before it writes, until the test that holds the advisory lock
+:data:`HOLD_LOCK` lets it go: how tests against a served application (gunicorn) hold a request in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import uuid
 from typing import Any
 
@@ -34,6 +41,9 @@ CREATE TABLE IF NOT EXISTS kit_payments (
 );
 CREATE TABLE IF NOT EXISTS kit_charges (charge_key text PRIMARY KEY, amount integer NOT NULL);
 """
+
+#: The advisory lock a request with ``X-Hold`` waits for, inside its transaction.
+HOLD_LOCK = 2323
 
 
 def org_from_credentials() -> int | None:
@@ -76,6 +86,8 @@ def create_app(database_url: str) -> Flask:
     ledger = Ledger(database_url)
 
     def insert_order(conn: psycopg.Connection[Any], org_id: int | None) -> dict[str, Any]:
+        if request.headers.get("X-Hold"):
+            conn.execute("SELECT pg_advisory_xact_lock_shared(%s)", (HOLD_LOCK,))
         row = conn.execute(
             "INSERT INTO kit_orders (org_id, idem_key, amount) VALUES (%s, %s, %s) RETURNING id",
             (org_id, idem.key, request.get_json()["amount"]),
@@ -87,6 +99,14 @@ def create_app(database_url: str) -> Flask:
     @idem.idempotent()
     def create_order() -> Any:
         return insert_order(idem.connection, org_from_credentials()), 201
+
+    @app.post("/async/orders")
+    @idem.idempotent()
+    async def create_order_async() -> Any:
+        await asyncio.sleep(0)
+        order = insert_order(idem.connection, org_from_credentials())
+        await asyncio.sleep(0.001)  # the transaction stays open across awaits
+        return order, 201
 
     @app.post("/bad/side-connection")
     @idem.idempotent()
@@ -150,6 +170,14 @@ def create_app(database_url: str) -> Flask:
     def create_payment() -> Any:
         return start_payment()
 
+    pay_async = _async_flow(ledger, finish_payment)
+
+    @app.post("/async/payments")
+    @idem.idempotent(flow=pay_async)
+    async def create_payment_async() -> Any:
+        await asyncio.sleep(0)
+        return start_payment()
+
     pay_in_view = Flow("kit.pay-in-view")
     pay_in_view.finish(finish_payment)
 
@@ -174,6 +202,40 @@ def create_app(database_url: str) -> Flask:
         return start_payment()
 
     return app
+
+
+def served() -> Flask:
+    """The sample application on the database named by ``KIT_DATABASE_URL``, for gunicorn."""
+    return create_app(os.environ["KIT_DATABASE_URL"])
+
+
+def _async_flow(ledger: Ledger, finish_payment: Any) -> Flow:
+    """The payment flow of ``POST /payments`` with every step ``async def``."""
+    flow = Flow("kit.pay-async")
+
+    @flow.step
+    async def authorise(run: Run) -> str:
+        await asyncio.sleep(0)
+        run.connection.execute(
+            "UPDATE kit_payments SET status = 'charging' WHERE id = %s", (run.intent["payment_id"],)
+        )
+        return "charging"
+
+    async def find(run: Run) -> dict[str, Any] | None:
+        await asyncio.sleep(0)
+        return ledger.find(run.derived_key("charge"))
+
+    @flow.call(resolve=find)
+    async def charge(run: Run) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        return ledger.charge(run.derived_key("charge"), run.intent["amount"])
+
+    @flow.finish
+    async def finish(run: Run) -> Any:
+        await asyncio.sleep(0)
+        return finish_payment(run)
+
+    return flow
 
 
 def _renamed(run: Run, step: str) -> Run:

@@ -10,8 +10,15 @@ from openapi_spec_validator import validate
 
 from flask_idem.errors import PROBLEM_JSON
 
-WRITES = ["/orders", "/payments"]
-READS = ["/orders", "/orders/{order_id}", "/payments/{payment_id}"]
+WRITES = ["/orders", "/payments", "/orders/{order_id}/receipt-links"]
+READS = [
+    "/orders",
+    "/orders/{order_id}",
+    "/payments/{payment_id}",
+    "/receipts/{token}",
+    "/health",
+    "/health/ready",
+]
 OPERATIONS = [("post", path) for path in WRITES] + [("get", path) for path in READS]
 OPERATION_IDS = [f"{method.upper()} {path}" for method, path in OPERATIONS]
 
@@ -22,6 +29,11 @@ STATUSES = {
     ("get", "/orders"): {200, 401, 500, 503},
     ("get", "/orders/{order_id}"): {200, 401, 404, 500, 503},
     ("get", "/payments/{payment_id}"): {200, 401, 404, 500, 503},
+    # No Location (it would be stored in clear), so no 303 for a late retry; 404: another org's order.
+    ("post", "/orders/{order_id}/receipt-links"): {200, 201, 400, 401, 404, 409, 410, 422, 500, 503},
+    ("get", "/receipts/{token}"): {200, 404, 500, 503},  # the token is the credential: no 401
+    ("get", "/health"): {200},
+    ("get", "/health/ready"): {200, 500, 503},
 }
 
 
@@ -88,7 +100,7 @@ def test_errors_are_problems(document: dict[str, Any], method: str, path: str) -
     assert problem["additionalProperties"] is True
 
 
-@pytest.mark.parametrize("path", WRITES, ids=["orders", "payments"])
+@pytest.mark.parametrize("path", WRITES, ids=["orders", "payments", "receipt-links"])
 def test_writes_require_a_uuid_key(document: dict[str, Any], path: str) -> None:
     """The POST routes require the Idempotency-Key header, a UUID."""
     parameters = [deref(document, p) for p in document["paths"][path]["post"]["parameters"]]
@@ -100,7 +112,7 @@ def test_writes_require_a_uuid_key(document: dict[str, Any], path: str) -> None:
     )
 
 
-@pytest.mark.parametrize("path", READS, ids=["orders", "order", "payment"])
+@pytest.mark.parametrize("path", READS, ids=["orders", "order", "payment", "receipt", "health", "ready"])
 def test_reads_take_no_key(document: dict[str, Any], path: str) -> None:
     """The GET routes have no Idempotency-Key parameter."""
     parameters = document["paths"][path].get("parameters", []) + document["paths"][path]["get"].get(
@@ -109,7 +121,7 @@ def test_reads_take_no_key(document: dict[str, Any], path: str) -> None:
     assert all(deref(document, p)["name"] != "Idempotency-Key" for p in parameters)
 
 
-@pytest.mark.parametrize("path", WRITES, ids=["orders", "payments"])
+@pytest.mark.parametrize("path", WRITES, ids=["orders", "payments", "receipt-links"])
 def test_replay_is_documented(document: dict[str, Any], path: str) -> None:
     """A POST documents the 200 replay of its 201: same body schema, and the Idempotent-Replayed header."""
     responses = document["paths"][path]["post"]["responses"]
@@ -129,15 +141,22 @@ def test_retry_after_is_documented(document: dict[str, Any], method: str, path: 
             assert header["required"] is True and header["schema"] == {"type": "integer"}
 
 
-def test_bearer_authentication(document: dict[str, Any]) -> None:
-    """The API key is an HTTP bearer scheme, required by every operation."""
+def test_bearer_authentication(document: dict[str, Any], client: FlaskClient) -> None:
+    """The API key is an HTTP bearer scheme, required by every operation but the receipt a link opens and
+    the health checks, which answer without one."""
     assert document["components"]["securitySchemes"]["bearerAuth"]["type"] == "http"
     assert document["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
     assert document["security"] == [{"bearerAuth": []}]
-    operations = [
-        op for item in document["paths"].values() for method, op in item.items() if method != "parameters"
-    ]
-    assert all("security" not in op for op in operations)
+    security = {
+        path: op.get("security")
+        for path, item in document["paths"].items()
+        for method, op in item.items()
+        if method != "parameters"
+    }
+    public = {"/receipts/{token}", "/health", "/health/ready"}
+    assert {path for path, value in security.items() if value is not None} == public
+    assert all(security[path] == [] for path in public)
+    assert client.get("/health").status_code == client.get("/health/ready").status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -163,7 +182,7 @@ def test_payment_answer_has_no_source(document: dict[str, Any]) -> None:
     assert payment["additionalProperties"] is False
 
 
-@pytest.mark.parametrize("path", WRITES, ids=["orders", "payments"])
+@pytest.mark.parametrize("path", WRITES, ids=["orders", "payments", "receipt-links"])
 def test_writes_publish_the_idempotency_policy(document: dict[str, Any], path: str) -> None:
     """The plugin publishes each write's policy: a required key kept 24 hours; paying is multi-step."""
     policy = document["paths"][path]["post"]["x-idempotency"]

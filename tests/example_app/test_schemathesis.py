@@ -26,6 +26,8 @@ OPERATIONS = [
     ("GET", "/orders/{order_id}"),
     ("POST", "/payments"),
     ("GET", "/payments/{payment_id}"),
+    ("POST", "/orders/{order_id}/receipt-links"),
+    ("GET", "/receipts/{token}"),
 ]
 
 #: Every built-in check but one. "Schema-valid request rejected" also fires for the shop's 422s on business

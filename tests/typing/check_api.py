@@ -26,6 +26,7 @@ from flask_idem import (
     ConfigurationError,
     DatabaseFailed,
     DatabaseUnavailable,
+    Fingerprint,
     Flow,
     Idempotency,
     IdempotencyError,
@@ -39,8 +40,11 @@ from flask_idem import (
     OperationFailed,
     OutcomePending,
     OutcomeUnknown,
+    ResponseNotStored,
     Run,
     ScopeFunc,
+    StoredResponseUnreadable,
+    StoreResponse,
 )
 from flask_idem.client import (
     AttemptInfo,
@@ -83,6 +87,37 @@ def create() -> tuple[dict[str, str], int]:
 def create_note() -> Response:
     return Response(status=204)
 
+
+# -- per-route policies: what counts as the same request, what a stored answer keeps, async views ----------
+
+before = Fingerprint(exclude=["/client_ts"])
+route_policy = Fingerprint(
+    include=["/amount", "/currency"],
+    exclude=(),
+    headers=["X-Currency"],
+    custom=lambda: {"ref": 1},
+    version=2,
+    previous=[before, Fingerprint()],
+)
+counted: list[str] = route_policy.counted()
+keeping: StoreResponse = "encrypted"
+
+
+@app.post("/quotes")
+@idem.idempotent(fingerprint=route_policy, store_response=keeping)
+async def create_quote() -> tuple[dict[str, str], int]:
+    conn: Connection[TupleRow] = idem.connection
+    conn.execute("SELECT 1")
+    return {"id": "q1"}, 201
+
+
+@app.post("/tokens")
+@idem.idempotent(store_response="location")
+def mint() -> tuple[dict[str, str], int, dict[str, str]]:
+    return {"token": "t"}, 201, {"Location": "/tokens/1"}
+
+
+storage_errors: tuple[type[IdempotencyError], ...] = (ResponseNotStored, StoredResponseUnreadable)
 
 with app.app_context():
     pool: ConnectionPool[Any] = idem.pool

@@ -1,0 +1,91 @@
+"""``async def`` views and flow steps: run to completion through Flask's :meth:`~flask.Flask.ensure_sync`.
+
+Flask runs a coroutine function with asgiref's ``async_to_sync``: in a WSGI worker thread it starts an
+event loop of its own, on a new thread, runs the coroutine there to the end and returns its result,
+while the request's thread waits. So everything the extension does around the view stays where it was:
+the key is reserved before the coroutine starts and the transaction commits after it returned, on the
+request's thread; the coroutine, and every awaitable in it, runs in between, inside that transaction.
+
+What that means for the coroutine, which runs on another thread:
+
+- ``flask.g``, ``flask.request`` and ``idem.connection`` work: asgiref runs it in a copy of the request
+  thread's context, and Flask's contexts and the extension's state live in context variables.
+- ``idem.connection`` is a synchronous psycopg connection. psycopg connections are thread-safe, and only
+  one thread uses it at a time: the request's thread is waiting. A call on it blocks the coroutine's
+  event loop while it runs, which under WSGI is a loop of this request alone.
+- An object bound to an event loop (an ``httpx.AsyncClient``, an asyncpg pool) must be created inside the
+  coroutine: each request, and each async flow step, gets a new loop.
+
+A thread whose own event loop is running cannot wait for a coroutine through asgiref; there (a test
+process holding a loop open) the view is run from a new thread, in a copy of the context, the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import importlib.util
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from flask import current_app
+
+from .errors import ConfigurationError
+
+__all__ = ["synchronous"]
+
+
+def synchronous(func: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """``func`` itself when it is synchronous; for a coroutine function, a function that runs it through
+    the current application's :meth:`~flask.Flask.ensure_sync` and returns its result.
+
+    :param what: what ``func`` is, for the error message ("view", "step").
+    :raises ConfigurationError: for a coroutine function when asgiref (``flask[async]``) is missing.
+    """
+    if not inspect.iscoroutinefunction(func):
+        return func
+    if importlib.util.find_spec("asgiref") is None:
+        raise ConfigurationError(
+            f"{func.__qualname__} is an async {what}, and Flask runs those with asgiref, which is not"
+            " installed: install flask-idem[async] (or flask[async])."
+        )
+
+    @functools.wraps(func)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        call = current_app.ensure_sync(func)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no event loop runs in this thread: the usual case, under WSGI
+            return call(*args, **kwargs)
+        return _from_another_thread(call, args, kwargs)
+
+    return run
+
+
+def _from_another_thread(call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``call`` run from a new thread, in a copy of this thread's context, while this one waits.
+
+    asgiref cannot wait for a coroutine from a thread whose event loop is running: a WSGI application
+    called from such a thread (in a test process where Playwright's synchronous API or an async test
+    framework holds a loop open) would fail. The request's thread waits here as it would for asgiref, so
+    the transaction and the view's connection are used by one thread at a time as usual.
+    """
+    context = contextvars.copy_context()
+    outcome: list[Any] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, context.run(call, *args, **kwargs)))
+        except BaseException as e:  # handed to the request's thread, which raises it
+            outcome.append((False, e))
+
+    thread = threading.Thread(target=target, name="flask-idem-async-view")
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value

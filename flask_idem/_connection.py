@@ -1,0 +1,190 @@
+"""The extension's psycopg connections, and the transaction that sends BEGIN and COMMIT with statements.
+
+:class:`Connection` is what :class:`.pool.ProcessPool` opens: a psycopg connection that keeps one cursor
+for the key store, knows when it was opened and under which deadline it is lent, refuses ``commit()`` and
+``rollback()`` inside the extension's transaction, and tells its pool whether connecting worked.
+:class:`Batched` is that transaction for the atomic path (see its docstring and :mod:`.wire`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, Self
+
+import psycopg
+from psycopg import pq
+from psycopg.abc import Transformer
+from psycopg.adapt import Transformer as Adapters
+from psycopg.rows import DictRow, TupleRow
+
+from . import _deadline, wire
+
+__all__ = ["OWNER", "Batched", "Connection", "batched"]
+
+#: The key of a pool's connection options under which a new connection learns which pool asked for it.
+OWNER = "_flask_idem_owner"
+
+
+class _Owner(Protocol):
+    def connect_failed(self) -> None: ...
+
+
+class Connection(psycopg.Connection[TupleRow]):
+    """The connections of a :class:`.pool.ProcessPool`: psycopg connections with one cursor for the store.
+
+    psycopg gives every new cursor an empty cache of parameter adapters, so the first statement on a new
+    cursor looks up how to send each parameter again. The store's statements run on every write request,
+    so they share one cursor per connection, which keeps that cache warm.
+    """
+
+    _store_cursor: psycopg.Cursor[DictRow] | None = None
+    #: When the pool opened it (``time.monotonic()``), to tell stale connections from fresh ones.
+    _idem_opened_at: float = 0.0
+    #: Its deadline while it is lent out (:mod:`._deadline`).
+    _idem_armed: _deadline.Armed | None = None
+    #: Whether it talks to the server itself, not through a pooler (its server process can be probed).
+    _idem_direct: bool = False
+    #: The batched transaction open on it, if any (:meth:`ProcessPool.transaction`).
+    _batched: Batched | None = None
+    #: What batches need of it: adapters, and the names of the statements they prepared on it.
+    _transformer: Transformer | None = None
+    _batch_names: set[bytes] | None = None
+
+    @classmethod
+    def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
+        """Connect as psycopg does, telling the :class:`.pool.ProcessPool` that asked whether it worked."""
+        owner: _Owner | None = kwargs.pop(OWNER, None)
+        try:
+            return super().connect(conninfo, **kwargs)
+        except psycopg.OperationalError:
+            if owner is not None:
+                owner.connect_failed()
+            raise
+
+    def _deallocate(self, name: bytes | None) -> Any:
+        """psycopg's hook for deallocating its prepared statements; ``None`` stands for all of them.
+
+        psycopg sends ``DEALLOCATE ALL`` after a rollback (a savepoint's included) and after it saw
+        ``DISCARD ALL`` or ``DEALLOCATE ALL`` go by: the statements batches prepared go with it, so the
+        batches forget their names at that moment (:mod:`flask_idem.wire`).
+        """
+        if name is None and self._batch_names:
+            self._batch_names.clear()
+        return super()._deallocate(name)
+
+    def commit(self) -> None:
+        """Commit, unless flask-idem's transaction is open: it commits with the key, or not at all."""
+        self._refuse("commit")
+        super().commit()
+
+    def rollback(self) -> None:
+        """Roll back, unless flask-idem's transaction is open: it decides when its transaction ends."""
+        self._refuse("rollback")
+        super().rollback()
+
+    def _refuse(self, action: str) -> None:
+        if self._batched is not None:
+            # psycopg's own words inside a Transaction context, which this transaction stands for.
+            raise psycopg.ProgrammingError(
+                f"Explicit {action}() forbidden within a Transaction context: flask-idem commits the"
+                " view's writes together with its key when the view returns, and rolls them back when it"
+                " raises. Use a nested 'with conn.transaction():' block for a savepoint."
+            )
+
+
+def batched(conn: psycopg.Connection[Any]) -> Batched | None:
+    """The batched transaction open on ``conn``, if it is one (:meth:`ProcessPool.transaction`)."""
+    return conn._batched if isinstance(conn, Connection) else None
+
+
+class Batched:
+    """A transaction whose ``BEGIN`` travels with its first statement, and its ``COMMIT`` with its last.
+
+    A fresh key's transaction is the reservation, the view's statements and the completion. Sent as
+    psycopg sends them, ``BEGIN`` and ``COMMIT`` each cost a round trip of their own; here the store sends
+    ``BEGIN`` together with the reservation (:meth:`begin`), and defers the completion to ``COMMIT``
+    (:meth:`defer`), in batches of the extended protocol (:mod:`flask_idem.wire`): the view's own
+    round trips and two more, as without the extension.
+
+    Until :meth:`begin`, the connection is out of autocommit: should any statement run first through
+    psycopg, psycopg opens the transaction itself, so nothing ever runs outside it. While the transaction
+    is open, ``commit()`` and ``rollback()`` on the connection are refused as inside psycopg's own
+    ``transaction()`` block; savepoints (nested ``conn.transaction()`` blocks) work as there. A
+    rollback goes through psycopg, which then forgets (and deallocates) its prepared statements; the
+    batches' names are forgotten with them.
+    """
+
+    def __init__(self, conn: Connection, *, prepare: bool) -> None:
+        self.conn = conn
+        self._prepare = prepare
+        self._deferred: list[wire.Item] = []
+
+    def __enter__(self) -> Batched:
+        conn = self.conn
+        if conn._transformer is None:
+            conn._transformer = Adapters(conn)
+            conn._batch_names = set()
+        conn.autocommit = False
+        conn._batched = self
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        conn = self.conn
+        try:
+            if exc is None and self.begun:
+                deferred, self._deferred = self._deferred, []
+                conn._batched = None
+                if deferred:
+                    self._run([*deferred, wire.COMMIT], prepare=self._prepare)
+                else:
+                    conn.commit()  # psycopg's own COMMIT: a simple query
+        finally:
+            conn._batched = None
+            self._deferred.clear()
+            self._end()
+
+    @property
+    def begun(self) -> bool:
+        """Whether the transaction has begun on the server."""
+        return self.conn.pgconn.transaction_status != pq.TransactionStatus.IDLE
+
+    def begin(self, statement: wire.Statement, params: Mapping[str, Any]) -> wire.Result:
+        """Send ``BEGIN`` and the transaction's first statement in one round trip; return its result.
+
+        A prepared statement found deallocated (SQLSTATE 26000, after a ``DEALLOCATE ALL`` the batch did
+        not see) is prepared again, and the two sent once more: nothing had run.
+        """
+        if self.begun:
+            raise RuntimeError("The batched transaction has begun already.")
+        try:
+            return self._run([wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
+        except psycopg.errors.InvalidSqlStatementName:
+            self._run([wire.ROLLBACK], prepare=False)
+            return self._run([wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
+
+    def defer(self, statement: wire.Statement, params: Mapping[str, Any]) -> None:
+        """Run ``statement`` with ``COMMIT``, in its round trip, after every statement sent before it.
+
+        Its result is not seen; should it fail, the transaction is rolled back and its error raised.
+        """
+        if not self.begun:
+            raise RuntimeError("A statement can only be deferred to COMMIT once the transaction has begun.")
+        self._deferred.append((statement, params))
+
+    def _run(self, items: list[wire.Item], *, prepare: bool) -> list[wire.Result]:
+        conn = self.conn
+        assert conn._transformer is not None
+        prepared = conn._batch_names if prepare else None
+        return wire.run(conn, items, transformer=conn._transformer, prepared=prepared)
+
+    def _end(self) -> None:
+        """Leave the connection as the pool lends it: idle and in autocommit, or closed."""
+        conn = self.conn
+        if conn.closed or conn.broken:
+            return
+        try:
+            if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+                conn.rollback()  # through psycopg, which deallocates its prepared statements (and ours)
+            conn.autocommit = True
+        except psycopg.Error:
+            conn.close()  # the pool discards it

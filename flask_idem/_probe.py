@@ -1,0 +1,177 @@
+"""Asking the server whether a connection that waits for an answer will ever get one.
+
+From the client's side, a slow statement and a silent connection look the same: a question sent, no
+answer yet. The deadline (:mod:`._deadline`) ends both, in the end. The server can tell them apart much
+sooner: in ``pg_stat_activity``, the process serving a connection is ``active`` while it works on a
+statement, and ``idle`` (or ``idle in transaction``) while it waits for the client. A client waiting for
+an answer from a server process that waits for the client will never get one: its statement, or the
+answer, was lost on the way (a hung pooler or proxy, a dead host, a connection a NAT forgot).
+
+A :class:`Prober` watches the connections its pool has lent out. Once a connection has been lent for
+:data:`PROBE_AFTER` seconds and is waiting for an answer (libpq says a command is in progress, and
+nothing has arrived on its socket), the prober opens a connection of its own and asks the server about
+that connection's process. When the server says, in two rounds :data:`PROBE_INTERVAL` apart, that it is
+not working for it (or no such process exists), the connection is cut at once, as its deadline would
+have cut it later, and its server process is terminated: it may still hold the vanished client's
+transaction, with its locks and its idempotency key, which a retry is waiting for. The pool then
+replaces its idle connections of that age (a silent path usually silences them all). When the prober
+cannot connect at all, the pool learns that the database is unreachable, and stops making requests wait
+long for a connection.
+
+Only connections that reach the server directly are probed: behind a pooler (PgBouncer), the process id
+the client knows is the pooler's, not the server's (:class:`.pool.ProcessPool` finds out when it opens a
+connection). The probes cost nothing while no connection waits long: the prober thread wakes once per
+:data:`PROBE_INTERVAL` and looks at the pool's lent connections; a round opens one short connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import pq
+
+from . import _deadline
+from ._connection import Connection
+
+__all__ = ["PROBE_AFTER", "PROBE_INTERVAL", "Prober"]
+
+logger = logging.getLogger("flask_idem")
+
+#: Seconds a connection must have been lent and waiting before the server is asked about it.
+PROBE_AFTER = 2.0
+#: Seconds between two rounds of questions.
+PROBE_INTERVAL = 1.0
+#: Seconds the prober's own connection may take, to open and to answer.
+_PROBE_TIMEOUT = 2
+
+_STATES = "SELECT pid, state FROM pg_stat_activity WHERE pid = ANY(%s)"
+_TERMINATE = "SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid"
+
+
+class Prober:
+    """The prober of one pool in one process (its thread is started on first use and after a fork).
+
+    :param conninfo: where to open the prober's own connections (the pool's).
+    :param lent: the pool's connections lent out now.
+    :param unreachable: called when the prober cannot connect.
+    """
+
+    def __init__(
+        self, conninfo: str, lent: Callable[[], Collection[Connection]], unreachable: Callable[[], None]
+    ) -> None:
+        self._conninfo = conninfo
+        self._lent = lent
+        self._unreachable = unreachable
+        self._pid = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        #: How many rounds in a row the server said it was not working for a lent connection.
+        self._strikes: dict[_deadline.Armed, int] = {}
+
+    def ensure_running(self) -> None:
+        """Start this process's prober thread if it has none."""
+        if self._pid == os.getpid():
+            return
+        with self._lock:
+            if self._pid != os.getpid():
+                self._stop = threading.Event()
+                self._strikes = {}
+                thread = threading.Thread(target=self._run, name="flask-idem-prober", daemon=True)
+                thread.start()
+                self._pid = os.getpid()
+
+    def stop(self) -> None:
+        """Stop this process's prober thread (a later :meth:`ensure_running` starts a new one)."""
+        with self._lock:
+            self._stop.set()
+            self._pid = 0
+
+    def _run(self) -> None:
+        stop = self._stop
+        while not stop.wait(PROBE_INTERVAL):
+            try:
+                self.round()
+            except Exception:  # the prober must outlive whatever goes wrong in one round
+                logger.exception("The database prober failed; it goes on.")
+
+    def round(self) -> None:
+        """One round: ask the server about every connection waiting too long; cut the silent ones."""
+        now = time.monotonic()
+        waiting = {
+            armed: conn.info.backend_pid
+            for conn in self._lent()
+            if (armed := conn._idem_armed) is not None
+            and conn._idem_direct
+            and now - armed.started >= PROBE_AFTER
+            and _waiting(conn)
+        }
+        self._strikes = {armed: self._strikes.get(armed, 0) for armed in waiting}
+        if not waiting:
+            return
+        try:
+            with self._connection() as conn:
+                states = dict(conn.execute(_STATES, (list(waiting.values()),)).fetchall())
+                cut = [pid for armed, pid in waiting.items() if self._cut_if_silent(armed, states.get(pid))]
+                if cut:
+                    _terminate(conn, cut)
+        except psycopg.OperationalError:
+            self._unreachable()
+
+    def _cut_if_silent(self, armed: _deadline.Armed, state: str | None) -> bool:
+        """Cut ``armed`` when the server said, for the second round in a row, that it is not working for
+        it; return whether it was cut."""
+        if state == "active" or not _waiting(armed.conn):
+            self._strikes[armed] = 0
+            return False
+        self._strikes[armed] += 1
+        if self._strikes[armed] < 2:
+            return False
+        seen = f"its server process was {state!r}" if state else "it had no server process"
+        return _deadline.cut(armed, seen + " while it waited for an answer")
+
+    @contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A connection of the prober's own, itself under a deadline: the path to the server may be hung
+        for new connections too."""
+        started = time.monotonic()
+        with psycopg.connect(self._conninfo, connect_timeout=_PROBE_TIMEOUT, autocommit=True) as conn:
+            armed = _deadline.arm(conn, _PROBE_TIMEOUT, started=started, on_cut=_nothing)
+            try:
+                yield conn
+            finally:
+                _deadline.disarm(armed)
+
+
+def _terminate(conn: psycopg.Connection[Any], pids: list[int]) -> None:
+    """End these server processes: they may still hold a vanished client's transaction, its locks and its
+    idempotency key, which a retry is waiting for. Otherwise that lasts until the server's
+    ``idle_in_transaction_session_timeout``. A role may end its own processes only."""
+    try:
+        conn.execute(_TERMINATE, (pids,))
+    except psycopg.errors.InsufficientPrivilege:
+        logger.info("Could not end the server processes of cut connections: not allowed to.")
+
+
+def _nothing(conn: object) -> None:
+    """A cut probe connection needs nothing more: the ``with`` block closes it."""
+
+
+def _waiting(conn: psycopg.Connection[object]) -> bool:
+    """Whether ``conn`` waits for an answer that has not begun to arrive: a command is in progress and
+    its socket has nothing to read."""
+    try:
+        if conn.pgconn.transaction_status != pq.TransactionStatus.ACTIVE:
+            return False
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
+        return not poller.poll(0)
+    except (psycopg.Error, OSError, ValueError):  # closed meanwhile: not waiting any more
+        return False
