@@ -44,11 +44,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/batches.py` from anywhere
 
+from psycopg import sql  # noqa: E402
 from psycopg.rows import dict_row  # noqa: E402
 from psycopg.types.json import Jsonb  # noqa: E402
 
 from bench.harness import DEFAULT_SERVER_URL, scratch_database  # noqa: E402
-from flask_idem import wire  # noqa: E402
+from flask_idem import _layout, wire  # noqa: E402
 from flask_idem.pool import Batched, Connection  # noqa: E402
 from flask_idem.store import KeyedRequest, Store, lock_id  # noqa: E402
 
@@ -79,14 +80,18 @@ def main() -> None:
 
 def _ways(conn: Connection) -> dict[str, Callable[[], None]]:
     store = Store(None, tombstone_ttl=TTL)  # type: ignore[arg-type]  # no pool: the statements only
-    conn.execute(store._sql.schema)
+    key_table = _layout.revisions()[0]  # layout 1: the table, and the reserve function below
+    names = _layout.names("idempotency_keys")
+    conn.execute(sql.SQL(key_table.sql).format(**names))
     conn.execute(
         "CREATE TABLE orders (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, org_id bigint, k uuid,"
         " amount bigint, currency text, created_at timestamptz DEFAULT now(), UNIQUE (org_id, k))"
     )
-    # The reserve function of distributed.sql, without its Citus statements, and a completion function.
-    ddl = Store(None, distributed=True)._sql.distributed_ddl.decode()  # type: ignore[arg-type]
-    conn.execute(ddl[ddl.index("CREATE OR REPLACE FUNCTION") : ddl.index("-- force_delegation")].encode())
+    # The reserve function of layout 1's Citus statements, without the others, and a completion function.
+    ddl = sql.SQL(key_table.distributed_sql).format(**names).as_string(None)
+    conn.execute(
+        ddl[ddl.index("CREATE OR REPLACE FUNCTION") : ddl.index("SELECT create_distributed_function")]
+    )
     conn.execute(
         "CREATE FUNCTION idempotency_keys_complete(p_org_id bigint, p_key uuid, p_response jsonb)"
         " RETURNS boolean LANGUAGE plpgsql AS $$ BEGIN"

@@ -166,12 +166,9 @@ def _precreate_keys(shop: Server, url: str, org_id: int, api_key: str, plan: Pla
 
 def _load_big_table(url: str, org_id: int, rows: int, tmp: Path, notes: list[str]) -> Path:
     """Bulk-load ``rows`` finished keys of the bench organisation into BIG_TABLE; sample REPLAY_KEYS."""
-    from flask_idem.pool import ProcessPool
-    from flask_idem.store import Store
+    from flask_idem._migrate import upgrade
 
-    store = Store(ProcessPool(url), table=BIG_TABLE, distributed=_distributed())
-    store.init_schema()  # the very DDL of idempotency_keys, under another name
-    store.pool.close()
+    upgrade(url, table=BIG_TABLE, distributed=_distributed())  # the very DDL of idempotency_keys, renamed
     print(f"# loading {rows:,} rows into {BIG_TABLE} ...", flush=True)
     with psycopg.connect(url, autocommit=True) as conn:
         # Every row answers a replay of the same request: the fingerprint and stored response of a real

@@ -7,6 +7,7 @@ leaving a request goes through :func:`.errors.database_error`.
 from __future__ import annotations
 
 import hmac
+import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from ._calls import in_transaction, render
 from ._policy import Fingerprint, Fingerprinted, RequestParts, describe_mismatch
 from .errors import (
     ConfigurationError,
+    DatabaseUnavailable,
     IdempotencyError,
     KeyExpired,
     KeyInUse,
@@ -43,6 +45,8 @@ __all__ = ["SAFE_METHODS", "Current", "ViewOptions", "current", "handle"]
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 _CURRENT_ATTR = "_flask_idem_current"
+
+logger = logging.getLogger("flask_idem")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +113,7 @@ def _keyed(
             required = state.settings.require_key if options.required is None else options.required
             if required or options.flow is not None:
                 raise MissingKey()
+            _ready(state)
             return in_transaction(
                 state.pool,
                 lambda conn: current_app.make_response(_call_view(conn, None, None, view, args, kwargs)),
@@ -126,6 +131,7 @@ def _keyed(
             printed = _Printed.of(req, options.fingerprint)
             request_sha = printed.now.sha
         keyed = KeyedRequest(_org_id(options.scope), key, request_sha, req.method, req.path)
+        _ready(state)
         attempt = _Attempt(view, args, kwargs, keyed, printed)
         if options.flow is None:
             return _atomic(state, options, attempt)
@@ -141,6 +147,20 @@ def _keyed(
                 sqlstate=e.sqlstate,
             )
         raise error from None
+
+
+def _ready(state: IdemState) -> None:
+    """Check the key table's layout at the first write request (:meth:`.IdemState.check_layout`).
+
+    A missing or unusable key table is the deployment's problem, not the client's, and it ends once the
+    migration has run: the request is answered 503 with ``Retry-After`` (nothing was recorded; a retry
+    with the same key is safe), and the error, with the command to run, goes to the log.
+    """
+    try:
+        state.check_layout()
+    except ConfigurationError as e:
+        logger.error("%s Answered 503 until then.", e)
+        raise DatabaseUnavailable(retry_after=state.settings.retry_after) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,9 @@ from flask import current_app
 from flask.cli import AppGroup
 from psycopg.conninfo import conninfo_to_dict
 
+from . import _layout, _migrate
 from ._codec import new_key
-from .errors import missing_table_hint
+from .errors import ConfigurationError, missing_table_hint
 from .pool import ProcessPool
 from .recovery import RecoveryReport, recover, run_forever
 from .state import get_state
@@ -76,18 +77,96 @@ def _check_connection() -> None:
         raise click.ClickException(f"cannot connect to the database: {reason}") from None
 
 
-@idem_cli.command("init-db")
-@click.option(
+def _ready() -> None:
+    """Refuse to work on a key table that is missing or in a layout this code cannot run on."""
+    try:
+        get_state().check_layout()
+    except ConfigurationError as e:
+        raise click.ClickException(str(e)) from None
+
+
+_distributed_option = click.option(
     "--distributed",
     is_flag=True,
-    help="Also distribute the table by org_id on Citus, with its reserve function (as IDEM_DISTRIBUTED).",
+    help="Also distribute the tables by org_id on Citus, with the reserve function (as IDEM_DISTRIBUTED).",
 )
+
+
+def _upgrade(distributed: bool, *, quiet: bool = False) -> _migrate.Report:
+    settings = get_state().settings
+    return _migrate.upgrade(
+        settings.database_url,
+        table=settings.table,
+        distributed=distributed or settings.distributed,
+        lock_timeout=settings.migration_lock_timeout,
+        connect_options=settings.connect_options,
+        echo=(lambda _: None) if quiet else click.echo,
+    )
+
+
+@idem_cli.command("init-db")
+@_distributed_option
 @_database_errors
 def init_db(distributed: bool) -> None:
-    """Create the key table and its indexes if they do not exist (safe to run again)."""
-    state = get_state()
-    state.store.init_schema(distributed=distributed)
-    click.echo(f"Key table {state.settings.table} is ready.")
+    """Create the key table in the latest layout, or upgrade it as migrate does (safe to run again).
+
+    Run it as a role that may create tables (see the privileges in the documentation).
+    """
+    _upgrade(distributed, quiet=True)
+    click.echo(f"Key table {get_state().settings.table} is ready (layout {_layout.latest()}).")
+
+
+@idem_cli.command("migrate")
+@_distributed_option
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Change nothing: print the layout found and what would be done; exit with status 1 if anything"
+    " would.",
+)
+@click.option(
+    "--grant",
+    "roles",
+    multiple=True,
+    metavar="ROLE",
+    help="Then grant ROLE, the application's role, SELECT, INSERT, UPDATE and DELETE on flask-idem's"
+    " tables (repeatable).",
+)
+@_database_errors
+def migrate(distributed: bool, check: bool, roles: tuple[str, ...]) -> None:
+    """Upgrade the key table to the latest layout, online; create it if missing.
+
+    Each revision's DDL runs in one transaction under a short lock timeout (IDEM_MIGRATION_LOCK_TIMEOUT),
+    tried again when a lock is busy; indexes are built with CREATE INDEX CONCURRENTLY, so the application
+    keeps serving meanwhile. Safe to run twice, and from two processes at once. Run it as the tables'
+    owner, not as the application's role.
+    """
+    settings = get_state().settings
+    if check:
+        with _migrate.connect(settings.database_url, settings.connect_options) as conn:
+            found, todo = _migrate.pending(conn, settings.table)
+        where = "missing" if found.layout is None else f"at layout {found.layout}"
+        click.echo(f"Key table {settings.table} is {where}; the latest layout is {_layout.latest()}.")
+        problem = _layout.problem(found, settings.table)
+        if problem is not None:
+            click.echo(problem)
+        for revision in todo:
+            click.echo(f"  would apply layout {revision.layout}: {revision.summary}")
+        if todo or problem is not None:
+            raise SystemExit(1)
+        return
+    report = _upgrade(distributed)
+    for role in roles:
+        _migrate.grant(
+            settings.database_url, table=settings.table, role=role, connect_options=settings.connect_options
+        )
+        click.echo(f"Granted {role} SELECT, INSERT, UPDATE, DELETE on the key table.")
+    before = "missing" if report.before.layout is None else f"layout {report.before.layout}"
+    if report.applied:
+        applied = ", ".join(str(layout) for layout in report.applied)
+        click.echo(f"Key table {settings.table}: {before}, now layout {report.after} (applied {applied}).")
+    else:
+        click.echo(f"Key table {settings.table} is at layout {report.after}: nothing to do.")
 
 
 @idem_cli.command("purge")
@@ -106,6 +185,7 @@ def purge(batch_size: int) -> None:
     IDEM_TOMBSTONE_TTL more, so that a late retry is never run again. Rows still processing and rows
     flagged for a person are never touched. Prints how many rows were deleted and tombstoned.
     """
+    _ready()
     deleted, tombstoned = get_state().store.purge(batch_size=batch_size)
     click.echo(f"Purged {deleted} expired key(s); {tombstoned} turned into tombstones.")
 
@@ -128,6 +208,7 @@ def recover_command(limit: int, loop: bool, interval: float) -> None:
     resolver. Requests past IDEM_RECOVERY_DEADLINE are marked failed and flagged for a person. Only
     requests of flows this application declares are touched.
     """
+    _ready()
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     if loop:
         stop = threading.Event()
@@ -159,6 +240,7 @@ def _print_report(report: RecoveryReport) -> None:
 @_database_errors
 def stuck(older_than: float | None) -> None:
     """List requests that need a person, and requests processing for longer than expected."""
+    _ready()
     state = get_state()
     rows = state.store.stuck(
         older_than=2 * state.settings.lease_timeout if older_than is None else older_than
@@ -181,6 +263,7 @@ def stats() -> None:
     It counts every row (one pass over the table), so it takes a moment on millions of keys; the
     gauges of flask_idem.metrics are the cheap view for a monitoring system.
     """
+    _ready()
     state = get_state()
     found = state.store.stats()
     click.echo(

@@ -20,7 +20,7 @@ from flask import Flask, Response
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from . import _deadline, _view
+from . import _deadline, _migrate, _view
 from ._async import synchronous
 from ._policy import Fingerprint
 from .cli import idem_cli
@@ -94,7 +94,10 @@ class Idempotency:
         """Read the ``IDEM_*`` configuration of ``app``, set up its key store and add ``flask idem``.
 
         The pool is not opened here but on first use in each process, so this is safe to call in the
-        master of a pre-fork server. With ``sqlalchemy=``, call ``db.init_app(app)`` first.
+        master of a pre-fork server, and the database is not touched: the key table's layout is checked
+        at the first write request or ``flask idem`` command (:meth:`check_layout`), so that ``flask
+        idem init-db`` and ``flask db upgrade``, which load the application, can create it. With
+        ``sqlalchemy=``, call ``db.init_app(app)`` first.
 
         The first request the application handles checks that every decorated view is the one its route
         calls (:meth:`idempotent` placed below ``@app.post``); a misplaced decorator fails every request
@@ -259,8 +262,29 @@ class Idempotency:
         return decorator
 
     def create_table(self) -> None:
-        """Create the current application's key table and index if missing (``flask idem init-db``)."""
-        get_state().store.init_schema()
+        """Create the current application's key table in the latest layout, or upgrade it
+        (``flask idem init-db``), on a connection of its own; safe to run twice, and at once."""
+        settings = get_state().settings
+        _migrate.upgrade(
+            settings.database_url,
+            table=settings.table,
+            distributed=settings.distributed,
+            lock_timeout=settings.migration_lock_timeout,
+            connect_options=settings.connect_options,
+        )
+
+    def check_layout(self) -> None:
+        """Check now that the current application's key table exists in a layout this flask-idem runs on.
+
+        The extension checks it by itself at the first use of the database in each application (the
+        first write request, or a ``flask idem`` command), since ``init_app`` must not touch the
+        database. Call this where a deployment should fail early instead: a readiness probe, gunicorn's
+        ``post_worker_init``, a start-up script. Once it passed, it costs nothing.
+
+        :raises ConfigurationError: when the table is missing, older than this code runs on, or newer
+            than it knows; the message names the command to run.
+        """
+        get_state().check_layout()
 
     def close(self) -> None:
         """Close the current application's connection pool in this process.

@@ -23,7 +23,7 @@ from flask import Flask
 
 from . import _engine, signals, tracing
 from ._calls import in_transaction
-from .errors import KeyInUse, OperationFailed, OutcomePending
+from .errors import ConfigurationError, KeyInUse, OperationFailed, OutcomePending
 from .flow import run_from_record
 from .state import IdemState, get_state
 from .store import Lease, Stranded
@@ -64,8 +64,11 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
     runs out while earlier requests are being finished. Only requests of flows this application knows
     are claimed: running the job with the wrong application leaves them alone. Safe to run in several
     processes at once: each row is claimed by one of them under a fresh lease.
+
+    :raises ConfigurationError: when the key table is missing or in a layout this code cannot run on.
     """
     state = get_state(app)
+    state.check_layout()
     settings = state.settings
     rng = rng or random.Random()
     # The longest lease of any flow: a claimed request must not lapse in the middle of a slow call.
@@ -170,6 +173,8 @@ def run_forever(
             report = recover(app, limit=limit, rng=rng)
         except psycopg.Error as e:
             logger.warning("Recovery pass failed: %s (SQLSTATE %s).", type(e).__name__, e.sqlstate)
+        except ConfigurationError as e:  # the key table is not ready yet: the migration may come
+            logger.error("Recovery pass skipped: %s", e)
         else:
             if report.claimed and on_pass is not None:
                 on_pass(report)

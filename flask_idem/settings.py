@@ -119,6 +119,8 @@ class Settings:
     max_response_bytes: int = 1024 * 1024
     #: Keys of ``store_response="encrypted"`` routes (``IDEM_RESPONSE_KEYS``), the first encrypting.
     response_keys: tuple[str, ...] = field(default=(), repr=False)
+    #: How long a migration's statement waits for a lock before its transaction is tried again.
+    migration_lock_timeout: float = 2.0
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -202,7 +204,13 @@ class Settings:
                 name: parse_seconds(
                     f"IDEM_{name.upper()}", config.get(f"IDEM_{name.upper()}", getattr(defaults, name))
                 )
-                for name in ("lease_timeout", "recovery_deadline", "recovery_backoff", "recovery_backoff_cap")
+                for name in (
+                    "lease_timeout",
+                    "recovery_deadline",
+                    "recovery_backoff",
+                    "recovery_backoff_cap",
+                    "migration_lock_timeout",
+                )
             },
         )
 

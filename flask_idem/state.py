@@ -8,6 +8,8 @@ the same helpful error.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -15,6 +17,7 @@ import psycopg
 from flask import Flask, current_app
 from psycopg.rows import TupleRow
 
+from . import _layout
 from ._codec import ResponseCodec
 from .flow import Flow
 from .pool import ConnectionSource, ProcessPool
@@ -22,6 +25,8 @@ from .settings import Settings
 from .store import Store
 
 __all__ = ["EXTENSION_NAME", "Hook", "IdemState", "get_state"]
+
+logger = logging.getLogger("flask_idem")
 
 #: The key of the state in ``app.extensions``.
 EXTENSION_NAME = "idem"
@@ -47,6 +52,38 @@ class IdemState:
     #: Encrypts the stored bodies of ``store_response="encrypted"`` routes; ``None`` without
     #: ``IDEM_RESPONSE_KEYS``.
     codec: ResponseCodec | None = None
+    #: Set once the key table was found in a layout this code runs on (:meth:`check_layout`).
+    layout_checked: threading.Event = field(default_factory=threading.Event)
+
+    def check_layout(self) -> None:
+        """Make sure the key table exists in a layout this code runs on: once, at the first use of the
+        database, then never again (one flag to read).
+
+        One catalog query on a connection of :attr:`pool`, which needs no privilege. A layout older than
+        the newest but one this code runs on is logged, once, as a warning. Not done by ``init_app``,
+        which must not touch the database: ``flask idem init-db`` and ``flask db upgrade``, which create
+        the table, load the application first (``init_app`` included), and so does a pre-fork server's
+        master; and a database still starting when the application does is a matter of 503s for a
+        moment, not a crash.
+
+        :raises ConfigurationError: when the table is missing or has a layout this code cannot run on,
+            naming the command that fixes it. Checked again at the next use, so that the application
+            serves as soon as the migration has run.
+        """
+        if self.layout_checked.is_set():
+            return
+        with self.pool.connection() as conn:
+            found = _layout.read(conn, self.settings.table)
+        _layout.check(found, self.settings.table)
+        if found.layout is not None and found.layout < _layout.latest():
+            logger.warning(
+                "The key table %s has layout %d; this flask-idem makes layout %d. It runs on both; run"
+                " 'flask idem migrate' to upgrade (online: writes go on meanwhile).",
+                self.settings.table,
+                found.layout,
+                _layout.latest(),
+            )
+        self.layout_checked.set()
 
     def fire(self, point: str, conn: psycopg.Connection[TupleRow] | None) -> None:
         """Call the test hooks at ``point``: ``"view"`` after the view ran, inside its transaction;

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import uuid
 from dataclasses import dataclass, field, fields
-from importlib.resources import files
 from typing import Any, LiteralString
 
 import psycopg
@@ -214,12 +213,13 @@ def _lease_params(lease: Lease) -> dict[str, Any]:
 class Store:
     """The key table's statements, and the pool they run on when they need a connection of their own.
 
-    :param pool: where :meth:`init_schema`, :meth:`stuck` and :meth:`purge` borrow connections.
+    :param pool: where :meth:`stuck`, :meth:`purge` and the observing methods borrow connections.
     :param table: the key table's name, optionally schema-qualified (``"idem.keys"``).
     :param tombstone_ttl: seconds a key is remembered, as a tombstone, after its stored response
         expired; 0 forgets it at once.
-    :param distributed: the table is (or is made, by :meth:`init_schema`) a Citus distributed table,
-        and reservations go through its delegated function (``distributed.sql``).
+    :param distributed: the table is a Citus distributed table (``flask idem migrate`` with
+        ``IDEM_DISTRIBUTED``), and reservations go through its delegated function (layout 1's
+        ``distributed_sql``, :mod:`flask_idem.migrations`).
     """
 
     def __init__(
@@ -233,26 +233,6 @@ class Store:
         self._sql = _Statements(table, distributed=distributed)
         self.pool = pool
         self.tombstone_ttl = tombstone_ttl
-
-    # -- schema ----------------------------------------------------------------------------------------
-
-    def init_schema(self, *, distributed: bool = False) -> None:
-        """Create the key table and its index when they do not exist (safe to run twice, or at once).
-
-        With ``distributed`` (or when the store was made ``distributed``) the table is also distributed
-        by ``org_id`` on Citus, with its reserve function (``distributed.sql``).
-        """
-        schema = self._sql.schema
-        if distributed or self._sql.distributed:
-            # Citus runs a function's DDL over one connection per node, so the whole transaction must.
-            schema = (
-                b"SET LOCAL citus.multi_shard_modify_mode TO 'sequential';\n"
-                + schema
-                + self._sql.distributed_ddl
-            )
-        with self.pool.connection() as conn, conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id(0, uuid.UUID(int=0)),))
-            conn.execute(schema)
 
     # -- both modes ------------------------------------------------------------------------------------
 
@@ -554,9 +534,6 @@ class _Statements:
                 .as_bytes(None)
             )
 
-        ddl = files(__package__).joinpath("schema.sql").read_text("utf-8")
-        self.schema = sql.SQL(ddl).format(**names).as_bytes(None)
-
         # Always one row: whether this transaction inserted the row, whether it holds the key's lock,
         # and the committed row of the key, if its snapshot has one (it never sees its own insert).
         # Atomic requests have no flow and no lease; multi-step ones name both.
@@ -577,13 +554,16 @@ class _Statements:
         self.reserve_leased = q(
             reserve, lease=sql.SQL("%(flow)s, %(token)s, now() + make_interval(secs => %(lease)s)")
         )
-        # On Citus: the same answer from the reserve function of distributed.sql, run on the key's node.
+        # On Citus: the same answer from the reserve function of layout 1 (distributed_sql), run on the
+        # key's node.
         function = sql.Identifier(*parts[:-1], parts[-1] + "_reserve")
         call = (
             "SELECT * FROM {function}(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)s, %(path)s,"
             " %(ttl)s, %(lock)s, {lease}, %(tomb)s)"
         )
-        self.distributed_ddl = _distributed_ddl(parts, function, record)
+        #: The columns of a key's row as a later request reads them; the reserve function of layout 1's
+        #: distributed_sql answers the same (a test compares them).
+        self.record = record.as_bytes(None)
         if distributed:
             self.reserve = q(call, function=function, lease=sql.SQL("NULL, NULL, NULL"))
             self.reserve_leased = q(call, function=function, lease=sql.SQL("%(flow)s, %(token)s, %(lease)s"))
@@ -626,19 +606,26 @@ class _Statements:
             "UPDATE {table} SET lease_expires_at = now(), last_error = %(error)s,"
             " next_attempt_at = now() + make_interval(secs => %(retry_in)s){mine}"
         )
+        due = sql.SQL(
+            "k.lease_expires_at IS NOT NULL AND greatest(k.lease_expires_at, k.next_attempt_at) <= now()"
+        )
+        # A stranded request is due once its lease has expired and its next attempt is due: at
+        # greatest(lease_expires_at, next_attempt_at), which ignores a NULL next_attempt_at. Layout 2
+        # indexes that moment (flask_idem.migrations.v2_due_index), so a claim reads due rows only, not
+        # every row still backing off; on layout 1 the same statement reads them all, as before.
         self.claim = q(
             "WITH due AS ("
-            " SELECT org_id, idem_key FROM {table}"
-            " WHERE status = 'processing' AND flow = ANY(%(flows)s) AND lease_expires_at <= now()"
-            " AND (next_attempt_at IS NULL OR next_attempt_at <= now())"
-            " ORDER BY lease_expires_at LIMIT %(limit)s"
+            " SELECT org_id, idem_key FROM {table} AS k"
+            " WHERE {due} AND k.status = 'processing' AND k.flow = ANY(%(flows)s)"
+            " ORDER BY greatest(k.lease_expires_at, k.next_attempt_at) LIMIT %(limit)s"
             " FOR UPDATE SKIP LOCKED"
             ")"
             " UPDATE {table} AS k SET lease_token = %(token)s,"
             " lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = k.attempts + 1"
             " FROM due WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key"
             " RETURNING k.org_id, k.idem_key AS key, k.flow, k.step, k.state, k.method, k.path, k.attempts,"
-            " k.created_at <= now() - make_interval(secs => %(deadline)s) AS overdue"
+            " k.created_at <= now() - make_interval(secs => %(deadline)s) AS overdue",
+            due=due,
         )
         self.stuck = q(
             "SELECT org_id, idem_key AS key, status, flow, step, attempts,"
@@ -719,17 +706,14 @@ class _Statements:
         self.claim_candidates = self.purge_candidates = self.tombstone_candidates = b""
         if not distributed:
             return
-        due = sql.SQL(
-            "k.status = 'processing' AND k.flow = ANY(%(flows)s) AND k.lease_expires_at <= now()"
-            " AND (k.next_attempt_at IS NULL OR k.next_attempt_at <= now())"
-        )
+        claimable = sql.SQL("{due} AND k.status = 'processing' AND k.flow = ANY(%(flows)s)").format(due=due)
         one_org = sql.SQL("k.org_id = %(org)s AND k.idem_key = ANY(%(keys)s::uuid[])")
         self.claim_candidates = q(
             "SELECT org_id, idem_key AS key,"
             " created_at <= now() - make_interval(secs => %(deadline)s) AS overdue"
             " FROM {table} AS k WHERE {due} AND NOT k.idem_key = ANY(%(triedkeys)s::uuid[])"
-            " ORDER BY k.lease_expires_at LIMIT %(limit)s",
-            due=due,
+            " ORDER BY greatest(k.lease_expires_at, k.next_attempt_at) LIMIT %(limit)s",
+            due=claimable,
         )
         self.claim = q(
             "UPDATE {table} AS t SET lease_token = %(token)s,"
@@ -738,7 +722,7 @@ class _Statements:
             "       FOR UPDATE SKIP LOCKED) AS due"
             " WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key"
             " RETURNING t.org_id, t.idem_key AS key, t.flow, t.step, t.state, t.method, t.path, t.attempts",
-            due=due,
+            due=claimable,
             one_org=one_org,
         )
         self.purge_candidates = q(
@@ -776,23 +760,3 @@ class _Statements:
             one_org=one_org,
             tombstoning=tombstoning,
         )
-
-
-def _distributed_ddl(parts: list[str], function: sql.Identifier, record: sql.Composable) -> bytes:
-    """``distributed.sql`` for the key table named by ``parts``: distribution and the reserve function."""
-    qualified = ".".join(sql.Identifier(part).as_string(None) for part in parts)
-    signature = function.as_string(None) + (
-        "(bigint, uuid, bytea, text, text, float8, bigint, text, uuid, float8, float8)"
-    )
-    ddl = files(__package__).joinpath("distributed.sql").read_text("utf-8")
-    # The function answers with the very columns of the reserve statement; its tombstone period is
-    # its last argument.
-    columns = record.as_bytes(None).replace(b"%(tomb)s", b"p_tomb").decode("utf-8")
-    statements = sql.SQL(ddl).format(
-        table=sql.Identifier(*parts),
-        table_name=sql.Literal(qualified),
-        reserve=function,
-        reserve_signature=sql.Literal(signature),
-        record=sql.SQL(columns),
-    )
-    return b"\n" + statements.as_bytes(None)

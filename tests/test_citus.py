@@ -176,6 +176,8 @@ def test_shop_requests_run_router_queries(
             continue
         if "gateway_" in str(query):  # the gateway simulator's own tables stay on the coordinator
             continue
+        if "obj_description(" in str(query):  # the key table's layout, read once from the catalog
+            continue
         assert_router(explained, query)
 
 

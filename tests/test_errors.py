@@ -126,8 +126,10 @@ def test_unreachable_database_leaks_no_connection_settings(db: Any, logs: pytest
 def test_broken_key_table_is_a_500_without_sql(
     make_app: Callable[..., Flask], db: psycopg.Connection[Any], logs: pytest.LogCaptureFixture
 ) -> None:
-    """A failing statement of the extension itself answers 500 without SQL text or values."""
+    """A failing statement of the extension itself answers 500 without SQL text or values (the table
+    goes after the first request checked its layout: before, the answer is 503, see test_migrate)."""
     app = make_app()
+    assert post(app, "/notes", uuid.uuid4(), {"body": "first"}).status_code == 201
     db.execute("ALTER TABLE idempotency_keys RENAME TO idempotency_keys_away")
     try:
         key = uuid.uuid4()
@@ -138,7 +140,7 @@ def test_broken_key_table_is_a_500_without_sql(
     text = response.get_data(as_text=True) + logs.text
     assert "UndefinedTable" in logs.text
     assert_clean(text, SECRET, str(key), "INSERT INTO", "idempotency_keys_away")
-    assert count(db, "notes") == 0
+    assert count(db, "notes") == 1  # the first request's
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from flask_idem._migrate import upgrade
 from flask_idem.pool import Connection, ProcessPool
 from flask_idem.store import KeyedRequest, KeyRef, Lease, Store, lock_id
 
@@ -39,8 +40,8 @@ def test_init_schema_twice_and_custom_table(database_url: str, db: psycopg.Conne
     pool = ProcessPool(database_url, prepare_threshold=PREPARE_THRESHOLD)
     custom = Store(pool, table="idem_custom.keys", distributed=citus.ENABLED)
     try:
-        custom.init_schema()
-        custom.init_schema()
+        for _ in range(2):
+            upgrade(database_url, table="idem_custom.keys", distributed=citus.ENABLED)
         with custom.pool.connection() as conn, conn.transaction():
             assert reserve(custom, conn, uuid.uuid4()).reserved
         assert db.execute("SELECT count(*) FROM idem_custom.keys").fetchone() == (1,)

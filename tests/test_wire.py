@@ -238,7 +238,7 @@ def refusing_app(logged_server: tuple[str, Path]) -> Iterator[Flask]:
         return {"email": email, "body": body}, 201
 
     with app.app_context():
-        get_state(app).store.init_schema()
+        idem.create_table()
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS notes")
         conn.execute("CREATE TABLE notes (id bigserial PRIMARY KEY, org_id bigint, body text)")

@@ -122,6 +122,7 @@ storage_errors: tuple[type[IdempotencyError], ...] = (ResponseNotStored, StoredR
 with app.app_context():
     pool: ConnectionPool[Any] = idem.pool
     idem.create_table()
+    idem.check_layout()
     idem.close()
 
 # -- multi-step flows: both forms of Flow.call, the finish step, what a step sees --------------------------

@@ -41,7 +41,7 @@ BEGIN
     END IF;
     -- The columns of the reserve statement (flask_idem.store), as a later request reads them.
     RETURN QUERY
-        SELECT false, v_taken, {record}
+        SELECT false, v_taken, k.request_sha, k.status, k.response, k.status <> 'processing' AND NOT k.needs_attention AND (k.response ? 'tombstone' IS TRUE AND k.expires_at <= now() OR k.response ? 'tombstone' IS NOT TRUE    AND k.expires_at <= now() - make_interval(secs => p_tomb)) AS expired, k.status <> 'processing' AND NOT k.needs_attention AND (k.response ? 'tombstone' OR k.expires_at <= now()) AS stale, coalesce(k.lease_expires_at > now(), false) AS lease_live, k.flow, k.step, k.state
         FROM (SELECT) AS one LEFT JOIN {table} AS k ON k.org_id = p_org_id AND k.idem_key = p_key;
 END
 $$;

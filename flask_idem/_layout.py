@@ -1,0 +1,250 @@
+"""The key table's layout: its numbered versions, what each revision changes, and which one a database has.
+
+Every change to flask-idem's tables is one *revision*: a file in :mod:`flask_idem.migrations` that holds
+its DDL as SQL and is, at the same time, an Alembic revision on the ``flask_idem`` branch. ``flask idem
+migrate`` (:mod:`._migrate`) and ``flask db upgrade`` (:mod:`flask_idem.alembic`) run the very same
+statements; this module loads them and names the objects they create after ``IDEM_TABLE``.
+
+The layout a database has is recorded in the key table's comment, written by the transaction that
+finishes each revision: ``flask-idem key table, layout 2 (code of layout 1 and later runs on it) ...``.
+The second number says which code may use the table: a revision that only adds (an index, a nullable
+column) lets the code of earlier layouts go on serving while it is applied and after, which is what an
+upgrade under traffic needs. A key table without that comment was made by the first release, which
+recorded nothing: layout 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import pkgutil
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, LiteralString
+
+import psycopg
+from psycopg import sql
+
+from .errors import ConfigurationError
+
+__all__ = [
+    "REQUIRED",
+    "Found",
+    "Index",
+    "Revision",
+    "comment",
+    "latest",
+    "lock_key",
+    "names",
+    "problem",
+    "read",
+    "revisions",
+]
+
+#: The oldest layout this code runs on. Layout 2 adds an index its recovery claim uses when present:
+#: the statements are the same on layout 1, only slower with many requests waiting to be retried.
+REQUIRED = 1
+
+#: The comment that records the layout, and how it is read back.
+_COMMENT = (
+    "flask-idem key table, layout {layout} (code of layout {compatible_from} and later runs on it)."
+    " Upgraded by 'flask idem migrate' or 'flask db upgrade'; keep this comment."
+)
+_COMMENT_RE = re.compile(r"^flask-idem key table, layout (\d+) \(code of layout (\d+) and later")
+
+#: What a migration's advisory locks are derived from (with the table's name).
+_LOCK_SALT = b"flask-idem/migrate"
+
+
+@dataclass(frozen=True, slots=True)
+class Index:
+    """An index on a table that exists before its revision, built with ``CREATE INDEX CONCURRENTLY``.
+
+    It is built outside the revision's transaction, so that writers are never held up while it is built
+    (a plain ``CREATE INDEX`` would block every write to the table until it finishes).
+
+    :param name: the key of its name in :attr:`Revision.names`.
+    :param definition: what follows ``CREATE INDEX CONCURRENTLY IF NOT EXISTS <name>``: ``ON {table}
+        (...) WHERE ...``, with the names of :func:`names` in braces.
+    """
+
+    name: str
+    definition: LiteralString
+
+
+@dataclass(frozen=True, slots=True)
+class Revision:
+    """One version of flask-idem's layout: the statements that make it out of the one before.
+
+    Placeholders in braces are the names of :func:`names`: ``{table}`` and ``{table_literal}``, and for
+    each entry ``key`` of :attr:`names` (of this revision or an earlier one) ``{key}`` (the bare name,
+    for ``CREATE INDEX``), ``{key_qualified}`` (in the key table's schema) and ``{key_literal}`` (that as
+    a string, for ``regclass`` and Citus' functions).
+
+    Rules for a revision that changes a table that exists already (every revision but the first): add
+    indexes through :attr:`indexes`, never in :attr:`sql`; add columns nullable or with a constant
+    default (no table rewrite); make every statement safe to run twice (``IF NOT EXISTS``). See the
+    upgrades page of the documentation.
+    """
+
+    #: Its number, counted from 1.
+    layout: int
+    #: The oldest layout whose code still runs correctly on this one.
+    compatible_from: int
+    #: One line for people: what it changes and why.
+    summary: str
+    #: Names of the objects it creates, as suffixes of the key table's name (``"_due_idx"``).
+    names: Mapping[str, str] = field(default_factory=dict)
+    #: Tables among those names (for the grants and for Alembic's autogenerate to leave alone).
+    tables: tuple[str, ...] = ()
+    #: DDL run in one transaction, under a short ``lock_timeout`` retried until it gets its locks.
+    sql: LiteralString = ""
+    #: Indexes built concurrently after that transaction, each checked valid before the layout is recorded.
+    indexes: tuple[Index, ...] = ()
+    #: On Citus (``IDEM_DISTRIBUTED``) only: run after every revision's :attr:`sql`, in one transaction.
+    distributed_sql: LiteralString = ""
+    #: What the application's role needs on this revision's objects, with ``{role}`` for the role.
+    grants: LiteralString = ""
+    #: Undoes :attr:`sql` (its indexes are dropped concurrently before): for Alembic's downgrade.
+    downgrade_sql: LiteralString = ""
+
+    def comment(self) -> str:
+        """The key table's comment once this revision is applied."""
+        return comment(self.layout, self.compatible_from)
+
+
+def comment(layout: int, compatible_from: int) -> str:
+    """The comment that records ``layout`` on the key table."""
+    return _COMMENT.format(layout=layout, compatible_from=compatible_from)
+
+
+@functools.cache
+def revisions() -> tuple[Revision, ...]:
+    """Every revision of :mod:`flask_idem.migrations`, in order; checked to be numbered 1, 2, 3...
+
+    :raises RuntimeError: when a revision file is malformed (a packaging mistake, not a user's).
+    """
+    from . import migrations
+
+    found: list[tuple[Revision, str, Any]] = []
+    for info in pkgutil.iter_modules(migrations.__path__):
+        module = importlib.import_module(f"{migrations.__name__}.{info.name}")
+        revision = getattr(module, "REVISION", None)
+        if not isinstance(revision, Revision):
+            raise RuntimeError(f"flask_idem.migrations.{info.name} has no REVISION.")
+        found.append((revision, module.revision, module.down_revision))
+    found.sort(key=lambda entry: entry[0].layout)
+    for number, (revision, ident, down) in enumerate(found, start=1):
+        expected_down = None if number == 1 else alembic_id(number - 1)
+        if revision.layout != number or ident != alembic_id(number) or down != expected_down:
+            raise RuntimeError(
+                f"flask_idem.migrations: revision of layout {revision.layout} is out of order."
+            )
+        if not 1 <= revision.compatible_from <= number:
+            raise RuntimeError(f"flask_idem.migrations: layout {number} has a wrong compatible_from.")
+    return tuple(revision for revision, _, _ in found)
+
+
+def alembic_id(layout: int) -> str:
+    """The Alembic revision id of ``layout``."""
+    return f"flask_idem_{layout:04d}"
+
+
+def latest() -> int:
+    """The newest layout this code knows, the one ``flask idem migrate`` makes."""
+    return revisions()[-1].layout
+
+
+def names(table: str) -> dict[str, sql.Composable]:
+    """The names the revisions' statements use, for the key table ``table`` (``IDEM_TABLE``)."""
+    parts = table.split(".")
+    if not 1 <= len(parts) <= 2 or not all(parts):
+        raise ValueError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}")
+    schema, base = parts[:-1], parts[-1]
+    qualified = sql.Identifier(*parts)
+    found: dict[str, sql.Composable] = {
+        "table": qualified,
+        "table_literal": sql.Literal(qualified.as_string(None)),
+    }
+    for revision in revisions():
+        for key, suffix in revision.names.items():
+            found[key] = sql.Identifier(base + suffix)
+            found[f"{key}_qualified"] = full = sql.Identifier(*schema, base + suffix)
+            found[f"{key}_literal"] = sql.Literal(full.as_string(None))
+    return found
+
+
+def tables(table: str) -> list[tuple[str | None, str]]:
+    """Every table of flask-idem's layout for the key table ``table``, as ``(schema, name)`` pairs."""
+    parts = table.split(".")
+    schema = parts[0] if len(parts) == 2 else None
+    found = [(schema, parts[-1])]
+    for revision in revisions():
+        found += [(schema, parts[-1] + revision.names[key]) for key in revision.tables]
+    return found
+
+
+def lock_key(table: str) -> int:
+    """The advisory lock id that serialises migrations of ``table`` (transaction-scoped, PgBouncer-safe)."""
+    digest = hashlib.blake2b(table.encode("utf-8"), digest_size=8, key=_LOCK_SALT).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """What a database holds: the key table's layout (``None`` without a key table), and the oldest
+    layout whose code may use it."""
+
+    layout: int | None
+    compatible_from: int = 1
+
+
+_READ = (
+    "SELECT c.oid IS NOT NULL AS present, obj_description(c.oid, 'pg_class') AS comment"
+    " FROM (SELECT to_regclass(%s)::oid AS oid) AS c"
+)
+
+
+def read(conn: psycopg.Connection[Any], table: str) -> Found:
+    """The layout of ``table`` on ``conn``: one catalog query, which any role may run."""
+    qualified = sql.Identifier(*table.split(".")).as_string(None)
+    row = conn.execute(_READ, (qualified,)).fetchone()
+    assert row is not None
+    present, text = row
+    if not present:
+        return Found(None)
+    match = _COMMENT_RE.match(text or "")
+    if match is None:  # made by the first release, which wrote no comment
+        return Found(1, 1)
+    return Found(int(match[1]), int(match[2]))
+
+
+def problem(found: Found, table: str) -> str | None:
+    """Why this code cannot run on ``found``, with the command that fixes it; ``None`` when it can."""
+    newest = latest()
+    if found.layout is None:
+        return (
+            f"The key table {table} does not exist. Create it with 'flask idem init-db' (or 'flask db"
+            " upgrade' with Flask-Migrate), as a role that may create tables."
+        )
+    if found.layout < REQUIRED:
+        return (
+            f"The key table {table} has layout {found.layout}, older than this flask-idem runs on"
+            f" ({REQUIRED} to {newest}). Upgrade it with 'flask idem migrate' (or 'flask db upgrade')."
+        )
+    if found.layout > newest and found.compatible_from > newest:
+        return (
+            f"The key table {table} has layout {found.layout}, made by a newer flask-idem, and needs the"
+            f" code of layout {found.compatible_from} or later; this flask-idem knows layouts up to"
+            f" {newest}. Deploy the newer flask-idem."
+        )
+    return None
+
+
+def check(found: Found, table: str) -> None:
+    """Raise :class:`ConfigurationError` with :func:`problem` when this code cannot run on ``found``."""
+    message = problem(found, table)
+    if message is not None:
+        raise ConfigurationError(message)

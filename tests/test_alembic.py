@@ -1,0 +1,224 @@
+"""flask-idem's revisions in a scratch Flask-Migrate project: `flask db init`, `migrate`, `upgrade`.
+
+Each test builds a Flask-SQLAlchemy application with ``Idempotency(sqlalchemy=db)`` and the two lines of
+the upgrades page, in a PostgreSQL schema of its own (the engine's ``search_path``), so that Alembic's
+autogenerate sees that project's tables only. Flask-Migrate's commands run in this process; its
+``env.py`` reconfigures logging from ``alembic.ini``, which :func:`kept_logging` undoes afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask, g, request
+from flask_migrate import Migrate
+from flask_sqlalchemy import SQLAlchemy
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from sqlalchemy import URL, BigInteger, Identity, String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from flask_idem import Idempotency
+from flask_idem import alembic as idem_alembic
+
+from . import citus
+from .layouts import create_first_release, layout_of
+
+pytestmark = pytest.mark.skipif(
+    citus.ENABLED, reason="a scratch schema per test; the Citus upgrade is tested in test_migrate.py"
+)
+
+
+@contextmanager
+def kept_logging() -> Iterator[None]:
+    """Undo what ``logging.config.fileConfig`` in Flask-Migrate's ``env.py`` does to this process."""
+    manager = logging.root.manager
+    loggers = [logging.root, *(lg for lg in manager.loggerDict.values() if isinstance(lg, logging.Logger))]
+    saved = [(lg, lg.level, lg.disabled, lg.propagate, list(lg.handlers)) for lg in loggers]
+    try:
+        yield
+    finally:
+        for lg, level, disabled, propagate, handlers in saved:
+            lg.setLevel(level)
+            lg.disabled, lg.propagate, lg.handlers = disabled, propagate, handlers
+        known = {id(lg) for lg in loggers}
+        for lg in list(manager.loggerDict.values()):
+            if isinstance(lg, logging.Logger) and id(lg) not in known:
+                lg.disabled = False  # made during the command: kept, never disabled
+
+
+@pytest.fixture
+def scratch(direct_database_url: str, db: psycopg.Connection[Any]) -> Iterator[str]:
+    """A conninfo whose ``search_path`` is a new, empty schema (dropped afterwards)."""
+    schema = f"scratch_{uuid.uuid4().hex[:8]}"
+    db.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    yield make_conninfo(direct_database_url, options=f"-c search_path={schema}")
+    db.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+
+
+class Project:
+    """A Flask-SQLAlchemy application with its Flask-Migrate folder, as a user's project would be."""
+
+    def __init__(self, conninfo: str, directory: Path, *, with_idem: bool = True) -> None:
+        class Base(DeclarativeBase):
+            pass
+
+        db = SQLAlchemy(model_class=Base)
+
+        class Order(db.Model):  # type: ignore[name-defined, misc]
+            __tablename__ = "orders"
+            id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+            org_id: Mapped[int] = mapped_column(BigInteger)
+            note: Mapped[str] = mapped_column(String)
+
+        app = Flask(__name__)
+        app.config["SQLALCHEMY_DATABASE_URI"] = URL.create(
+            "postgresql+psycopg", query=conninfo_to_dict(conninfo)
+        )
+        db.init_app(app)
+        if with_idem:
+            idem = Idempotency(app, scope=lambda: g.get("org_id"), sqlalchemy=db)
+            # The two lines of the upgrades page.
+            migrate = Migrate(app, db, directory=str(directory), **idem_alembic.MIGRATE_OPTIONS)
+            migrate.configure(idem_alembic.configure)
+
+            @app.post("/orders")
+            @idem.idempotent()
+            def create() -> Any:
+                order = Order(org_id=g.org_id, note=request.get_json()["note"])
+                db.session.add(order)
+                db.session.flush()
+                return {"id": order.id}, 201
+
+            @app.before_request
+            def authenticate() -> None:
+                g.org_id = 1
+        else:
+            Migrate(app, db, directory=str(directory))
+        self.app, self.db, self.directory = app, db, directory
+
+    def flask_db(self, *args: str) -> Any:
+        """``flask db ARGS``; the result (Flask-Migrate reports failures with exit status 1)."""
+        with kept_logging(), warnings.catch_warnings():
+            # Flask-Migrate's env.py tries Flask-SQLAlchemy 2's get_engine() first, then falls back.
+            warnings.filterwarnings("ignore", "'get_engine' is deprecated", DeprecationWarning)
+            return self.app.test_cli_runner().invoke(args=["db", *args])
+
+    def revisions(self) -> list[Path]:
+        return sorted((self.directory / "versions").glob("*.py"))
+
+    def dispose(self) -> None:
+        with self.app.app_context():
+            self.db.engine.dispose()
+
+
+@pytest.fixture
+def projects(scratch: str, tmp_path: Path) -> Iterator[Any]:
+    made: list[Project] = []
+
+    def make(**options: Any) -> Project:
+        made.append(Project(scratch, tmp_path / "migrations", **options))
+        return made[-1]
+
+    yield make
+    for project in made:
+        project.dispose()
+
+
+def test_new_project(projects: Any, scratch: str) -> None:
+    """init, upgrade (the key table), migrate (the application's table only, written into the project's
+    own folder), upgrade; an idempotent route works; autogenerate then finds nothing to change."""
+    project = projects()
+    assert project.flask_db("init").exit_code == 0
+    offline = project.flask_db("upgrade", "--sql")  # the SQL a DBA would run, printed, nothing run
+    assert offline.exit_code == 0, offline.output
+    assert 'CREATE TABLE IF NOT EXISTS "idempotency_keys"' in offline.output
+    assert 'CREATE INDEX CONCURRENTLY IF NOT EXISTS "idempotency_keys_due_idx"' in offline.output
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") is None
+    assert project.flask_db("upgrade").exit_code == 0
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == 2
+
+    result = project.flask_db("migrate", "-m", "orders")
+    assert result.exit_code == 0, result.output
+    [revision] = project.revisions()
+    text = revision.read_text()
+    assert "op.create_table('orders'" in text
+    assert "idempotency_keys" not in text  # neither dropped nor altered
+    assert "down_revision = 'flask_idem_0002'" in text  # after flask-idem's, in the project's folder
+    assert project.flask_db("upgrade").exit_code == 0
+
+    client = project.app.test_client()
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    first = client.post("/orders", json={"note": "a"}, headers=key)
+    again = client.post("/orders", json={"note": "a"}, headers=key)
+    assert first.status_code == 201
+    assert (again.status_code, again.json) == (200, first.json)
+
+    check = project.flask_db("check")
+    assert check.exit_code == 0, check.output  # "No new upgrade operations detected."
+    assert project.flask_db("migrate", "-m", "nothing").exit_code == 0
+    assert len(project.revisions()) == 1  # no empty revision either
+
+
+def test_existing_first_release_table_is_upgraded(projects: Any, scratch: str) -> None:
+    """A key table made by the first release's `init-db`, with a key in it, is adopted and upgraded by
+    `flask db upgrade`; the key survives."""
+    create_first_release(scratch, "idempotency_keys")
+    with psycopg.connect(scratch, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, status, response,"
+            " expires_at) VALUES (1, gen_random_uuid(), sha256('x'), 'POST', '/x', 'completed', '{}',"
+            " now() + interval '1 day')"
+        )
+        before = conn.execute("SELECT * FROM idempotency_keys").fetchall()
+    project = projects()
+    assert project.flask_db("init").exit_code == 0
+    result = project.flask_db("upgrade")
+    assert result.exit_code == 0, result.output
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == 2
+        assert conn.execute("SELECT * FROM idempotency_keys").fetchall() == before
+
+
+def test_project_with_revisions_of_its_own_merges_the_branches(projects: Any, scratch: str) -> None:
+    """A project that had revisions before flask-idem sees two heads; `flask db merge heads` joins them
+    (the merge is written into the project's folder) and `flask db upgrade` works as before."""
+    before = projects(with_idem=False)
+    assert before.flask_db("init").exit_code == 0
+    assert before.flask_db("migrate", "-m", "orders").exit_code == 0
+    assert before.flask_db("upgrade").exit_code == 0
+
+    project = projects()
+    assert project.flask_db("upgrade").exit_code == 1  # "Multiple head revisions are present"
+    merge = project.flask_db("merge", "heads", "-m", "flask-idem")
+    assert merge.exit_code == 0, merge.output
+    assert len(project.revisions()) == 2  # the merge is the project's
+    assert project.flask_db("upgrade").exit_code == 0
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == 2
+    assert project.flask_db("check").exit_code == 0
+
+
+def test_include_object_leaves_only_flask_idem_tables_out() -> None:
+    """The hook answers False for the key table (and its comment-marked kin), True for the rest."""
+
+    class Reflected:
+        def __init__(self, comment: str | None, schema: str | None = None) -> None:
+            self.comment, self.schema = comment, schema
+
+    hook = idem_alembic.include_object
+    assert hook(Reflected(None), "idempotency_keys", "table", True, None) is False
+    assert hook(Reflected(None, "other"), "idempotency_keys", "table", True, None) is True
+    assert hook(Reflected("flask-idem key table, layout 9"), "renamed", "table", True, None) is False
+    assert hook(Reflected("orders of the shop"), "orders", "table", True, None) is True
+    assert hook(Reflected(None), "idempotency_keys_expires_at_idx", "index", True, None) is True

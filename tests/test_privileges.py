@@ -1,0 +1,127 @@
+"""Least privilege: the shop and the recovery job under a role that may only read and write rows.
+
+The role gets exactly the ``GRANT`` statements of the upgrades page: ``flask idem migrate --grant`` on
+flask-idem's tables, and ``SELECT, INSERT, UPDATE, DELETE`` on the shop's. Anything the running
+application or the recovery job sends that needs more (DDL, a table created on the fly, a function
+made at start-up) fails these tests. The role connects to PostgreSQL directly: the suite's PgBouncer
+logs every client in as the server's superuser.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from example_app import create_app
+from example_app.cli import create_org
+
+from .helpers import app_factory, close_pool, headers
+from .shop_actions import charges, pay, payment_statuses, place_order, stranded_payment
+
+pytestmark = pytest.mark.slow
+
+#: What the shop's role needs on the shop's own tables (the upgrades page says the same).
+SHOP_GRANT = "GRANT SELECT, INSERT, UPDATE, DELETE ON orgs, orders, payments TO {}"
+
+
+@pytest.fixture(scope="module")
+def app_role(direct_database_url: str) -> Iterator[str]:
+    """A login role with DML on the shop's and flask-idem's tables and nothing else; its conninfo."""
+    role = "idem_app_" + conninfo_to_dict(direct_database_url)["dbname"].removeprefix("flask_idem_test_")
+    ident = sql.Identifier(role)
+    with psycopg.connect(direct_database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(ident))
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident))
+        conn.execute(sql.SQL(SHOP_GRANT).format(ident))
+    yield role
+    with psycopg.connect(direct_database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+        conn.execute(sql.SQL("DROP ROLE {}").format(ident))
+
+
+@pytest.fixture
+def role_url(app_role: str, direct_database_url: str, database_url: str, db: psycopg.Connection[Any]) -> str:
+    """This worker's database as the application's role reaches it, after `migrate --grant` (as owner)."""
+    owner = create_app({"TESTING": True, "DATABASE_URL": direct_database_url})
+    try:
+        result = owner.test_cli_runner().invoke(args=["idem", "migrate", "--grant", app_role])
+    finally:
+        close_pool(owner)
+    assert result.exit_code == 0, result.output
+    return make_conninfo(direct_database_url, user=app_role)
+
+
+@pytest.fixture
+def role_shop(role_url: str, shop_config: dict[str, Any]) -> Iterator[Flask]:
+    """The shop, connected as the application's role, paying through the test gateway."""
+    with app_factory(lambda: create_app({**shop_config, "DATABASE_URL": role_url})) as make:
+        yield make()
+
+
+def test_the_role_cannot_change_the_schema(
+    role_url: str, role_shop: Flask, shop_config: dict[str, Any]
+) -> None:
+    """The control: the role may not create tables, so the other tests would catch DDL. `init-db` on a
+    table in the latest layout changes nothing, and so needs no more than the role has."""
+    assert role_shop.test_cli_runner().invoke(args=["idem", "init-db"]).exit_code == 0
+    with app_factory(
+        lambda: create_app({**shop_config, "DATABASE_URL": role_url, "IDEM_TABLE": "new_keys"})
+    ) as make:
+        result = make().test_cli_runner().invoke(args=["idem", "init-db"])
+    assert result.exit_code == 1
+    assert "InsufficientPrivilege" in result.output
+    with psycopg.connect(role_url) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute("CREATE TABLE sneaky (id int)")
+
+
+def test_shop_serves_under_the_role(role_shop: Flask, gateway_url: str, db: psycopg.Connection[Any]) -> None:
+    """Orders and payments, replays, 422 and 409-free retries: all with SELECT, INSERT, UPDATE, DELETE."""
+    client = role_shop.test_client()
+    with role_shop.app_context():
+        _, api_key = create_org("least")
+    key = uuid.uuid4()
+    order = {"amount": 700, "currency": "EUR"}
+    first = client.post("/orders", json=order, headers=headers(api_key, key))
+    again = client.post("/orders", json=order, headers=headers(api_key, key))
+    changed = client.post("/orders", json={**order, "amount": 701}, headers=headers(api_key, key))
+    assert (first.status_code, again.status_code, changed.status_code) == (201, 200, 422)
+    paid = pay(client, api_key, first.json["id"], uuid.uuid4())
+    assert paid.status_code == 201, paid.json
+    assert payment_statuses(db) == ["succeeded"]
+    assert len(charges(gateway_url)) == 1
+
+
+def test_recovery_and_maintenance_under_the_role(
+    role_shop: Flask, gateway_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """`flask idem recover`, `purge`, `stuck` and `stats` run under the role: a stranded payment is
+    finished through the gateway."""
+    client = role_shop.test_client()
+    with role_shop.app_context():
+        _, api_key = create_org("recovering")
+    order_id, key = stranded_payment(client, api_key, gateway_url, "fail_after")
+    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
+    runner = role_shop.test_cli_runner()
+    recovered = runner.invoke(args=["idem", "recover"])
+    assert recovered.exit_code == 0, recovered.output
+    assert "Claimed 1: 1 completed" in recovered.output
+    assert payment_statuses(db) == ["succeeded"]
+    assert pay(client, api_key, order_id, key).status_code == 200
+    for command in (["idem", "purge"], ["idem", "stuck"], ["idem", "stats"]):
+        result = runner.invoke(args=command)
+        assert result.exit_code == 0, (command, result.output)
+
+
+def test_orders_are_placed_by_the_role(role_shop: Flask, db: psycopg.Connection[Any]) -> None:
+    """The shop's identity columns need no privilege on their sequences (a place_order smoke test)."""
+    client = role_shop.test_client()
+    with role_shop.app_context():
+        _, api_key = create_org("identity")
+    assert place_order(client, api_key) > 0
