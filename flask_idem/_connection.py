@@ -2,7 +2,9 @@
 
 :class:`Connection` is what :class:`.pool.ProcessPool` opens: a psycopg connection that keeps one cursor
 for the key store, knows when it was opened and under which deadline it is lent, refuses ``commit()`` and
-``rollback()`` inside the extension's transaction, and tells its pool whether connecting worked.
+``rollback()`` inside the extension's transaction, and tells its pool whether connecting worked. The
+attributes it adds to psycopg's class start with ``_idem_``, so that they cannot meet psycopg's own; the
+one psycopg hook it overrides, ``_deallocate``, is named with the other internals in :mod:`.wire`.
 :class:`Batched` is that transaction for the atomic path (see its docstring and :mod:`.wire`).
 """
 
@@ -14,7 +16,6 @@ from typing import Any, Protocol, Self
 import psycopg
 from psycopg import pq
 from psycopg.abc import Transformer
-from psycopg.adapt import Transformer as Adapters
 from psycopg.rows import DictRow, TupleRow
 
 from . import _deadline, wire
@@ -37,7 +38,7 @@ class Connection(psycopg.Connection[TupleRow]):
     so they share one cursor per connection, which keeps that cache warm.
     """
 
-    _store_cursor: psycopg.Cursor[DictRow] | None = None
+    _idem_store_cursor: psycopg.Cursor[DictRow] | None = None
     #: When the pool opened it (``time.monotonic()``), to tell stale connections from fresh ones.
     _idem_opened_at: float = 0.0
     #: Its deadline while it is lent out (:mod:`._deadline`).
@@ -45,10 +46,10 @@ class Connection(psycopg.Connection[TupleRow]):
     #: Whether it talks to the server itself, not through a pooler (its server process can be probed).
     _idem_direct: bool = False
     #: The batched transaction open on it, if any (:meth:`ProcessPool.transaction`).
-    _batched: Batched | None = None
+    _idem_batched: Batched | None = None
     #: What batches need of it: adapters, and the names of the statements they prepared on it.
-    _transformer: Transformer | None = None
-    _batch_names: set[bytes] | None = None
+    _idem_transformer: Transformer | None = None
+    _idem_batch_names: set[bytes] | None = None
 
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
@@ -68,8 +69,8 @@ class Connection(psycopg.Connection[TupleRow]):
         ``DISCARD ALL`` or ``DEALLOCATE ALL`` go by: the statements batches prepared go with it, so the
         batches forget their names at that moment (:mod:`flask_idem.wire`).
         """
-        if name is None and self._batch_names:
-            self._batch_names.clear()
+        if name is None and self._idem_batch_names:
+            self._idem_batch_names.clear()
         return super()._deallocate(name)
 
     def commit(self) -> None:
@@ -83,7 +84,7 @@ class Connection(psycopg.Connection[TupleRow]):
         super().rollback()
 
     def _refuse(self, action: str) -> None:
-        if self._batched is not None:
+        if self._idem_batched is not None:
             # psycopg's own words inside a Transaction context, which this transaction stands for.
             raise psycopg.ProgrammingError(
                 f"Explicit {action}() forbidden within a Transaction context: flask-idem commits the"
@@ -94,7 +95,7 @@ class Connection(psycopg.Connection[TupleRow]):
 
 def batched(conn: psycopg.Connection[Any]) -> Batched | None:
     """The batched transaction open on ``conn``, if it is one (:meth:`ProcessPool.transaction`)."""
-    return conn._batched if isinstance(conn, Connection) else None
+    return conn._idem_batched if isinstance(conn, Connection) else None
 
 
 class Batched:
@@ -121,11 +122,11 @@ class Batched:
 
     def __enter__(self) -> Batched:
         conn = self.conn
-        if conn._transformer is None:
-            conn._transformer = Adapters(conn)
-            conn._batch_names = set()
+        if conn._idem_transformer is None:
+            conn._idem_transformer = wire.adapters(conn)
+            conn._idem_batch_names = set()
         conn.autocommit = False
-        conn._batched = self
+        conn._idem_batched = self
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
@@ -133,13 +134,13 @@ class Batched:
         try:
             if exc is None and self.begun:
                 deferred, self._deferred = self._deferred, []
-                conn._batched = None
+                conn._idem_batched = None
                 if deferred:
                     self._run([*deferred, wire.COMMIT], prepare=self._prepare)
                 else:
                     conn.commit()  # psycopg's own COMMIT: a simple query
         finally:
-            conn._batched = None
+            conn._idem_batched = None
             self._deferred.clear()
             self._end()
 
@@ -173,9 +174,9 @@ class Batched:
 
     def _run(self, items: list[wire.Item], *, prepare: bool) -> list[wire.Result]:
         conn = self.conn
-        assert conn._transformer is not None
-        prepared = conn._batch_names if prepare else None
-        return wire.run(conn, items, transformer=conn._transformer, prepared=prepared)
+        assert conn._idem_transformer is not None
+        prepared = conn._idem_batch_names if prepare else None
+        return wire.run(conn, items, transformer=conn._idem_transformer, prepared=prepared)
 
     def _end(self) -> None:
         """Leave the connection as the pool lends it: idle and in autocommit, or closed."""

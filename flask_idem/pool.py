@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import select
 import threading
@@ -222,7 +223,7 @@ class ProcessPool:
         )
         self.deadline = deadline
         #: Batches prepare their statements when psycopg may prepare its own, libpq can close them, and
-        #: psycopg tells when it deallocates them all (Connection._deallocate).
+        #: psycopg tells when it deallocates them all (Connection._deallocate, see wire's docstring).
         self._prepare = (
             prepare_threshold is not None
             and wire.can_prepare()
@@ -241,6 +242,9 @@ class ProcessPool:
         self._lock = threading.Lock()
         self._drained_at = 0.0
         self._failing_since: float | None = None
+        #: Whether batched transactions can run with this psycopg (:func:`.wire.usable`), found out on the
+        #: first connection of the process; until then, and when not, transactions are plain.
+        self._batches = False
         #: Connections lent out now, under a deadline; the prober asks the server about the slow ones.
         self.lent: set[Connection] = set()
         self._prober = Prober(self._conninfo, lambda: list(self.lent), self.connect_failed)
@@ -302,11 +306,12 @@ class ProcessPool:
         """
         conn._idem_opened_at = time.monotonic()
         self.answered()
-        if self.deadline is None:
-            return
-        armed = _deadline.arm(conn, self.deadline, started=conn._idem_opened_at, on_cut=_nothing)
+        seconds = self.deadline or math.inf
+        armed = _deadline.arm(conn, seconds, started=conn._idem_opened_at, on_cut=_nothing)
         try:
-            conn._idem_direct = server_timeouts(conn, self.deadline)
+            self._batches = wire.usable(conn)  # a trial batch, on the first connection of the process
+            if self.deadline is not None:
+                conn._idem_direct = server_timeouts(conn, self.deadline)
         finally:
             _deadline.disarm(armed)
 
@@ -351,7 +356,7 @@ class ProcessPool:
         :class:`Batched` one: its ``BEGIN`` waits for its first statement (a dead connection is then found
         there, and the caller runs the block again: :func:`flask_idem._calls.in_transaction`).
         """
-        if batched:
+        if batched and self._batches:
             with (
                 self.pool.connection() as conn,
                 _deadline_errors(conn),

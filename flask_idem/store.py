@@ -200,9 +200,9 @@ def _cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[DictRow]:
     """
     if not isinstance(conn, Connection):
         return conn.cursor(row_factory=dict_row)
-    cursor = conn._store_cursor
+    cursor = conn._idem_store_cursor
     if cursor is None or cursor.closed:
-        cursor = conn._store_cursor = conn.cursor(row_factory=dict_row)
+        cursor = conn._idem_store_cursor = conn.cursor(row_factory=dict_row)
     return cursor
 
 

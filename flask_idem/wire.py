@@ -24,14 +24,35 @@ What a batch keeps, and why it is safe:
 - **psycopg finds the connection as it left it.** A batch holds the connection's lock, reads every result
   up to the Sync, and leaves pipeline mode before it returns, so psycopg sees an idle connection (in a
   transaction or not) with nothing pending. Errors are psycopg's own exception classes.
+
+**psycopg's internals, behind a fence.** Sending and reading goes through libpq's wrapper,
+:mod:`psycopg.pq`, which psycopg documents. Doing it as psycopg does needs pieces of psycopg that carry
+no compatibility promise, and this module is the one place that uses them:
+
+- ``psycopg.generators.send`` and ``fetch_many``, and ``Connection.wait``: to flush the batch and read
+  its results the way psycopg waits for its own (interruptible, the connection's own wait policy);
+- ``Connection.lock``: so that nothing else uses the connection while a batch is on the wire;
+- ``psycopg.adapt.Transformer``'s ``dump_sequence``, ``types``, ``formats``, ``set_pgresult`` and
+  ``load_rows``: the connection's own adapters for the parameters and the rows;
+- ``psycopg.errors.error_from_result``: errors of psycopg's own classes, with their diagnostics;
+- and, in :mod:`._connection`, the ``Connection._deallocate`` hook, to learn when psycopg deallocates
+  every prepared statement (without it, batches do not prepare their statements).
+
+They are imported on first use, never with ``flask_idem``, and checked once per process
+(:func:`usable`): that each is there, and that a trial batch on the first connection answers as
+expected. When one is missing or behaves otherwise, the extension logs once what it fell back from and
+sends every statement on a round trip of its own through psycopg's public API (two more round trips
+for a fresh key), which keeps the same contract.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import re
-from collections.abc import Mapping, MutableSet, Sequence
+import threading
+from collections.abc import Callable, Mapping, MutableSet, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +60,10 @@ import psycopg
 from psycopg import errors, pq
 from psycopg.abc import Transformer
 from psycopg.adapt import PyFormat
-from psycopg.generators import fetch_many, send
 
-__all__ = ["BEGIN", "COMMIT", "ROLLBACK", "Result", "Statement", "can_prepare", "run"]
+__all__ = ["BEGIN", "COMMIT", "ROLLBACK", "Result", "Statement", "adapters", "can_prepare", "run", "usable"]
+
+logger = logging.getLogger("flask_idem")
 
 BEGIN = b"BEGIN"
 COMMIT = b"COMMIT"
@@ -49,6 +71,97 @@ ROLLBACK = b"ROLLBACK"
 
 _PLACEHOLDER = re.compile(rb"%\((\w+)\)s|%%")
 _OK = frozenset({pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK})
+
+
+@dataclass(frozen=True)
+class _Internals:
+    """The psycopg internals a batch uses (see the module's docstring)."""
+
+    send: Callable[..., Any]
+    fetch_many: Callable[..., Any]
+    error_from_result: Callable[..., psycopg.Error]
+    adapters: Callable[[psycopg.Connection[Any]], Transformer]
+
+
+@functools.cache
+def _internals() -> _Internals | str:
+    """The internals, imported on first use; what is missing when one is."""
+    try:
+        from psycopg import generators
+        from psycopg.adapt import Transformer as Adapters
+
+        for name in ("dump_sequence", "set_pgresult", "load_rows", "types", "formats"):
+            getattr(Adapters, name)
+        if not callable(psycopg.Connection.wait):
+            raise AttributeError("psycopg.Connection.wait is not callable")
+        return _Internals(generators.send, generators.fetch_many, errors.error_from_result, Adapters)
+    except (ImportError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+_verdict: bool | None = None
+_verdict_lock = threading.Lock()
+
+
+def usable(conn: psycopg.Connection[Any]) -> bool:
+    """Whether batches can run in this process, found out once on ``conn`` (a new, idle connection).
+
+    The internals must be there, and a trial batch must answer as psycopg would: a row of the right
+    value, and a failing statement as psycopg's own error class. Otherwise this logs, once, what the
+    extension falls back from, and answers false from then on.
+    """
+    global _verdict
+    if _verdict is not None:
+        return _verdict
+    with _verdict_lock:
+        if _verdict is None:
+            found = _internals()
+            why = found if isinstance(found, str) else _trial(conn, found)
+            if why is not None:
+                logger.warning(
+                    "flask-idem cannot send BEGIN and COMMIT together with its statements with this"
+                    " psycopg (%s, %s): every statement takes a round trip of its own.",
+                    psycopg.__version__,
+                    why,
+                )
+            _verdict = why is None
+        return _verdict
+
+
+_TRIAL = b"SELECT %(value)s::int4 AS value"
+_TRIAL_ERROR = b"SELECT 1 / %(zero)s::int4"
+
+
+def _trial(conn: psycopg.Connection[Any], internals: _Internals) -> str | None:
+    """Run two small batches on ``conn``; ``None`` when they answered as expected, else what went wrong."""
+    try:
+        transformer = internals.adapters(conn)
+        rows = run(conn, [(Statement.from_query(_TRIAL), {"value": 42})], transformer=transformer)[0].rows
+        if rows != [{"value": 42}]:
+            return f"a trial batch answered {rows!r}"
+        try:
+            run(conn, [(Statement.from_query(_TRIAL_ERROR), {"zero": 0})], transformer=transformer)
+        except errors.DivisionByZero:
+            pass
+        else:
+            return "a trial batch's failing statement raised nothing"
+    except psycopg.OperationalError:
+        raise  # the connection, not psycopg: the pool discards it and finds out on the next one
+    except Exception as e:  # anything else is psycopg behaving unexpectedly
+        return f"a trial batch raised {type(e).__name__}: {e}"
+    return None
+
+
+def adapters(conn: psycopg.Connection[Any]) -> Transformer:
+    """The adapters a batch on ``conn`` uses (call only once :func:`usable` answered true)."""
+    return _checked().adapters(conn)
+
+
+def _checked() -> _Internals:
+    found = _internals()
+    if isinstance(found, str):
+        raise RuntimeError(f"Batches cannot run with this psycopg: {found}.")
+    return found
 
 
 def can_prepare() -> bool:
@@ -115,6 +228,7 @@ def run(
         The statements after it did not run. On SQLSTATE 26000 (a prepared statement was gone) the set
         ``prepared`` is emptied.
     """
+    internals = _checked()
     pgconn = conn.pgconn
     with conn.lock:
         if pgconn.status != pq.ConnStatus.OK:
@@ -128,7 +242,7 @@ def run(
             for message in messages:
                 message.send(pgconn)
             pgconn.pipeline_sync()
-            answers = conn.wait(_receive(pgconn, sum(message.answers for message in messages)))
+            answers = conn.wait(_receive(internals, pgconn, sum(message.answers for message in messages)))
         except BaseException:
             # Interrupted with results still unread (or the connection lost): the connection cannot
             # leave pipeline mode in a known state, so it is closed, and the pool replaces it.
@@ -138,7 +252,7 @@ def run(
                 conn.close()
             raise
         pgconn.exit_pipeline_mode()
-    return _results(conn, answers, messages, transformer, prepared)
+    return _results(conn, answers, messages, transformer, prepared, internals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,14 +313,14 @@ def _prepared_name(statement: Statement, types: tuple[int, ...]) -> bytes:
     return statement.stem + b"_" + digest.encode("ascii")
 
 
-def _receive(pgconn: pq.abc.PGconn, count: int) -> Any:
+def _receive(internals: _Internals, pgconn: pq.abc.PGconn, count: int) -> Any:
     """Flush the batch, then read ``count`` results and the Sync's."""
-    yield from send(pgconn)
+    yield from internals.send(pgconn)
     answers: list[pq.abc.PGresult] = []
     for _ in range(count):
-        results = yield from fetch_many(pgconn)
+        results = yield from internals.fetch_many(pgconn)
         answers.append(results[-1] if results else _missing())
-    sync = yield from fetch_many(pgconn)
+    sync = yield from internals.fetch_many(pgconn)
     if not sync or sync[0].status != pq.ExecStatus.PIPELINE_SYNC:
         raise psycopg.InternalError("A batch's Sync went unanswered.")
     return answers
@@ -222,6 +336,7 @@ def _results(
     messages: list[_Message],
     transformer: Transformer,
     prepared: MutableSet[bytes] | None,
+    internals: _Internals,
 ) -> list[Result]:
     results: list[Result] = []
     position = 0
@@ -230,7 +345,7 @@ def _results(
         position += message.answers
         for part in parts:
             if part.status == pq.ExecStatus.FATAL_ERROR:
-                error = errors.error_from_result(part, encoding=conn.info.encoding)
+                error = internals.error_from_result(part, encoding=conn.info.encoding)
                 if error.sqlstate == "26000" and prepared is not None:
                     prepared.clear()  # deallocated behind our back: prepare everything anew
                 raise error

@@ -259,16 +259,16 @@ def test_store_statements_share_one_cursor_per_pooled_connection(database_url: s
         assert isinstance(conn, Connection)
         with conn.transaction():
             assert reserve(store, conn, uuid.uuid4()).reserved
-        first = conn._store_cursor
+        first = conn._idem_store_cursor
         assert first is not None and not first.closed
         with conn.transaction():
             assert reserve(store, conn, uuid.uuid4()).reserved
             store.complete(conn, KeyRef(1, uuid.uuid4()), {"status": 200})
-        assert conn._store_cursor is first
+        assert conn._idem_store_cursor is first
         first.close()  # whoever closes it, the next statement gets a new one
         with conn.transaction():
             assert reserve(store, conn, uuid.uuid4()).reserved
-        assert conn._store_cursor is not first and not conn._store_cursor.closed
+        assert conn._idem_store_cursor is not first and not conn._idem_store_cursor.closed
     with psycopg.connect(database_url, autocommit=True) as plain, plain.transaction():
         key = uuid.uuid4()
         assert reserve(store, plain, key).reserved

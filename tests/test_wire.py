@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -109,7 +111,7 @@ def test_the_connection_goes_back_idle_and_in_autocommit(app: Flask, db: psycopg
         conn = pooled(app)
         assert conn.autocommit
         assert conn.info.transaction_status == pq.TransactionStatus.IDLE
-        assert conn._batched is None
+        assert conn._idem_batched is None
     assert count(db, "notes") == 1
 
 
@@ -120,7 +122,9 @@ def test_savepoints_rolled_back_in_the_view_do_not_break_later_requests(
     the batches prepare theirs again, and every request commits."""
     responses = [post(app, "/wire/savepoint", uuid.uuid4(), {"body": f"note {i}"}) for i in range(12)]
     assert [response.status_code for response in responses] == [201] * 12
-    if pooled(app)._batch_names:  # the batches prepare (not behind PgBouncer without prepared statements)
+    if pooled(
+        app
+    )._idem_batch_names:  # the batches prepare (not behind PgBouncer without prepared statements)
         # Every request saw its statements (psycopg's and the batches') deallocated by the rollback.
         assert all(response.json["prepared"][0] > 0 for response in responses)
         assert all(response.json["prepared"][1] == 0 for response in responses)
@@ -134,7 +138,7 @@ def test_statements_deallocated_unseen_are_prepared_again(app: Flask, db: psycop
     for i in range(3):
         assert post(app, "/notes", uuid.uuid4(), {"body": f"before {i}"}).status_code == 201
     conn = pooled(app)
-    if not conn._batch_names:
+    if not conn._idem_batch_names:
         pytest.skip("batches prepare nothing here (IDEM_PREPARE_THRESHOLD is off)")
     result = conn.pgconn.exec_(b"DEALLOCATE ALL")
     assert result.status == pq.ExecStatus.COMMAND_OK
@@ -307,3 +311,62 @@ def test_the_log_check_sees_values_spliced_into_a_statement(
         conn.execute("TRUNCATE idempotency_keys")
     written = log.read_bytes()[start:].decode("utf-8", "replace")
     assert MARKER in written
+
+
+@pytest.fixture
+def without_psycopg_internals(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """psycopg as a release without ``psycopg.generators.fetch_many`` would be: the capability check of
+    this process starts over, and finds it missing."""
+    monkeypatch.delattr("psycopg.generators.fetch_many")
+    monkeypatch.setattr(wire, "_verdict", None)
+    wire._internals.cache_clear()
+    yield
+    wire._internals.cache_clear()
+
+
+def test_without_psycopg_internals_every_statement_goes_alone(
+    without_psycopg_internals: None, database_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A psycopg without the internals batches use: the extension says so once, and sends each statement
+    on its round trip through psycopg's public API, with the same answers (a fresh key, its replay)."""
+    app, _ = build_app(database_url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
+    try:
+        assert post(app, "/notes", uuid.uuid4(), {"body": "first"}).status_code == 201  # the layout check
+        key = uuid.uuid4()
+        fresh = traced(app, lambda: post(app, "/notes", key, {"body": "alone"}), tmp_path)
+        assert fresh.count("ReadyForQuery") == 5, fresh  # BEGIN, reservation, INSERT, completion, COMMIT
+        replay = post(app, "/notes", key, {"body": "alone"})
+        assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+    finally:
+        close_pool(app)
+    warnings = [r.getMessage() for r in caplog.records if "cannot send BEGIN and COMMIT" in r.getMessage()]
+    assert len(warnings) == 1 and "fetch_many" in warnings[0], warnings
+
+
+def test_psycopg_behaving_otherwise_is_found_by_the_trial(
+    monkeypatch: pytest.MonkeyPatch, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Internals that are there but answer otherwise (here, errors of the wrong class) fail the trial
+    batch of the first connection: the extension falls back and says why."""
+    monkeypatch.setattr(wire, "_verdict", None)
+    monkeypatch.setattr(
+        psycopg.errors, "error_from_result", lambda *a, **k: psycopg.Error("not a class of its own")
+    )
+    wire._internals.cache_clear()
+    try:
+        app, _ = build_app(database_url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
+        try:
+            assert post(app, "/notes", uuid.uuid4(), {"body": "trial"}).status_code == 201
+            assert not pooled(app)._idem_transformer  # no batch ever ran on it
+        finally:
+            close_pool(app)
+    finally:
+        wire._internals.cache_clear()
+    assert any("a trial batch raised Error" in r.getMessage() for r in caplog.records)
+
+
+def test_flask_idem_imports_without_psycopg_internals() -> None:
+    """The internals are imported on first use: ``import flask_idem`` works with them gone."""
+    code = "import psycopg.generators as g; del g.fetch_many, g.send; import flask_idem, flask_idem.wire"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
