@@ -14,7 +14,10 @@ from flask import current_app
 from flask.cli import AppGroup
 from psycopg.conninfo import conninfo_to_dict
 
+from . import _jobs
+from ._outbox import Outbox
 from .errors import missing_table_hint
+from .jobs import TASK_METHOD
 from .pool import ProcessPool
 from .recovery import RecoveryReport, recover, run_forever
 from .state import get_state
@@ -83,10 +86,12 @@ def _check_connection() -> None:
 )
 @_database_errors
 def init_db(distributed: bool) -> None:
-    """Create the key table and its indexes if they do not exist (safe to run again)."""
+    """Create the key table and its indexes if they do not exist, then the outbox of background jobs
+    (safe to run again)."""
     state = get_state()
     state.store.init_schema(distributed=distributed)
-    click.echo(f"Key table {state.settings.table} is ready.")
+    Outbox.of(state.pool, state.settings).init_schema(distributed=distributed)
+    click.echo(f"Key table {state.settings.table} and its outbox are ready.")
 
 
 @idem_cli.command("purge")
@@ -148,6 +153,49 @@ def _print_report(report: RecoveryReport) -> None:
     )
 
 
+@idem_cli.command("relay")
+@click.option(
+    "--limit", default=100, show_default=True, type=click.IntRange(min=1), help="Messages per pass."
+)
+@click.option("--loop", is_flag=True, help="Keep running until stopped: a pass every --interval seconds.")
+@click.option(
+    "--interval",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0.05),
+    help="Seconds between passes that found nothing to publish.",
+)
+@_database_errors
+def relay_command(limit: int, loop: bool, interval: float) -> None:
+    """Publish the outbox's unsent messages to the broker, and mark each sent.
+
+    Each message is claimed under a lease (IDEM_OUTBOX_LEASE), published, and marked sent once the
+    broker confirmed it. A relay that dies in between leaves the message to be published again: the
+    task's key absorbs the duplicate. Sent messages older than IDEM_OUTBOX_RETENTION are deleted.
+    Needs background jobs set up on the application (flask_idem.celery.CeleryJobs.init_app).
+    """
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    try:
+        _jobs.get_jobs(app)
+    except Exception as e:
+        raise click.ClickException(str(e)) from None
+    if loop:
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        click.echo(f"Relaying every {interval} s when idle; stop with SIGTERM or Ctrl-C.")
+        _jobs.relay_forever(app, interval=interval, limit=limit, stop=stop, on_pass=_print_relay)
+        return
+    _print_relay(_jobs.relay(app, limit=limit))
+
+
+def _print_relay(report: _jobs.RelayReport) -> None:
+    click.echo(
+        f"Published {report.published}, failed {report.failed}, taken over {report.lost};"
+        f" purged {report.purged} sent message(s)."
+    )
+
+
 @idem_cli.command("stuck")
 @click.option(
     "--older-than",
@@ -164,8 +212,10 @@ def stuck(older_than: float | None) -> None:
     )
     for row in rows:
         flag = "NEEDS ATTENTION" if row.needs_attention else "slow"
+        task = f" task={row.path.removeprefix('/_tasks/')}" if row.method == TASK_METHOD else ""
         click.echo(
-            f"{flag:15} org={row.org_id} key={row.key} status={row.status} flow={row.flow} step={row.step}"
+            f"{flag:15} org={row.org_id} key={row.key}{task} status={row.status} flow={row.flow}"
+            f" step={row.step}"
             f" attempts={row.attempts} age={row.age_seconds:.0f}s last_error={row.last_error}"
         )
     click.echo(f"{len(rows)} row(s).")

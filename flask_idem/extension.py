@@ -20,6 +20,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from . import _view
+from ._outbox import Outbox
 from .cli import idem_cli
 from .errors import ConfigurationError
 from .flow import Flow
@@ -200,9 +201,7 @@ class Idempotency:
         if flow is not None:
             if required is False:
                 raise ConfigurationError("A multi-step route always requires an Idempotency-Key.")
-            known = self._flows.setdefault(flow.name, flow)
-            if known is not flow:
-                raise ConfigurationError(f"Two flows are named {flow.name!r}; flow names must be unique.")
+            self.add_flow(flow)
         options = _view.ViewOptions(
             scope=scope,
             required=required,
@@ -231,9 +230,24 @@ class Idempotency:
 
         return decorator
 
+    def add_flow(self, flow: Flow) -> None:
+        """Make ``flow`` known to the recovery job (``flask idem recover``) of this extension's applications.
+
+        :meth:`idempotent` does it for a route's flow, and a task decorator
+        (:meth:`flask_idem.celery.CeleryJobs.task`) for a task's.
+
+        :raises ConfigurationError: when another flow has the same name.
+        """
+        known = self._flows.setdefault(flow.name, flow)
+        if known is not flow:
+            raise ConfigurationError(f"Two flows are named {flow.name!r}; flow names must be unique.")
+
     def create_table(self) -> None:
-        """Create the current application's key table and index if missing (``flask idem init-db``)."""
-        get_state().store.init_schema()
+        """Create the current application's key table and its indexes if missing, then the outbox of
+        background jobs (:doc:`/jobs`), as ``flask idem init-db`` does."""
+        state = get_state()
+        state.store.init_schema()
+        Outbox.of(state.pool, state.settings).init_schema()
 
     def close(self) -> None:
         """Close the current application's connection pool in this process.
