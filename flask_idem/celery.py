@@ -108,7 +108,8 @@ class CeleryJobs:
     def __init__(self, idem: Idempotency, *, policy: JobPolicy | None = None) -> None:
         self.idem = idem
         self.policy = policy
-        self._apps: weakref.WeakValueDictionary[int, Flask] = weakref.WeakValueDictionary()
+        #: The Flask application of each Celery application, alive as long as the Celery application is.
+        self._apps: weakref.WeakKeyDictionary[Any, Flask] = weakref.WeakKeyDictionary()
         self._last: weakref.ref[Flask] | None = None
         self._local = threading.local()
         self.tasks: dict[str, _jobs.TaskSpec] = {}
@@ -139,7 +140,7 @@ class CeleryJobs:
         if "confirm_publish" not in options:
             celery_app.conf.broker_transport_options = {**options, "confirm_publish": True}
         celery_app.set_default()
-        self._apps[id(celery_app)] = app
+        self._apps[celery_app] = app
         self._last = weakref.ref(app)
 
     def task(
@@ -253,7 +254,7 @@ class CeleryJobs:
         if has_app_context():
             app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
             return app
-        found = self._apps.get(id(celery_app))
+        found = self._apps.get(celery_app)
         if found is None and self._last is not None:
             found = self._last()
         if found is None:

@@ -135,8 +135,9 @@ call_failed = _signals.signal("call-failed")
 #: ``flow``, ``status`` (the stored status), ``attempts`` (resumptions so far).
 recovered = _signals.signal("recovered")
 
-#: The recovery job gave up on a request past ``IDEM_RECOVERY_DEADLINE``: it is marked failed, answers
-#: 500 ``operation-failed`` to retries, and is flagged for a person (``flask idem stuck``). Arguments:
+#: The recovery job gave up on a request past ``IDEM_RECOVERY_DEADLINE`` (or a background task past its
+#: :class:`~flask_idem.jobs.JobPolicy`, with ``task``): it is marked failed, answers 500
+#: ``operation-failed`` to retries, and is flagged for a person (``flask idem stuck``). Arguments:
 #: ``org_id``, ``key``, ``endpoint``, ``flow``, ``reason``, ``attempts``.
 given_up = _signals.signal("given-up")
 
@@ -205,7 +206,7 @@ _LOG: dict[str, tuple[int, str]] = {
     "outcome-unknown": (_INFO, "Outcome of a call step unknown"),
     "call-failed": (_INFO, "Call step failed with an exception; handled as outcome unknown"),
     "recovered": (_INFO, "Stranded request finished by the recovery job"),
-    "given-up": (_ERROR, "Recovery gave up; request failed and flagged for a person"),
+    "given-up": (_ERROR, "Gave up; request or task failed and flagged for a person"),
     "job-deferred": (_INFO, "Task delivery put off"),
     "message-relayed": (_DEBUG, "Outbox message published"),
 }
