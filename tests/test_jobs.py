@@ -201,7 +201,7 @@ def test_the_outbox_sends_what_commits_and_the_relay_publishes_at_least_once(
     with pytest.raises(SystemExit):
         _jobs.relay(jobs_app, after_publish=killed)
     assert _jobs.relay(jobs_app).published == 0  # its claim holds for IDEM_OUTBOX_LEASE
-    db.execute(f"UPDATE idempotency_keys_outbox SET claimed_until = now()")
+    db.execute("UPDATE idempotency_keys_outbox SET claimed_until = now()")
     assert _jobs.relay(jobs_app).published == 1
     assert state.outbox.state().unsent == 0
     first, second = recorder.published
