@@ -154,8 +154,32 @@ def _from_environment() -> Celery | None:
         trace=os.environ["JOBS_TRACE"],
         maildir=os.environ["JOBS_MAILDIR"],
     )
+    global _flask_app
+    _flask_app = app
     celery: Celery = app.extensions["celery"]
     return celery
+
+
+_flask_app: Flask
+
+
+def relay_killed_after(count: int) -> None:
+    """Relay the outbox from the environment's app, and SIGKILL this process right after the
+    ``count``-th publish, before that message is marked sent (a relay process dying there)."""
+    import signal
+
+    from flask_idem._jobs import relay
+
+    assert celery is not None
+    published = 0
+
+    def after(message: object) -> None:
+        nonlocal published
+        published += 1
+        if published == count:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    relay(_flask_app, after_publish=after)
 
 
 #: The Celery application of a worker process (``celery -A tests.jobs_app worker``).

@@ -87,17 +87,7 @@ def test_workers_run_every_task_once_despite_the_relays_duplicates(
     keys = [enqueue(app, "jobs.add", n, hold=0.2) for n in range(6)] + [
         enqueue(app, "jobs.mail", f"{n}@example.com") for n in range(2)
     ]
-    script = (
-        "import os, signal, sys; sys.path.insert(0, '.');"
-        "from tests.jobs_app import build_jobs_app; from flask_idem._jobs import relay;"
-        "app = build_jobs_app(os.environ['JOBS_DATABASE_URL'], broker_url=os.environ['JOBS_BROKER_URL'],"
-        " queue=os.environ['JOBS_QUEUE'], trace=os.environ['JOBS_TRACE'], maildir=os.environ['JOBS_MAILDIR']);"
-        "n = [0];\n"
-        "def after(message):\n"
-        "    n[0] += 1\n"
-        f"    if n[0] == {len(keys)}: os.kill(os.getpid(), signal.SIGKILL)\n"
-        "relay(app, after_publish=after)"
-    )
+    script = f"from tests.jobs_app import relay_killed_after; relay_killed_after({len(keys)})"
     relay = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, **env}, timeout=60)
     assert relay.returncode == -9  # killed after publishing every message, before marking the last
     assert db.execute("SELECT count(*) FROM idempotency_keys_outbox WHERE sent_at IS NULL").fetchone() == (1,)
