@@ -44,3 +44,20 @@ CREATE TABLE IF NOT EXISTS payments (
 -- An order is paid at most once, whatever the keys: one pending or succeeded payment per order.
 CREATE UNIQUE INDEX IF NOT EXISTS payments_one_live_per_order
     ON payments (org_id, order_id) WHERE status IN ('pending', 'succeeded');
+
+-- One row per fulfilment of a paid order, written by the fulfilment task (example_app/fulfilment.py).
+-- Deliberately no UNIQUE (org_id, order_id): the task's key is the only guard against a second run, so
+-- the tests and the history checker can see one if it ever happened.
+CREATE TABLE IF NOT EXISTS fulfilments (
+    id           bigint      GENERATED ALWAYS AS IDENTITY,
+    org_id       bigint      NOT NULL REFERENCES orgs (id),
+    order_id     bigint      NOT NULL,
+    payment_id   bigint      NOT NULL,
+    -- reserved by the task's first step; sent once the receipt went to the mail sink.
+    status       text        NOT NULL DEFAULT 'reserved' CHECK (status IN ('reserved', 'sent')),
+    receipt_id   text,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (org_id, id),
+    FOREIGN KEY (org_id, order_id) REFERENCES orders (org_id, id)
+);

@@ -14,8 +14,8 @@ from flask import current_app
 from flask.cli import AppGroup
 from psycopg.conninfo import conninfo_to_dict
 
-from . import _jobs
-from ._outbox import Outbox
+from . import _jobs, relay
+from ._outbox import Outbox, outbox_table
 from .errors import missing_table_hint
 from .jobs import TASK_METHOD
 from .pool import ProcessPool
@@ -90,8 +90,9 @@ def init_db(distributed: bool) -> None:
     (safe to run again)."""
     state = get_state()
     state.store.init_schema(distributed=distributed)
+    click.echo(f"Key table {state.settings.table} is ready.")
     Outbox.of(state.pool, state.settings).init_schema(distributed=distributed)
-    click.echo(f"Key table {state.settings.table} and its outbox are ready.")
+    click.echo(f"Outbox {outbox_table(state.settings.table)} of background jobs is ready.")
 
 
 @idem_cli.command("purge")
@@ -184,12 +185,12 @@ def relay_command(limit: int, loop: bool, interval: float) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         click.echo(f"Relaying every {interval} s when idle; stop with SIGTERM or Ctrl-C.")
-        _jobs.relay_forever(app, interval=interval, limit=limit, stop=stop, on_pass=_print_relay)
+        relay.relay_forever(app, interval=interval, limit=limit, stop=stop, on_pass=_print_relay)
         return
-    _print_relay(_jobs.relay(app, limit=limit))
+    _print_relay(relay.relay(app, limit=limit))
 
 
-def _print_relay(report: _jobs.RelayReport) -> None:
+def _print_relay(report: relay.RelayReport) -> None:
     click.echo(
         f"Published {report.published}, failed {report.failed}, taken over {report.lost};"
         f" purged {report.purged} sent message(s)."

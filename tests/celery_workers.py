@@ -24,7 +24,17 @@ import psutil
 
 from .servers import ROOT
 
-__all__ = ["BROKER_URL", "broker_missing", "delete_queue", "new_queue", "worker"]
+__all__ = [
+    "BROKER_URL",
+    "broker_missing",
+    "children",
+    "delete_queue",
+    "kill",
+    "new_queue",
+    "running",
+    "stop",
+    "worker",
+]
 
 BROKER_URL = os.environ.get("FLASK_IDEM_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
@@ -94,6 +104,22 @@ def kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def running(pids: list[int], timeout: float = 15.0) -> list[int]:
+    """Those of ``pids`` still running after up to ``timeout`` seconds (a zombie has stopped running)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:

@@ -168,7 +168,7 @@ def relay_killed_after(count: int) -> None:
     ``count``-th publish, before that message is marked sent (a relay process dying there)."""
     import signal
 
-    from flask_idem._jobs import relay
+    from flask_idem.relay import relay
 
     assert celery is not None
     published = 0

@@ -21,9 +21,9 @@ import psycopg
 import pytest
 from flask import Flask
 
-from flask_idem import _jobs
+from flask_idem.relay import relay
 
-from .celery_workers import BROKER_URL, broker_missing, delete_queue, kill, new_queue, worker
+from .celery_workers import BROKER_URL, broker_missing, delete_queue, kill, new_queue, running, worker
 from .helpers import close_pool, wait_for
 from .jobs_app import SCHEMA, build_jobs_app, jobs, receipts
 from .servers import ROOT
@@ -88,11 +88,11 @@ def test_workers_run_every_task_once_despite_the_relays_duplicates(
         enqueue(app, "jobs.mail", f"{n}@example.com") for n in range(2)
     ]
     script = f"from tests.jobs_app import relay_killed_after; relay_killed_after({len(keys)})"
-    relay = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, **env}, timeout=60)
-    assert relay.returncode == -9  # killed after publishing every message, before marking the last
+    killed = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, **env}, timeout=60)
+    assert killed.returncode == -9  # killed after publishing every message, before marking the last
     assert db.execute("SELECT count(*) FROM idempotency_keys_outbox WHERE sent_at IS NULL").fetchone() == (1,)
     db.execute("UPDATE idempotency_keys_outbox SET claimed_until = now(), sent_at = NULL")  # all again
-    assert _jobs.relay(app).published == len(keys)
+    assert relay(app).published == len(keys)
     with worker("tests.jobs_app", env, tmp_path / "worker.log", concurrency=2):
         wait_for(lambda: completed(db) == len(keys), timeout=90, interval=0.2)
         time.sleep(1.0)  # let the duplicates be delivered too
@@ -111,7 +111,7 @@ def test_a_pool_process_killed_mid_task_is_redelivered_and_runs_once(
     (reject_on_worker_lost), the first run's writes were rolled back, and the second commits once."""
     app, env = setup
     enqueue(app, "jobs.add", 11, hold=60.0, holds=2)
-    _jobs.relay(app)
+    relay(app)
     with worker("tests.jobs_app", env, tmp_path / "worker.log", concurrency=2) as proc:
         for started in (1, 2):  # the first two runs hold inside their transaction, and are killed there
             wait_for(lambda started=started: len(trace(env)) == started, timeout=60)  # type: ignore[misc]
@@ -131,14 +131,14 @@ def test_a_whole_worker_killed_between_steps_is_finished_by_the_next(
     receipt through the resolver and records it. One receipt; nothing of the first worker left running."""
     app, env = setup
     key = enqueue(app, "jobs.mail", "a@example.com", hold=60.0)
-    _jobs.relay(app)
+    relay(app)
     with worker("tests.jobs_app", env, tmp_path / "worker1.log", concurrency=1) as proc:
         wait_for(lambda: len(receipts(env["JOBS_MAILDIR"])) == 1, timeout=60)  # sent, now holding
         family = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
         for pid in family:
             kill(pid)
         proc.wait(10)
-    assert not [pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert running(family) == []
     assert len(receipts(env["JOBS_MAILDIR"])) == 1
     with worker("tests.jobs_app", env, tmp_path / "worker2.log", concurrency=1):
         wait_for(lambda: completed(db) == 1, timeout=90, interval=0.2)

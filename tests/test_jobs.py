@@ -20,6 +20,7 @@ from flask import Flask
 
 from flask_idem import _jobs
 from flask_idem.jobs import Envelope, JobGivenUp, JobMismatch, Message, task_key
+from flask_idem.relay import relay
 
 from .celery_workers import BROKER_URL
 from .helpers import close_pool
@@ -199,10 +200,10 @@ def test_the_outbox_sends_what_commits_and_the_relay_publishes_at_least_once(
         raise SystemExit("relay killed between publish and mark")
 
     with pytest.raises(SystemExit):
-        _jobs.relay(jobs_app, after_publish=killed)
-    assert _jobs.relay(jobs_app).published == 0  # its claim holds for IDEM_OUTBOX_LEASE
+        relay(jobs_app, after_publish=killed)
+    assert relay(jobs_app).published == 0  # its claim holds for IDEM_OUTBOX_LEASE
     db.execute("UPDATE idempotency_keys_outbox SET claimed_until = now()")
-    assert _jobs.relay(jobs_app).published == 1
+    assert relay(jobs_app).published == 1
     assert state.outbox.state().unsent == 0
     first, second = recorder.published
     assert first.id == second.id and first.envelope.key == kept and second.args == [7]
@@ -210,7 +211,7 @@ def test_the_outbox_sends_what_commits_and_the_relay_publishes_at_least_once(
     recorder.down = True  # a failed publish is released, with its error, for a later pass
     with jobs_app.app_context(), pool.connection() as conn, conn.transaction():
         jobs.enqueue("jobs.add", 9, conn=conn, org_id=1, key=uuid.uuid4())
-    assert _jobs.relay(jobs_app).failed == 1
+    assert relay(jobs_app).failed == 1
     assert db.execute("SELECT last_error FROM idempotency_keys_outbox WHERE sent_at IS NULL").fetchone() == (
         "ConnectionError",
     )
