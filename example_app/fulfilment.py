@@ -11,12 +11,14 @@ The payment's finish step writes the task's message into the outbox, in its own 
 3. ``mark_sent``: the row becomes ``sent``, with the receipt's Message-ID.
 
 The mail sink is a Maildir (``MAIL_SINK``, by default ``instance/mail``): what a local mail server
-delivers to, and what a mail reader or a test opens.
+delivers to, and what a mail reader or a test opens. ``MAIL_SINK_DELAY`` (seconds, default 0) makes it
+slow to answer after taking a receipt, for fault injection.
 """
 
 from __future__ import annotations
 
 import mailbox
+import time
 from email.message import EmailMessage
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,8 @@ def send_receipt(run: Run) -> dict[str, Any]:
     message["X-Shop-Order"] = f"{run.org_id}:{run.intent['order_id']}"
     message.set_content(f"Thank you for your order {run.intent['order_id']}. It is on its way.")
     mailbox.Maildir(current_app.config["MAIL_SINK"], create=True).add(message)
+    # Fault injection, like the gateway's: a mail server slow to answer after it took the message.
+    time.sleep(float(current_app.config.get("MAIL_SINK_DELAY", 0.0)))
     return {"message_id": message["Message-ID"]}
 
 

@@ -11,10 +11,10 @@ from celery import Celery
 
 from . import create_app
 
-__all__ = ["app", "celery_app"]
+__all__ = ["celery_app", "flask_app"]
 
 #: The shop, whose application context every task runs in.
-app = create_app()
+flask_app = create_app()
 
 #: The Celery application the worker serves (``app.extensions["celery"]``).
-celery_app: Celery = app.extensions["celery"]
+celery_app: Celery = flask_app.extensions["celery"]
