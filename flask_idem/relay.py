@@ -84,8 +84,7 @@ def relay(
                     )
             else:
                 report.lost += 1
-        if jobs.retention > 0 or not messages:
-            report.purged = jobs.outbox.purge(older_than=jobs.retention)
+        report.purged = jobs.outbox.purge(older_than=jobs.retention)
     return report
 
 

@@ -234,3 +234,42 @@ def test_the_envelope_round_trips_and_refuses_what_is_not_one() -> None:
     with pytest.raises(JobError, match="malformed"):
         Envelope.from_headers({**envelope.headers(), "idem_org": "3"})
     assert task_key(1, envelope.key, "a") != task_key(2, envelope.key, "a") != task_key(1, envelope.key, "b")
+
+
+def test_task_outcomes_are_signalled_and_counted_by_task(
+    jobs_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """Deliveries send the request's outcome signals with ``task``; Metrics counts them by task, and
+    reads the outbox's unsent messages at scrape time."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from flask_idem import signals
+    from flask_idem.metrics import Metrics
+
+    registry = CollectorRegistry()
+    Metrics(jobs_app, registry=registry)
+    jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, Recorder())
+    deferred: list[dict[str, Any]] = []
+    signals.job_deferred.connect(lambda sender, **data: deferred.append(data), sender=jobs_app, weak=False)
+    key = uuid.uuid4()
+    deliver(jobs_app, "jobs.add", 1, key=key)
+    deliver(jobs_app, "jobs.add", 1, key=key)
+    deliver(jobs_app, "jobs.add", 2, fail=1, key=uuid.uuid4())
+    with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
+        jobs.enqueue("jobs.add", 3, conn=conn, org_id=1, key=uuid.uuid4())
+    found = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+
+    def task(outcome: str) -> float:
+        return found.get(
+            ("flask_idem_task_outcomes_total", (("outcome", outcome), ("task", "jobs.add"))), 0.0
+        )
+
+    assert (task("key_reserved"), task("response_stored"), task("response_replayed")) == (2, 1, 1)
+    assert task("job_deferred") == 1
+    assert [(d["task"], d["failures"], d["reason"]) for d in deferred] == [("jobs.add", 1, "RuntimeError")]
+    assert found[("flask_idem_outbox_unsent", (("table", "idempotency_keys"),))] == 1
