@@ -80,6 +80,8 @@ def worker(
     args = [sys.executable, "-m", "celery", "-A", app, "worker", "--pool", "prefork"]
     args += ["--concurrency", str(concurrency), "--loglevel", "INFO"]
     args += ["--without-mingle", "--without-gossip", "--without-heartbeat"]
+    # A node name of its own: two workers named alike on one host fight over their remote-control queue.
+    args += ["--hostname", f"{uuid.uuid4().hex[:12]}@%h"]
     if queue is not None:
         args += ["--queues", queue]
     with log.open("ab") as out:

@@ -62,6 +62,7 @@ class Jobs:
     def start_worker(self) -> None:
         args = [sys.executable, "-m", "celery", "-A", "example_app.worker", "worker", "--pool", "prefork"]
         args += ["--concurrency", "2", "--without-mingle", "--without-gossip", "--without-heartbeat"]
+        args += ["--hostname", f"{self.queue}-{len(self.started)}@%h"]  # a node name of its own
         self.worker = self._start(args, "celery.log")
 
     def family(self) -> list[int]:
