@@ -273,3 +273,20 @@ def test_task_outcomes_are_signalled_and_counted_by_task(
     assert task("job_deferred") == 1
     assert [(d["task"], d["failures"], d["reason"]) for d in deferred] == [("jobs.add", 1, "RuntimeError")]
     assert found[("flask_idem_outbox_unsent", (("table", "idempotency_keys"),))] == 1
+
+
+def test_the_relay_claims_messages_of_every_organisation_oldest_first(
+    jobs_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """Messages of several organisations (several shards on Citus) are claimed together, oldest first,
+    ``limit`` per pass."""
+    recorder = Recorder()
+    jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, recorder)
+    with jobs_app.app_context():
+        for n in range(6):
+            with jobs.idem.pool.connection() as conn, conn.transaction():
+                jobs.enqueue("jobs.add", n, conn=conn, org_id=n % 3 + 1, key=uuid.uuid4())
+    assert relay(jobs_app, limit=4).published == 4
+    assert relay(jobs_app, limit=4).published == 2
+    assert [m.args[0] for m in recorder.published] == list(range(6))
+    assert {m.envelope.org_id for m in recorder.published} == {1, 2, 3}
