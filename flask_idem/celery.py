@@ -33,6 +33,7 @@ redelivery (and the relay's own duplicates) harmless: see :mod:`flask_idem.jobs`
 from __future__ import annotations
 
 import functools
+import logging
 import random
 import threading
 import uuid
@@ -46,7 +47,8 @@ from . import _jobs
 from ._view import current
 from .errors import ConfigurationError
 from .flow import Flow
-from .jobs import Envelope, JobPolicy, Message, task_key
+from .jobs import Envelope, JobError, JobPolicy, Message, task_key
+from .recovery import backoff
 from .settings import parse_seconds
 from .state import get_state
 
@@ -58,7 +60,9 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 if TYPE_CHECKING:
     from .extension import Idempotency
 
-__all__ = ["CeleryJobs", "CeleryPublisher"]
+__all__ = ["TASK_OPTIONS", "CeleryJobs", "CeleryPublisher"]
+
+logger = logging.getLogger("flask_idem")
 
 #: The options every idempotent task gets (a task's own options may not change the first three): the
 #: message is acknowledged after the task ran, and given back to the broker when the worker process
@@ -281,7 +285,21 @@ class CeleryJobs:
             enqueued_at=envelope.enqueued_at,
             failures=envelope.failures,
         )
-        outcome = _jobs.run_delivery(self._flask_app(task.app), spec, delivery, rng=self._rng())
+        try:
+            outcome = _jobs.run_delivery(self._flask_app(task.app), spec, delivery, rng=self._rng())
+        except JobError:
+            raise
+        except Exception as e:
+            # The key table away while giving up, say. A task that raises is acknowledged and dropped by
+            # Celery, so it is delivered again instead; the policy still counts it.
+            logger.warning(
+                "Delivery of task %s failed: %s; delivered again later.", spec.name, type(e).__name__
+            )
+            policy = spec.policy or self.policy or JobPolicy()
+            countdown = backoff(
+                envelope.failures + 1, base=policy.backoff, cap=policy.backoff_cap, rng=self._rng()
+            )
+            outcome = _jobs.Defer(countdown, type(e).__name__, failed=True)
         if isinstance(outcome, _jobs.Done):
             return outcome.result
         if isinstance(outcome, _jobs.Dropped):
