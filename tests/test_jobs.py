@@ -290,3 +290,33 @@ def test_the_relay_claims_messages_of_every_organisation_oldest_first(
     assert relay(jobs_app, limit=4).published == 2
     assert [m.args[0] for m in recorder.published] == list(range(6))
     assert {m.envelope.org_id for m in recorder.published} == {1, 2, 3}
+
+
+def test_mistakes_are_refused_with_what_to_change(jobs_app: Flask) -> None:
+    """Bad settings, a task option the decorator owns, a name taken, a second init_app, init_app before
+    the extension's, and an enqueue without its transaction: each is refused, naming the fix."""
+    from celery import Celery
+
+    from flask_idem import ConfigurationError, Idempotency
+    from flask_idem.celery import CeleryJobs
+    from flask_idem.jobs import JobPolicy
+
+    with pytest.raises(ConfigurationError, match="IDEM_JOB_ATTEMPTS must be a positive integer"):
+        JobPolicy.from_config({"IDEM_JOB_ATTEMPTS": 0})
+    with pytest.raises(ConfigurationError, match="IDEM_JOB_DEADLINE must be a positive number"):
+        JobPolicy.from_config({"IDEM_JOB_DEADLINE": "soon"})
+    with pytest.raises(ConfigurationError, match="acks_late"):
+        jobs.task(name="jobs.other", acks_late=False)
+    with pytest.raises(ConfigurationError, match="named 'jobs.add'"):
+        jobs.task(name="jobs.add")(lambda job: None)
+    with pytest.raises(ConfigurationError, match="call init_app once"):
+        jobs.init_app(jobs_app, Celery("again", set_as_current=False))
+    with pytest.raises(ConfigurationError, match="idem.init_app"):
+        CeleryJobs(Idempotency()).init_app(Flask("bare"), Celery("bare", set_as_current=False))
+    with jobs_app.app_context(), pytest.raises(ConfigurationError, match="conn=run.connection"):
+        jobs.enqueue("jobs.add", 1)
+    with pytest.raises(ConfigurationError, match="IDEM_OUTBOX_LEASE"):
+        app = Flask("lease")
+        app.config.update(IDEM_DATABASE_URL=jobs_app.config["IDEM_DATABASE_URL"], IDEM_OUTBOX_LEASE=-1)
+        Idempotency(app, scope=lambda: 1)
+        CeleryJobs(Idempotency()).init_app(app, Celery("lease", set_as_current=False))
