@@ -183,14 +183,8 @@ class _Delivery:
         policy: JobPolicy,
         rng: random.Random,
     ) -> None:
-        self.app, self.state, self.spec, self.delivery, self.policy, self.rng = (
-            app,
-            state,
-            spec,
-            delivery,
-            policy,
-            rng,
-        )
+        self.app, self.state, self.spec = app, state, spec
+        self.delivery, self.policy, self.rng = delivery, policy, rng
         body = json.dumps({"args": list(delivery.args), "kwargs": dict(delivery.kwargs)}).encode("utf-8")
         path = task_path(spec.name)
         sha = fingerprint(method=TASK_METHOD, path=path, query=b"", mimetype="application/json", body=body)
