@@ -320,3 +320,37 @@ def test_mistakes_are_refused_with_what_to_change(jobs_app: Flask) -> None:
         app.config.update(IDEM_DATABASE_URL=jobs_app.config["IDEM_DATABASE_URL"], IDEM_OUTBOX_LEASE=-1)
         Idempotency(app, scope=lambda: 1)
         CeleryJobs(Idempotency()).init_app(app, Celery("lease", set_as_current=False))
+
+
+def test_flask_idem_recover_finishes_a_task_whose_message_never_came_back(
+    jobs_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """A flow task stranded after its call (its message lost): the recovery job finishes it through the
+    resolver, and `flask idem stuck` names it as a task meanwhile."""
+    from flask_idem.recovery import recover
+    from flask_idem.state import get_state
+
+    key = uuid.uuid4()
+    state = get_state(jobs_app)
+
+    def crash(point: str, conn: Any) -> None:
+        if point == "send":
+            raise SystemExit("killed")
+
+    state.hooks.append(crash)
+    try:
+        with pytest.raises(SystemExit):
+            deliver(jobs_app, "jobs.mail", "b@example.com", key=key)
+    finally:
+        state.hooks.remove(crash)
+    db.execute("UPDATE idempotency_keys SET next_attempt_at = now(), created_at = now() - interval '2 minutes'")
+    out = jobs_app.test_cli_runner().invoke(args=["idem", "stuck", "--older-than", "60"]).output
+    assert (
+        f"slow            org=1 key={key} task=jobs.mail status=processing flow=jobs.mail step=intent" in out
+    )
+    report = recover(jobs_app)
+    assert [entry[:2] for entry in report.completed] == [(1, key)]
+    assert len(receipts(jobs_app.config["JOBS_MAILDIR"])) == 1
+    assert [line.split()[0] for line in runs(jobs_app)] == ["mail", "send"]
+    again = deliver(jobs_app, "jobs.mail", "b@example.com", key=key)
+    assert isinstance(again, _jobs.Done) and again.replayed
