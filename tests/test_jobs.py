@@ -343,7 +343,9 @@ def test_flask_idem_recover_finishes_a_task_whose_message_never_came_back(
             deliver(jobs_app, "jobs.mail", "b@example.com", key=key)
     finally:
         state.hooks.remove(crash)
-    db.execute("UPDATE idempotency_keys SET next_attempt_at = now(), created_at = now() - interval '2 minutes'")
+    db.execute(
+        "UPDATE idempotency_keys SET next_attempt_at = now(), created_at = now() - interval '2 minutes'"
+    )
     out = jobs_app.test_cli_runner().invoke(args=["idem", "stuck", "--older-than", "60"]).output
     assert (
         f"slow            org=1 key={key} task=jobs.mail status=processing flow=jobs.mail step=intent" in out
@@ -354,3 +356,18 @@ def test_flask_idem_recover_finishes_a_task_whose_message_never_came_back(
     assert [line.split()[0] for line in runs(jobs_app)] == ["mail", "send"]
     again = deliver(jobs_app, "jobs.mail", "b@example.com", key=key)
     assert isinstance(again, _jobs.Done) and again.replayed
+
+
+def test_flask_idem_relay_publishes_and_says_so(jobs_app: Flask, make_app: Any) -> None:
+    """`flask idem relay` runs one pass and prints its counts; on an application without background
+    jobs it says how to set them up."""
+    recorder = Recorder()
+    jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, recorder)
+    with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
+        jobs.enqueue("jobs.add", 5, conn=conn, org_id=1, key=uuid.uuid4())
+    result = jobs_app.test_cli_runner().invoke(args=["idem", "relay"])
+    assert result.exit_code == 0, result.output
+    assert result.output == "Published 1, failed 0, taken over 0; purged 0 sent message(s).\n"
+    assert len(recorder.published) == 1
+    plain = make_app().test_cli_runner().invoke(args=["idem", "relay"])
+    assert plain.exit_code == 1 and "jobs.init_app(app, celery_app)" in plain.output
