@@ -11,6 +11,7 @@ intent under a lease, then the engine advances it step by step (:mod:`._engine`)
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import random
@@ -231,6 +232,7 @@ class _Delivery:
         the outcome is that of any delivery finding the key taken.
         """
         flow = self.spec.flow
+        flow_name = flow.name if flow else self.spec.name
         lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds())
         error = OperationFailed()
         record = {
@@ -241,16 +243,10 @@ class _Delivery:
 
         def mark(conn: psycopg.Connection[TupleRow]) -> bool | _Existing:
             # An atomic task's row is a leased one named after the task: reserved and failed at once.
-            found = self.state.store.reserve(
-                conn, self.keyed, ttl=self.ttl, flow=flow.name if flow else self.spec.name, lease=lease
-            )
+            found = self.state.store.reserve(conn, self.keyed, ttl=self.ttl, flow=flow_name, lease=lease)
             existing = found.record
-            if not found.reserved and not (
-                existing is not None
-                and existing.status == "processing"
-                and existing.request_sha == self.keyed.request_sha
-                and not existing.lease_live
-                and self.state.store.take_over(conn, lease)
+            if not found.reserved and not _engine.take_over_stranded(
+                self.state, conn, existing, self.keyed, flow_name, lease
             ):
                 return _Existing(existing)
             return self.state.store.complete(conn, lease, record, failed=reason)
@@ -351,14 +347,8 @@ class _Delivery:
                     last_step=INTENT,
                 )
             record = found.record
-            if (
-                record is not None
-                and record.status == "processing"
-                and record.flow == flow.name
-                and not record.lease_live
-                and record.request_sha == keyed.request_sha
-                and store.take_over(conn, lease)
-            ):
+            if _engine.take_over_stranded(self.state, conn, record, keyed, flow.name, lease):
+                assert record is not None
                 if self.overdue:
                     raise _GiveUp("deadline passed")
                 return run_from_record(
@@ -410,7 +400,7 @@ class _Delivery:
             if signals.wanted(signals.key_in_flight):
                 signals.send(signals.key_in_flight, org_id=keyed.org_id, key=keyed.key)
             return self.busy("in flight in another delivery")
-        if record.request_sha != keyed.request_sha:
+        if not hmac.compare_digest(record.request_sha, keyed.request_sha):
             if signals.wanted(signals.mismatch_rejected):
                 signals.send(signals.mismatch_rejected, org_id=keyed.org_id, key=keyed.key)
             raise JobMismatch(

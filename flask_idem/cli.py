@@ -135,13 +135,18 @@ def recover_command(limit: int, loop: bool, interval: float) -> None:
     """
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     if loop:
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
         click.echo(f"Recovering every {interval} s; stop with SIGTERM or Ctrl-C.")
-        run_forever(app, interval=interval, limit=limit, stop=stop, on_pass=_print_report)
+        run_forever(app, interval=interval, limit=limit, stop=_stop_on_signals(), on_pass=_print_report)
         return
     _print_report(recover(app, limit=limit))
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event that SIGTERM or SIGINT sets: a loop stops after its pass."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 def _print_report(report: RecoveryReport) -> None:
@@ -181,10 +186,8 @@ def relay_command(limit: int, loop: bool, interval: float) -> None:
     except Exception as e:
         raise click.ClickException(str(e)) from None
     if loop:
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
         click.echo(f"Relaying every {interval} s when idle; stop with SIGTERM or Ctrl-C.")
+        stop = _stop_on_signals()
         relay.relay_forever(app, interval=interval, limit=limit, stop=stop, on_pass=_print_relay)
         return
     _print_relay(relay.relay(app, limit=limit))

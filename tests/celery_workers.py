@@ -21,11 +21,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import psutil
+import pytest
 
 from .servers import ROOT
 
 __all__ = [
     "BROKER_URL",
+    "broker_marks",
     "broker_missing",
     "children",
     "delete_queue",
@@ -51,6 +53,17 @@ def broker_missing() -> str | None:
             " (Debian: apt-get install rabbitmq-server, or set FLASK_IDEM_TEST_BROKER_URL)"
         )
     return None
+
+
+def broker_marks() -> list[pytest.MarkDecorator]:
+    """The marks of a module of tests on real workers: slow, and skipped with the reason where no broker
+    answers. Under ``CI=true`` a missing broker fails instead: CI has RabbitMQ."""
+    missing = broker_missing()
+    if missing is None:
+        return [pytest.mark.slow]
+    if os.environ.get("CI"):
+        raise RuntimeError(missing)
+    return [pytest.mark.slow, pytest.mark.skip(reason=missing)]
 
 
 def new_queue(prefix: str = "flask-idem-test") -> str:

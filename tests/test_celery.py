@@ -23,18 +23,12 @@ from flask import Flask
 
 from flask_idem.relay import relay
 
-from .celery_workers import BROKER_URL, broker_missing, delete_queue, kill, new_queue, running, worker
+from .celery_workers import BROKER_URL, broker_marks, delete_queue, kill, new_queue, running, worker
 from .helpers import close_pool, wait_for
 from .jobs_app import SCHEMA, build_jobs_app, jobs, receipts
 from .servers import ROOT
 
-pytestmark = pytest.mark.slow
-
-_missing = broker_missing()
-if _missing is not None:
-    if os.environ.get("CI"):  # CI has RabbitMQ: missing there is a failure, not a skip
-        raise RuntimeError(_missing)
-    pytestmark = [pytest.mark.slow, pytest.mark.skip(reason=_missing)]
+pytestmark = broker_marks()
 
 
 @pytest.fixture

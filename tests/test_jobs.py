@@ -55,6 +55,24 @@ def runs(app: Flask) -> list[str]:
     return path.read_text().split("\n")[:-1] if path.exists() else []
 
 
+def crash_after_send(app: Flask, to: str, key: uuid.UUID) -> None:
+    """Deliver ``jobs.mail`` and end it after its receipt went out, before that step is recorded."""
+    from flask_idem.state import get_state
+
+    state = get_state(app)
+
+    def crash(point: str, conn: Any) -> None:
+        if point == "send":
+            raise SystemExit("killed")  # as a worker killed between the call and its record
+
+    state.hooks.append(crash)
+    try:
+        with pytest.raises(SystemExit):
+            deliver(app, "jobs.mail", to, key=key)
+    finally:
+        state.hooks.remove(crash)
+
+
 def effects(db: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
     return db.execute("SELECT task, value FROM job_effects ORDER BY task").fetchall()
 
@@ -141,21 +159,9 @@ def test_a_flow_task_killed_after_its_call_is_finished_not_repeated(
     """Crash after the receipt was sent, before it was recorded: the redelivery takes the request over
     and asks the resolver, which finds the receipt; it is recorded, not sent twice. (A worker killed
     with SIGKILL, whose lease must lapse first, is in test_celery.py.)"""
-    from flask_idem.state import get_state
 
     key = uuid.uuid4()
-    state = get_state(jobs_app)
-
-    def crash(point: str, conn: Any) -> None:
-        if point == "send":
-            raise SystemExit("killed")  # as a worker killed between the call and its record
-
-    state.hooks.append(crash)
-    try:
-        with pytest.raises(SystemExit):
-            deliver(jobs_app, "jobs.mail", "a@example.com", key=key)
-    finally:
-        state.hooks.remove(crash)
+    crash_after_send(jobs_app, "a@example.com", key)
     assert db.execute("SELECT status, step FROM idempotency_keys").fetchone() == ("processing", "intent")
     done = deliver(jobs_app, "jobs.mail", "a@example.com", key=key)
     assert isinstance(done, _jobs.Done) and done.result["sent"].startswith("<")
@@ -328,21 +334,9 @@ def test_flask_idem_recover_finishes_a_task_whose_message_never_came_back(
     """A flow task stranded after its call (its message lost): the recovery job finishes it through the
     resolver, and `flask idem stuck` names it as a task meanwhile."""
     from flask_idem.recovery import recover
-    from flask_idem.state import get_state
 
     key = uuid.uuid4()
-    state = get_state(jobs_app)
-
-    def crash(point: str, conn: Any) -> None:
-        if point == "send":
-            raise SystemExit("killed")
-
-    state.hooks.append(crash)
-    try:
-        with pytest.raises(SystemExit):
-            deliver(jobs_app, "jobs.mail", "b@example.com", key=key)
-    finally:
-        state.hooks.remove(crash)
+    crash_after_send(jobs_app, "b@example.com", key)
     db.execute(
         "UPDATE idempotency_keys SET next_attempt_at = now(), created_at = now() - interval '2 minutes'"
     )

@@ -18,23 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 from flask import Flask
 
 from example_app.fulfilment import receipts
 from flask_idem.relay import relay
 
-from ..celery_workers import BROKER_URL, broker_missing, delete_queue, kill, new_queue, running, worker
+from ..celery_workers import BROKER_URL, broker_marks, delete_queue, kill, new_queue, running, worker
 from ..servers import ROOT
 from ..shop_actions import pay, place_order, wait_for
 
-pytestmark = pytest.mark.slow
-
-_missing = broker_missing()
-if _missing is not None:
-    if os.environ.get("CI"):  # CI has RabbitMQ: missing there is a failure, not a skip
-        raise RuntimeError(_missing)
-    pytestmark = [pytest.mark.slow, pytest.mark.skip(reason=_missing)]
+pytestmark = broker_marks()
 
 
 def test_every_paid_order_is_fulfilled_exactly_once_through_kills(
