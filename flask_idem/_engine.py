@@ -6,7 +6,6 @@ recovery job. Every transaction here is short and no connection is held during a
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from functools import partial
@@ -23,9 +22,9 @@ from .errors import KeyInUse, OutcomePending
 from .flow import Flow, OutcomeUnknown, Run, Step
 from .replay import record_response
 from .state import IdemState
-from .store import KeyedRequest, KeyRecord, Lease
+from .store import Lease
 
-__all__ = ["advance", "take_over_stranded"]
+__all__ = ["advance"]
 
 logger = logging.getLogger("flask_idem")
 
@@ -36,28 +35,6 @@ class _LeaseLost(Exception):
 
 class _Unknown(Exception):
     """A call step ended without a known outcome."""
-
-
-def take_over_stranded(
-    state: IdemState,
-    conn: psycopg.Connection[TupleRow],
-    record: KeyRecord | None,
-    keyed: KeyedRequest,
-    flow: str,
-    lease: Lease,
-) -> bool:
-    """Take over the request ``record`` is, under ``lease``, if it is stranded: processing in ``flow``,
-    its lease lapsed, and the very request of ``keyed`` (a retry of it, or a redelivery of a task's
-    message). Of concurrent callers one wins; the others, and any other record, get false.
-    """
-    return (
-        record is not None
-        and record.status == "processing"
-        and record.flow == flow
-        and not record.lease_live
-        and hmac.compare_digest(record.request_sha, keyed.request_sha)
-        and state.store.take_over(conn, lease)
-    )
 
 
 def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: float) -> Response:

@@ -245,7 +245,7 @@ class _Delivery:
             # An atomic task's row is a leased one named after the task: reserved and failed at once.
             found = self.state.store.reserve(conn, self.keyed, ttl=self.ttl, flow=flow_name, lease=lease)
             existing = found.record
-            if not found.reserved and not _engine.take_over_stranded(
+            if not found.reserved and not _take_over_stranded(
                 self.state, conn, existing, self.keyed, flow_name, lease
             ):
                 return _Existing(existing)
@@ -347,7 +347,7 @@ class _Delivery:
                     last_step=INTENT,
                 )
             record = found.record
-            if _engine.take_over_stranded(self.state, conn, record, keyed, flow.name, lease):
+            if _take_over_stranded(self.state, conn, record, keyed, flow.name, lease):
                 assert record is not None
                 if self.overdue:
                     raise _GiveUp("deadline passed")
@@ -430,6 +430,26 @@ class _Delivery:
                 status=record.response["status"],
             )
         return Done(_record_result(record.response), replayed=True)
+
+
+def _take_over_stranded(
+    state: IdemState,
+    conn: psycopg.Connection[TupleRow],
+    record: KeyRecord | None,
+    keyed: KeyedRequest,
+    flow: str,
+    lease: Lease,
+) -> bool:
+    """Take the task ``record`` is over, under ``lease``, if it is stranded: processing in ``flow``, its
+    lease lapsed, and the same arguments (as a retry takes a request over in :mod:`._view`)."""
+    return (
+        record is not None
+        and record.status == "processing"
+        and record.flow == flow
+        and not record.lease_live
+        and hmac.compare_digest(record.request_sha, keyed.request_sha)
+        and state.store.take_over(conn, lease)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -205,8 +205,14 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
                 flow=flow.name, org_id=keyed.org_id, key=keyed.key, results={INTENT: intent}, last_step=INTENT
             )
         record = found.record
-        if _engine.take_over_stranded(state, conn, record, keyed, flow.name, lease):
-            assert record is not None
+        if (
+            record is not None
+            and record.status == "processing"
+            and record.flow == flow.name
+            and not record.lease_live
+            and hmac.compare_digest(record.request_sha, keyed.request_sha)
+            and state.store.take_over(conn, lease)
+        ):
             return run_from_record(
                 flow, org_id=keyed.org_id, key=keyed.key, step=record.step, state=record.state
             )

@@ -201,7 +201,9 @@ class Idempotency:
         if flow is not None:
             if required is False:
                 raise ConfigurationError("A multi-step route always requires an Idempotency-Key.")
-            self.add_flow(flow)
+            known = self._flows.setdefault(flow.name, flow)
+            if known is not flow:
+                raise ConfigurationError(f"Two flows are named {flow.name!r}; flow names must be unique.")
         options = _view.ViewOptions(
             scope=scope,
             required=required,
