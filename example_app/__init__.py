@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from flask import Flask
@@ -16,9 +17,11 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     :meth:`flask.Config.from_prefixed_env`), then from ``test_config``. Without a database URL, an embedded
     PostgreSQL is started with its data in the instance folder.
     """
-    from . import api, db, health, metrics, orders, payments, problems, receipts, web
+    from celery import Celery
+
+    from . import api, db, fulfilment, health, metrics, orders, payments, problems, receipts, web
     from .cli import shop_cli
-    from .extensions import idem
+    from .extensions import idem, jobs
 
     app = Flask(__name__, instance_relative_config=True)
     app.config.from_mapping(
@@ -30,6 +33,15 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
         GATEWAY_TIMEOUT=10.0,
         # GET /metrics and the counters behind it (example_app.metrics).
         METRICS=True,
+        # Celery's settings (FLASK_CELERY__broker_url=... overrides one): the broker the relay publishes
+        # fulfilment tasks to and the workers take them from (example_app.fulfilment).
+        CELERY={
+            "broker_url": "amqp://guest:guest@127.0.0.1:5672//",
+            "task_default_queue": "shop",
+            "task_ignore_result": True,
+            "worker_prefetch_multiplier": 1,
+            "broker_connection_retry_on_startup": True,
+        },
     )
     app.config.from_prefixed_env()
     if test_config is not None:
@@ -39,7 +51,13 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     if not app.config.get("IDEM_RESPONSE_KEYS"):  # receipt links are kept encrypted (example_app/receipts.py)
         app.config["IDEM_RESPONSE_KEYS"] = receipts.response_keys(app)
 
+    app.config.setdefault("MAIL_SINK", str(Path(app.instance_path) / "mail"))  # receipts (a Maildir)
+
     idem.init_app(app)
+    celery_app = Celery(app.import_name, set_as_current=False)
+    celery_app.config_from_object(app.config["CELERY"])
+    jobs.init_app(app, celery_app)
+    assert fulfilment.fulfil.name == "shop.fulfil"  # the task is defined (imported) with the app
     problems.register(app)
     api.register(app, orders.bp, payments.bp, receipts.bp, receipts.public, health.bp)
     web.init_app(app)  # the checkout pages (example_app/web.py)

@@ -13,6 +13,7 @@ from flask.cli import AppGroup
 from werkzeug.serving import run_simple
 
 from flask_idem.recovery import run_forever
+from flask_idem.relay import relay_forever
 
 from .auth import hash_api_key, new_api_key
 from .db import init_db
@@ -56,10 +57,13 @@ def create_org_command(name: str) -> None:
 @click.option("--port", default=5000, show_default=True, type=int)
 @click.option("--gateway-port", default=5001, show_default=True, type=int)
 def serve_command(host: str, port: int, gateway_port: int) -> None:
-    """Set up the database, start the gateway simulator and a recovery worker, and serve the shop.
+    """Set up the database, start the gateway simulator, a recovery worker, the outbox relay and a
+    Celery worker, and serve the shop.
 
     The gateway runs as its own process on --gateway-port, with fault injection enabled, in the same
-    database; the recovery worker finishes stranded payments every few seconds.
+    database; the recovery worker finishes stranded payments every few seconds; the relay publishes
+    fulfilment tasks to RabbitMQ (CELERY["broker_url"]), and the Celery worker runs them, mailing
+    receipts to the Maildir MAIL_SINK.
     """
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     init_db()
@@ -81,10 +85,19 @@ def serve_command(host: str, port: int, gateway_port: int) -> None:
         target=run_forever, args=(app,), kwargs={"interval": 5.0, "stop": stop}, daemon=True
     )
     worker.start()
+    relay = threading.Thread(
+        target=relay_forever, args=(app,), kwargs={"interval": 1.0, "stop": stop}, daemon=True
+    )
+    relay.start()
+    celery_worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "example_app.worker", "worker", "--concurrency", "2"],
+        env=env | {"FLASK_MAIL_SINK": app.config["MAIL_SINK"]},
+    )
     base = f"http://{host}:{port}"
     click.echo(
         f"Shop: open {base} in a browser for the checkout\n"
         f"Gateway simulator: {gateway_url} (faults: POST {gateway_url}/_faults)\n"
+        f"Receipts of paid orders: the Maildir {app.config['MAIL_SINK']} (a Celery worker mails them)\n"
         f"Demo API key: {api_key}\n"
         f"Place and pay an order:\n"
         f"  flask --app example_app shop buy --amount 1250 --currency EUR --api-key {api_key} --url {base}\n"
@@ -97,8 +110,9 @@ def serve_command(host: str, port: int, gateway_port: int) -> None:
         run_simple(host, port, app, threaded=True)
     finally:
         stop.set()
-        gateway.terminate()
-        gateway.wait(10)
+        for process in (gateway, celery_worker):
+            process.terminate()
+            process.wait(10)
 
 
 @shop_cli.command("buy")

@@ -15,13 +15,16 @@ BEGIN
     IF EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = 'orders'::regclass) THEN
         RETURN;
     END IF;
+    ALTER TABLE fulfilments DROP CONSTRAINT IF EXISTS fulfilments_org_id_fkey;
     ALTER TABLE payments DROP CONSTRAINT IF EXISTS payments_org_id_fkey;
     ALTER TABLE orders DROP CONSTRAINT IF EXISTS orders_org_id_fkey;
     PERFORM create_distributed_table('orders', 'org_id', colocate_with => {key_table});
     PERFORM create_distributed_table('payments', 'org_id', colocate_with => {key_table});
+    PERFORM create_distributed_table('fulfilments', 'org_id', colocate_with => {key_table});
     PERFORM create_reference_table('orgs');
     ALTER TABLE orders ADD CONSTRAINT orders_org_id_fkey FOREIGN KEY (org_id) REFERENCES orgs (id);
     ALTER TABLE payments ADD CONSTRAINT payments_org_id_fkey FOREIGN KEY (org_id) REFERENCES orgs (id);
+    ALTER TABLE fulfilments ADD CONSTRAINT fulfilments_org_id_fkey FOREIGN KEY (org_id) REFERENCES orgs (id);
 END
 $$;
 

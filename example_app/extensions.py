@@ -5,6 +5,7 @@ from __future__ import annotations
 from flask import g
 
 from flask_idem import Idempotency
+from flask_idem.celery import CeleryJobs
 from flask_idem.metrics import Metrics
 
 
@@ -19,6 +20,9 @@ def current_org_id() -> int | None:
 
 
 idem = Idempotency(scope=current_org_id)
+
+#: The shop's idempotent background tasks (:mod:`example_app.fulfilment`), run by Celery workers.
+jobs = CeleryJobs(idem)
 
 #: The Prometheus metrics of flask-idem (``GET /metrics``, :mod:`example_app.metrics`).
 metrics = Metrics()

@@ -19,7 +19,7 @@ from werkzeug.exceptions import HTTPException, NotFound, UnprocessableEntity
 
 from flask_idem.flow import Flow, Run
 
-from . import gateway_client
+from . import fulfilment, gateway_client
 from .api import LOCATION, Blueprint, path_id
 from .auth import authenticate
 from .db import fetch_one
@@ -127,6 +127,7 @@ def record(run: Run) -> tuple[dict[str, Any], int, dict[str, str]]:
         conn=run.connection,
     )
     assert payment is not None
+    fulfilment.after_payment(run, outcome)  # the fulfilment task's message, in this transaction
     if outcome["status"] == "declined":
         raise problem_exception(PaymentDeclined(), payment_id=payment["id"])
     if outcome["status"] != "succeeded":

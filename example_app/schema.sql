@@ -57,3 +57,19 @@ CREATE TABLE IF NOT EXISTS receipt_links (
 );
 
 CREATE INDEX IF NOT EXISTS receipt_links_token ON receipt_links (token_sha);
+-- One row per fulfilment of a paid order, written by the fulfilment task (example_app/fulfilment.py).
+-- Deliberately no UNIQUE (org_id, order_id): the task's key is the only guard against a second run, so
+-- the tests and the history checker can see one if it ever happened.
+CREATE TABLE IF NOT EXISTS fulfilments (
+    id           bigint      GENERATED ALWAYS AS IDENTITY,
+    org_id       bigint      NOT NULL REFERENCES orgs (id),
+    order_id     bigint      NOT NULL,
+    payment_id   bigint      NOT NULL,
+    -- reserved by the task's first step; sent once the receipt went to the mail sink.
+    status       text        NOT NULL DEFAULT 'reserved' CHECK (status IN ('reserved', 'sent')),
+    receipt_id   text,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (org_id, id),
+    FOREIGN KEY (org_id, order_id) REFERENCES orders (org_id, id)
+);

@@ -45,7 +45,7 @@ from werkzeug.exceptions import Forbidden, HTTPException, NotFound, Unprocessabl
 from flask_idem import Flow, Run
 from flask_idem.errors import problem
 
-from . import payments
+from . import fulfilment, payments
 from .auth import hash_api_key
 from .extensions import idem
 
@@ -342,6 +342,7 @@ def record(run: Run) -> ResponseReturnValue:
         " WHERE org_id = %s AND id = %s",
         (status, outcome["charge_id"], run.org_id, run.intent["payment_id"]),
     )
+    fulfilment.after_payment(run, outcome)  # the fulfilment task's message, in this transaction
     # Absolute endpoint: the recovery job runs this step outside any request to the blueprint.
     return redirect(url_for("web.order_page", order_id=run.intent["order_id"]), 303)
 

@@ -30,6 +30,7 @@ from psycopg import sql
 from .errors import ConfigurationError
 
 __all__ = [
+    "JOBS",
     "REQUIRED",
     "Found",
     "Index",
@@ -39,6 +40,7 @@ __all__ = [
     "lock_key",
     "names",
     "problem",
+    "check_jobs",
     "read",
     "revisions",
 ]
@@ -46,6 +48,9 @@ __all__ = [
 #: The oldest layout this code runs on. Layout 2 adds an index its recovery claim uses when present:
 #: the statements are the same on layout 1, only slower with many requests waiting to be retried.
 REQUIRED = 1
+
+#: The oldest layout background jobs run on: layout 3 adds their outbox (flask_idem.jobs).
+JOBS = 3
 
 #: The comment that records the layout, and how it is read back.
 _COMMENT = (
@@ -241,6 +246,17 @@ def problem(found: Found, table: str) -> str | None:
             f" {newest}. Deploy the newer flask-idem."
         )
     return None
+
+
+def check_jobs(found: Found, table: str) -> None:
+    """Raise :class:`ConfigurationError` when ``found`` has no outbox of background jobs yet."""
+    check(found, table)
+    if found.layout is not None and found.layout < JOBS:
+        raise ConfigurationError(
+            f"Background jobs need the outbox of layout {JOBS}; the key table {table} has layout"
+            f" {found.layout}. Upgrade it with 'flask idem migrate' (or 'flask db upgrade'): online, and"
+            " the application goes on serving meanwhile."
+        )
 
 
 def check(found: Found, table: str) -> None:

@@ -14,9 +14,11 @@ from flask import current_app
 from flask.cli import AppGroup
 from psycopg.conninfo import conninfo_to_dict
 
-from . import _layout, _migrate
+from . import _jobs, _layout, _migrate, relay
 from ._codec import new_key
+from ._outbox import outbox_table
 from .errors import ConfigurationError, missing_table_hint
+from .jobs import TASK_METHOD
 from .pool import ProcessPool
 from .recovery import RecoveryReport, recover, run_forever
 from .state import get_state
@@ -108,12 +110,15 @@ def _upgrade(distributed: bool, *, quiet: bool = False) -> _migrate.Report:
 @_distributed_option
 @_database_errors
 def init_db(distributed: bool) -> None:
-    """Create the key table in the latest layout, or upgrade it as migrate does (safe to run again).
+    """Create the key table and the outbox of background jobs in the latest layout, or upgrade them as
+    migrate does (safe to run again).
 
     Run it as a role that may create tables (see the privileges in the documentation).
     """
     _upgrade(distributed, quiet=True)
-    click.echo(f"Key table {get_state().settings.table} is ready (layout {_layout.latest()}).")
+    table = get_state().settings.table
+    click.echo(f"Key table {table} is ready (layout {_layout.latest()}).")
+    click.echo(f"Outbox {outbox_table(table)} of background jobs is ready.")
 
 
 @idem_cli.command("migrate")
@@ -160,7 +165,7 @@ def migrate(distributed: bool, check: bool, roles: tuple[str, ...]) -> None:
         _migrate.grant(
             settings.database_url, table=settings.table, role=role, connect_options=settings.connect_options
         )
-        click.echo(f"Granted {role} SELECT, INSERT, UPDATE, DELETE on the key table.")
+        click.echo(f"Granted {role} SELECT, INSERT, UPDATE, DELETE on flask-idem's tables.")
     before = "missing" if report.before.layout is None else f"layout {report.before.layout}"
     if report.applied:
         applied = ", ".join(str(layout) for layout in report.applied)
@@ -211,13 +216,18 @@ def recover_command(limit: int, loop: bool, interval: float) -> None:
     _ready()
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     if loop:
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
         click.echo(f"Recovering every {interval} s; stop with SIGTERM or Ctrl-C.")
-        run_forever(app, interval=interval, limit=limit, stop=stop, on_pass=_print_report)
+        run_forever(app, interval=interval, limit=limit, stop=_stop_on_signals(), on_pass=_print_report)
         return
     _print_report(recover(app, limit=limit))
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event that SIGTERM or SIGINT sets: a loop stops after its pass."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 def _print_report(report: RecoveryReport) -> None:
@@ -227,6 +237,47 @@ def _print_report(report: RecoveryReport) -> None:
     click.echo(
         f"Claimed {report.claimed}: {len(report.completed)} completed, {len(report.pending)} pending,"
         f" {len(report.failed)} failed, {len(report.lost)} lost."
+    )
+
+
+@idem_cli.command("relay")
+@click.option(
+    "--limit", default=100, show_default=True, type=click.IntRange(min=1), help="Messages per pass."
+)
+@click.option("--loop", is_flag=True, help="Keep running until stopped: a pass every --interval seconds.")
+@click.option(
+    "--interval",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0.05),
+    help="Seconds between passes that found nothing to publish.",
+)
+@_database_errors
+def relay_command(limit: int, loop: bool, interval: float) -> None:
+    """Publish the outbox's unsent messages to the broker, and mark each sent.
+
+    Each message is claimed under a lease (IDEM_OUTBOX_LEASE), published, and marked sent once the
+    broker confirmed it. A relay that dies in between leaves the message to be published again: the
+    task's key absorbs the duplicate. Sent messages older than IDEM_OUTBOX_RETENTION are deleted.
+    Needs background jobs set up on the application (flask_idem.celery.CeleryJobs.init_app).
+    """
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    try:
+        _jobs.get_jobs(app)
+    except Exception as e:
+        raise click.ClickException(str(e)) from None
+    if loop:
+        click.echo(f"Relaying every {interval} s when idle; stop with SIGTERM or Ctrl-C.")
+        stop = _stop_on_signals()
+        relay.relay_forever(app, interval=interval, limit=limit, stop=stop, on_pass=_print_relay)
+        return
+    _print_relay(relay.relay(app, limit=limit))
+
+
+def _print_relay(report: relay.RelayReport) -> None:
+    click.echo(
+        f"Published {report.published}, failed {report.failed}, taken over {report.lost};"
+        f" purged {report.purged} sent message(s)."
     )
 
 
@@ -247,8 +298,10 @@ def stuck(older_than: float | None) -> None:
     )
     for row in rows:
         flag = "NEEDS ATTENTION" if row.needs_attention else "slow"
+        task = f" task={row.path.removeprefix('/_tasks/')}" if row.method == TASK_METHOD else ""
         click.echo(
-            f"{flag:15} org={row.org_id} key={row.key} status={row.status} flow={row.flow} step={row.step}"
+            f"{flag:15} org={row.org_id} key={row.key}{task} status={row.status} flow={row.flow}"
+            f" step={row.step}"
             f" attempts={row.attempts} age={row.age_seconds:.0f}s last_error={row.last_error}"
         )
     click.echo(f"{len(rows)} row(s).")

@@ -261,6 +261,18 @@ class Idempotency:
 
         return decorator
 
+    def add_flow(self, flow: Flow) -> None:
+        """Make ``flow`` known to the recovery job (``flask idem recover``) of this extension's applications.
+
+        :meth:`idempotent` does it for a route's flow, and a task decorator
+        (:meth:`flask_idem.celery.CeleryJobs.task`) for a task's.
+
+        :raises ConfigurationError: when another flow has the same name.
+        """
+        known = self._flows.setdefault(flow.name, flow)
+        if known is not flow:
+            raise ConfigurationError(f"Two flows are named {flow.name!r}; flow names must be unique.")
+
     def create_table(self) -> None:
         """Create the current application's key table in the latest layout, or upgrade it
         (``flask idem init-db``), on a connection of its own; safe to run twice, and at once."""

@@ -36,7 +36,7 @@ import psycopg
 from blinker import NamedSignal
 from flask import Flask, Response
 
-from . import signals
+from . import _jobs, signals
 from .errors import ConfigurationError
 from .state import get_state
 
@@ -90,6 +90,14 @@ class Metrics:
             ["endpoint", "outcome"],
             registry=self.registry,
         )
+        #: ``flask_idem_task_outcomes_total{task, outcome}``: the outcome signals of background tasks
+        #: (:mod:`flask_idem.jobs`), by task: the same outcomes as a request's, and ``job_deferred``.
+        self.task_outcomes = Counter(
+            "flask_idem_task_outcomes",
+            "Idempotency outcomes of background tasks (flask_idem.jobs), by task and outcome.",
+            ["task", "outcome"],
+            registry=self.registry,
+        )
         #: ``flask_idem_step_duration_seconds{flow, step, kind}``: finished steps of flows.
         self.steps = Histogram(
             "flask_idem_step_duration_seconds",
@@ -132,10 +140,15 @@ class Metrics:
 
     def _counter(self, signal: NamedSignal) -> Callable[..., None]:
         outcome = signal.name.replace("-", "_")
-        outcomes = self.outcomes
+        outcomes, tasks = self.outcomes, self.task_outcomes
 
-        def count(sender: Flask, *, endpoint: str | None = None, **data: Any) -> None:
-            outcomes.labels(endpoint or "", outcome).inc()
+        def count(
+            sender: Flask, *, endpoint: str | None = None, task: str | None = None, **data: Any
+        ) -> None:
+            if task is not None:  # a background task's delivery, or a message the relay published
+                tasks.labels(task, outcome).inc()
+            else:
+                outcomes.labels(endpoint or "", outcome).inc()
 
         return count
 
@@ -176,7 +189,10 @@ class KeyTableCollector(Collector):
     - ``flask_idem_keys_flagged``: requests given up and flagged for a person;
     - ``flask_idem_oldest_processing_age_seconds``: age of the oldest processing request (0: none);
     - ``flask_idem_key_table_up``: 1 when the statement succeeded, 0 when the database could not be
-      read (the other gauges are then left out of the scrape).
+      read (the other gauges are then left out of the scrape);
+    - for an application with background jobs (:mod:`flask_idem.jobs`), ``flask_idem_outbox_unsent``
+      and ``flask_idem_outbox_oldest_unsent_age_seconds``: messages the relay has not published yet,
+      and the oldest one's age (a relay that stopped shows as a growing age).
 
     Applications sharing one database and table are read once, through the one added last. The
     collector does not keep an application alive.
@@ -196,7 +212,11 @@ class KeyTableCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         """Read each key table once and return the gauges."""
         families = dict(
-            zip(("processing", "stranded", "flagged", "oldest", "up"), self._families(), strict=True)
+            zip(
+                ("processing", "stranded", "flagged", "oldest", "up", "unsent", "unsent_age"),
+                self._families(),
+                strict=True,
+            )
         )
         seen: set[tuple[str, str]] = set()
         for ref in reversed(self._apps):
@@ -224,6 +244,15 @@ class KeyTableCollector(Collector):
             families["stranded"].add_metric(label, found.stranded)
             families["flagged"].add_metric(label, found.flagged)
             families["oldest"].add_metric(label, found.oldest_processing_seconds)
+            jobs: _jobs.JobsState | None = app.extensions.get(_jobs.EXTENSION_NAME)
+            if jobs is not None:
+                try:
+                    outbox = jobs.outbox.state()
+                except psycopg.Error as e:
+                    logger.warning("Could not read the outbox for metrics: %s.", type(e).__name__)
+                    continue
+                families["unsent"].add_metric(label, outbox.unsent)
+                families["unsent_age"].add_metric(label, outbox.oldest_unsent_seconds)
         return list(families.values())
 
     @staticmethod
@@ -234,5 +263,10 @@ class KeyTableCollector(Collector):
             ("flask_idem_keys_flagged", "Requests given up and flagged for a person (flask idem stuck)."),
             ("flask_idem_oldest_processing_age_seconds", "Age of the oldest processing request; 0 if none."),
             ("flask_idem_key_table_up", "1 if the key table could be read for this scrape, else 0."),
+            ("flask_idem_outbox_unsent", "Outbox messages the relay has not published yet."),
+            (
+                "flask_idem_outbox_oldest_unsent_age_seconds",
+                "Age of the oldest unsent outbox message; 0 if none.",
+            ),
         ):
             yield GaugeMetricFamily(name, text, labels=["table"])

@@ -29,7 +29,9 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from blinker import NamedSignal, Namespace
@@ -39,17 +41,20 @@ __all__ = [
     "OUTCOMES",
     "call_failed",
     "given_up",
+    "job_deferred",
     "key_hash",
     "key_in_flight",
     "key_reserved",
     "lease_lost",
     "lease_taken_over",
+    "message_relayed",
     "mismatch_rejected",
     "mismatch_replayed",
     "outcome_unknown",
     "recovered",
     "response_replayed",
     "response_stored",
+    "running_task",
     "step_finished",
     "store_operation",
     "store_unavailable",
@@ -130,10 +135,27 @@ call_failed = _signals.signal("call-failed")
 #: ``flow``, ``status`` (the stored status), ``attempts`` (resumptions so far).
 recovered = _signals.signal("recovered")
 
-#: The recovery job gave up on a request past ``IDEM_RECOVERY_DEADLINE``: it is marked failed, answers
-#: 500 ``operation-failed`` to retries, and is flagged for a person (``flask idem stuck``). Arguments:
+#: The recovery job gave up on a request past ``IDEM_RECOVERY_DEADLINE`` (or a background task past its
+#: :class:`~flask_idem.jobs.JobPolicy`, with ``task``): it is marked failed, answers 500
+#: ``operation-failed`` to retries, and is flagged for a person (``flask idem stuck``). Arguments:
 #: ``org_id``, ``key``, ``endpoint``, ``flow``, ``reason``, ``attempts``.
 given_up = _signals.signal("given-up")
+
+# -- background jobs (flask_idem.jobs) -------------------------------------------------------------------
+#
+# A delivery of an idempotent task sends the outcome signals above as a request does (``key_reserved``,
+# ``response_stored``, ``response_replayed``, ``mismatch_rejected``, ``key_in_flight``, a flow's
+# ``step_finished``...), with ``endpoint`` ``None`` and one more argument, ``task`` (the task's name).
+
+#: A delivery of an idempotent task was put off: another delivery holds its key (``failed`` false), or
+#: this attempt failed and will be retried after a backoff. Arguments: ``org_id``, ``key``, ``endpoint``
+#: (``None``), ``task``, ``reason``, ``countdown`` (seconds until the runner delivers it again),
+#: ``failures`` (failed attempts so far).
+job_deferred = _signals.signal("job-deferred")
+
+#: The outbox relay published a message to the broker and marked it sent. Arguments: ``org_id``,
+#: ``key`` (the task's key), ``endpoint`` (``None``), ``task``.
+message_relayed = _signals.signal("message-relayed")
 
 # -- the key table -------------------------------------------------------------------------------------
 
@@ -162,6 +184,8 @@ OUTCOMES: tuple[NamedSignal, ...] = (
     call_failed,
     recovered,
     given_up,
+    job_deferred,
+    message_relayed,
 )
 
 _DEBUG, _INFO, _ERROR = logging.DEBUG, logging.INFO, logging.ERROR
@@ -182,8 +206,22 @@ _LOG: dict[str, tuple[int, str]] = {
     "outcome-unknown": (_INFO, "Outcome of a call step unknown"),
     "call-failed": (_INFO, "Call step failed with an exception; handled as outcome unknown"),
     "recovered": (_INFO, "Stranded request finished by the recovery job"),
-    "given-up": (_ERROR, "Recovery gave up; request failed and flagged for a person"),
+    "given-up": (_ERROR, "Gave up; request or task failed and flagged for a person"),
+    "job-deferred": (_INFO, "Task delivery put off"),
+    "message-relayed": (_DEBUG, "Outbox message published"),
 }
+
+_task: ContextVar[str | None] = ContextVar("flask_idem_task", default=None)
+
+
+@contextmanager
+def running_task(name: str) -> Iterator[None]:
+    """Within the block, every outcome signal is sent with ``task=name`` (a delivery of that task)."""
+    token = _task.set(name)
+    try:
+        yield
+    finally:
+        _task.reset(token)
 
 
 def wanted(signal: NamedSignal) -> bool:
@@ -202,6 +240,9 @@ def send(signal: NamedSignal, **data: Any) -> None:
     """
     if "endpoint" not in data:
         data["endpoint"] = request.endpoint if has_request_context() else None
+    task = _task.get()
+    if task is not None and "task" not in data:
+        data["task"] = task
     if signal.receivers:
         signal.send(current_app._get_current_object(), **data)  # type: ignore[attr-defined]
     level, text = _LOG[signal.name]

@@ -130,6 +130,10 @@ class StuckRow:
     age_seconds: float
     needs_attention: bool
     last_error: str | None
+    #: What the row is for: a request's method and path, or ``TASK`` and the task's path for a
+    #: background job (:mod:`flask_idem.jobs`).
+    method: str = ""
+    path: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -629,7 +633,8 @@ class _Statements:
         )
         self.stuck = q(
             "SELECT org_id, idem_key AS key, status, flow, step, attempts,"
-            " extract(epoch FROM now() - created_at)::float8 AS age_seconds, needs_attention, last_error"
+            " extract(epoch FROM now() - created_at)::float8 AS age_seconds, needs_attention, last_error,"
+            " method, path"
             " FROM {table}"
             " WHERE needs_attention"
             " OR (status = 'processing' AND created_at <= now() - make_interval(secs => %(older_than)s))"

@@ -90,8 +90,8 @@ def store(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Store]:
 
 
 def test_tables_are_distributed_and_colocated(db: psycopg.Connection[Any]) -> None:
-    """The key table, orders and payments are distributed by org_id in one co-location group; orgs is
-    a reference table; the reserve function is delegated with the key table."""
+    """The key table, its outbox, orders, payments and fulfilments are distributed by org_id in one
+    co-location group; orgs is a reference table; the reserve function is delegated with the key table."""
     rows = dict(
         db.execute(
             "SELECT logicalrelid::text, partmethod::text || ':'"
@@ -102,6 +102,7 @@ def test_tables_are_distributed_and_colocated(db: psycopg.Connection[Any]) -> No
     keys = rows["idempotency_keys"]
     assert keys.startswith("h:org_id:")
     assert rows["orders"] == keys and rows["payments"] == keys
+    assert rows["idempotency_keys_outbox"] == keys and rows["fulfilments"] == keys
     assert rows["orgs"].startswith("n::")
     function = db.execute(
         "SELECT distribution_argument_index, colocationid, force_delegation FROM pg_dist_object"

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from .checker import Report, check, settle
 from .cluster import running_cluster
+from .jobs import broker_missing, check_fulfilment, jobs_nemesis, running_jobs, settle_jobs
 from .workload import Op, client_loop, nemesis
 
 __all__ = ["run"]
@@ -32,25 +34,39 @@ def run(
     fault_interval: float,
     max_faults: int,
     citus: bool = False,
+    jobs: bool = True,
 ) -> Report:
     """Run the workload with faults for ``duration`` seconds, then settle and check; return the report.
 
     With ``citus`` the database is a local Citus cluster, and PostgreSQL restarts hit its worker nodes.
+    With ``jobs`` (and a broker answering), paid orders are fulfilled by Celery workers through the
+    outbox, under a nemesis of their own (:mod:`.jobs`).
     """
     report = Report()
     history: list[Op] = []
     lock = threading.Lock()
-    with running_cluster(workdir, seed=seed, citus=citus) as cluster:
+    if jobs and (missing := broker_missing()) is not None:
+        report.notes.append(f"background jobs not checked: {missing}")
+        jobs = False
+    with running_cluster(workdir, seed=seed, citus=citus) as cluster, ExitStack() as stack:
+        workers = stack.enter_context(running_jobs(cluster, workdir)) if jobs else None
         stop_at = time.monotonic() + duration
         threads = [
             threading.Thread(target=client_loop, args=(cluster, seed * 100 + i, stop_at, history, lock))
             for i in range(clients)
         ]
         threads.append(threading.Thread(target=nemesis, args=(cluster, stop_at, fault_interval, max_faults)))
+        if workers is not None:
+            args = (cluster, workers, stop_at, fault_interval, max_faults)
+            threads.append(threading.Thread(target=jobs_nemesis, args=args))
         for t in threads:
             t.start()
         for t in threads:
             t.join(duration + 120)  # each client's last operation is bounded by the helper's deadline
         settle(cluster, history, report)
+        if workers is not None:
+            settle_jobs(cluster, workers)
         check(cluster, history, report)
+        if workers is not None:
+            check_fulfilment(cluster, workers, report)
     return report

@@ -22,6 +22,9 @@ def main() -> int:
         action="store_true",
         help="run against a local Citus cluster (coordinator + 2 workers; restarts hit a worker node)",
     )
+    parser.add_argument(
+        "--no-jobs", action="store_true", help="leave out the background jobs (relay and Celery workers)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flask-idem-history-") as workdir:
         report = run(
@@ -32,6 +35,7 @@ def main() -> int:
             fault_interval=args.fault_interval,
             max_faults=args.max_faults,
             citus=args.citus,
+            jobs=not args.no_jobs,
         )
     print(report.summary())
     return 0 if report.ok else 1

@@ -44,6 +44,8 @@ class Report:
     faults: dict[str, int] = field(default_factory=dict)
     recovered: int = 0
     anomalies: dict[str, list[str]] = field(default_factory=dict)
+    #: What the run could not check, and why (e.g. no broker for the background jobs).
+    notes: list[str] = field(default_factory=list)
 
     def anomaly(self, kind: str, detail: str) -> None:
         self.anomalies.setdefault(kind, []).append(detail)
@@ -63,6 +65,7 @@ class Report:
             found = self.anomalies.get(kind, [])
             lines.append(f"  {kind}: {len(found)}")
             lines.extend(f"    - {detail}" for detail in found[:20])
+        lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 
 

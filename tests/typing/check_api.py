@@ -223,3 +223,32 @@ with set_testing(True):
 
 def seen(info: AttemptInfo) -> None:
     print(info.number, info.status, info.wait)
+
+
+# -- background jobs: an idempotent Celery task, the outbox, the relay ------------------------------------
+
+
+def background_jobs(idem: Idempotency, app: Flask) -> None:
+    from celery import Celery
+
+    from flask_idem.celery import CeleryJobs
+    from flask_idem.jobs import Envelope, Job, JobGivenUp, JobMismatch, JobPolicy, Message, task_key
+    from flask_idem.relay import RelayReport, relay, relay_forever
+
+    jobs = CeleryJobs(idem, policy=JobPolicy(attempts=5, deadline=600.0, backoff=1.0, backoff_cap=30.0))
+    jobs.init_app(app, Celery("shop"))
+
+    @jobs.task(name="shop.fulfil", queue="shop")
+    def fulfil(job: Job, order_id: int) -> dict[str, Any]:
+        job.connection.execute("UPDATE orders SET fulfilled = true WHERE id = %s", (order_id,))
+        key: uuid.UUID = job.derived_key("shop.receipt")
+        return {"order_id": order_id, "receipt_key": str(key)}
+
+    with idem.pool.connection() as conn, conn.transaction():
+        enqueued: uuid.UUID = jobs.enqueue(fulfil, 7, conn=conn, org_id=1, key=task_key(1, uuid.uuid4(), "x"))
+    report: RelayReport = relay(app, limit=50)
+    published: int = report.published
+    headers: dict[str, Any] = Envelope(1, enqueued, 1700000000.0).headers()
+    refused: tuple[type[Exception], ...] = (JobMismatch, JobGivenUp)
+    relay_forever(app, interval=1.0, on_pass=lambda done: print(done.published))
+    print(published, headers, refused, Message)

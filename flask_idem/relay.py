@@ -1,0 +1,121 @@
+"""The outbox relay: publish the messages views wrote into the outbox, and mark each sent.
+
+``flask idem relay`` runs one pass, ``flask idem relay --loop`` (or :func:`relay_forever` in a thread
+or a process of its own) keeps running, like the recovery job. Each pass claims unsent messages under a
+lease (``IDEM_OUTBOX_LEASE``), publishes each through the application's publisher (set up by a runner's
+``init_app``, such as :meth:`flask_idem.celery.CeleryJobs.init_app`), and marks it sent once the broker
+confirmed it. A relay that dies between a publish and its mark leaves the message to be published
+again when the claim lapses: delivery is at least once, and the task's key makes it exactly once in
+effect. Several relays may run at once. See :doc:`/jobs`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psycopg
+from flask import Flask
+
+from . import signals
+from ._jobs import get_jobs
+from .jobs import Message
+from .recovery import backoff
+from .state import get_state
+
+__all__ = ["RelayReport", "relay", "relay_forever"]
+
+logger = logging.getLogger("flask_idem")
+
+
+# -- the relay --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RelayReport:
+    """What one relay pass did."""
+
+    published: int = 0
+    #: Published, but another relay had taken the message over: it is published again by that one.
+    lost: int = 0
+    failed: int = 0
+    purged: int = 0
+
+
+def relay(
+    app: Flask,
+    *,
+    limit: int = 100,
+    rng: random.Random | None = None,
+    after_publish: Callable[[Message], None] | None = None,
+) -> RelayReport:
+    """Publish up to ``limit`` unsent messages of ``app``'s outbox and mark each sent; purge old sent ones.
+
+    :param after_publish: called with each message between its publish and its mark (a test's fault point).
+    """
+    jobs = get_jobs(app)
+    rng = rng or random.Random()
+    report = RelayReport()
+    token = uuid.uuid4()
+    with app.app_context():
+        if not jobs.outbox_found.is_set():
+            state = get_state(app)
+            with state.pool.connection() as conn:
+                jobs.check_outbox(conn, state.settings.table)
+        messages = jobs.outbox.claim(token=token, lease=jobs.relay_lease, limit=limit)
+        for message in messages:
+            try:
+                jobs.publisher.publish(message)
+            except Exception as e:  # the broker is away: the message waits for a later pass
+                logger.warning("Relay could not publish a %s message: %s.", message.task, type(e).__name__)
+                retry_in = backoff(1, base=1.0, cap=jobs.relay_lease, rng=rng)
+                jobs.outbox.release(message, token=token, error=type(e).__name__, retry_in=retry_in)
+                report.failed += 1
+                continue
+            if after_publish is not None:
+                after_publish(message)
+            if jobs.outbox.mark_sent(message, token=token):
+                report.published += 1
+                if signals.wanted(signals.message_relayed):
+                    signals.send(
+                        signals.message_relayed,
+                        org_id=message.envelope.org_id,
+                        key=message.envelope.key,
+                        task=message.task,
+                    )
+            else:
+                report.lost += 1
+        report.purged = jobs.outbox.purge(older_than=jobs.retention)
+    return report
+
+
+def relay_forever(
+    app: Flask,
+    *,
+    interval: float,
+    limit: int = 100,
+    stop: threading.Event | None = None,
+    on_pass: Callable[[RelayReport], None] | None = None,
+) -> None:
+    """Run :func:`relay` until ``stop`` is set: a pass every ``interval`` seconds, or at once after a
+    pass that found ``limit`` messages (more are waiting).
+
+    :param on_pass: called with the report of every pass that published or failed something.
+    """
+    stop = stop or threading.Event()
+    rng = random.Random()
+    while not stop.is_set():
+        try:
+            report = relay(app, limit=limit, rng=rng)
+        except psycopg.Error as e:
+            logger.warning("Relay pass failed: %s (SQLSTATE %s).", type(e).__name__, e.sqlstate)
+            stop.wait(interval)
+            continue
+        if on_pass is not None and (report.published or report.failed or report.lost):
+            on_pass(report)
+        if report.published + report.failed + report.lost < limit:
+            stop.wait(interval)

@@ -1,0 +1,367 @@
+"""Idempotent background jobs (flask_idem.jobs, _jobs): one delivery at a time, in this process.
+
+Each test hands deliveries of the tasks of tests/jobs_app.py to the runner-neutral core, as a worker
+would, against the real key table. The Celery workers themselves, on RabbitMQ, are in test_celery.py.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask
+
+from flask_idem import _jobs
+from flask_idem.jobs import Envelope, JobGivenUp, JobMismatch, Message, task_key
+from flask_idem.relay import relay
+
+from .celery_workers import BROKER_URL
+from .helpers import close_pool
+from .jobs_app import SCHEMA, build_jobs_app, jobs, receipts
+
+
+@pytest.fixture
+def jobs_app(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> Iterator[Flask]:
+    """The jobs app on this worker's database; nothing is published (the relay tests swap the publisher)."""
+    db.execute(SCHEMA)
+    app = build_jobs_app(
+        database_url,
+        broker_url=BROKER_URL,
+        queue="unused",
+        trace=str(tmp_path / "trace"),
+        maildir=str(tmp_path / "maildir"),
+        IDEM_JOB_ATTEMPTS=3,
+    )
+    yield app
+    close_pool(app)
+
+
+def deliver(app: Flask, task: str, *args: Any, key: uuid.UUID, failures: int = 0, **kwargs: Any) -> Any:
+    """One delivery of ``task`` for organisation 1, enqueued just now."""
+    delivery = _jobs.Delivery(1, key, args, kwargs, enqueued_at=time.time(), failures=failures)
+    return _jobs.run_delivery(app, jobs.tasks[task], delivery, rng=random.Random(0))
+
+
+def runs(app: Flask) -> list[str]:
+    """The trace: one line per start of a task's function or step."""
+    path = Path(app.config["JOBS_TRACE"])
+    return path.read_text().split("\n")[:-1] if path.exists() else []
+
+
+def crash_after_send(app: Flask, to: str, key: uuid.UUID) -> None:
+    """Deliver ``jobs.mail`` and end it after its receipt went out, before that step is recorded."""
+    from flask_idem.state import get_state
+
+    state = get_state(app)
+
+    def crash(point: str, conn: Any) -> None:
+        if point == "send":
+            raise SystemExit("killed")  # as a worker killed between the call and its record
+
+    state.hooks.append(crash)
+    try:
+        with pytest.raises(SystemExit):
+            deliver(app, "jobs.mail", to, key=key)
+    finally:
+        state.hooks.remove(crash)
+
+
+def effects(db: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+    return db.execute("SELECT task, value FROM job_effects ORDER BY task").fetchall()
+
+
+def test_a_redelivered_task_returns_the_stored_result_without_running(
+    jobs_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """The first delivery runs and commits with its key; the next one gets that result back."""
+    key = uuid.uuid4()
+    first = deliver(jobs_app, "jobs.add", 21, key=key)
+    again = deliver(jobs_app, "jobs.add", 21, key=key)
+    assert first == _jobs.Done({"value": 21, "doubled": 42})
+    assert again == _jobs.Done({"value": 21, "doubled": 42}, replayed=True)
+    assert effects(db) == [("add", 21)]
+    assert len(runs(jobs_app)) == 1
+    row = db.execute("SELECT method, path, status FROM idempotency_keys").fetchone()
+    assert row == ("TASK", "/_tasks/jobs.add", "completed")
+
+
+def test_a_duplicate_is_deferred_while_the_first_runs(jobs_app: Flask, db: psycopg.Connection[Any]) -> None:
+    """A second delivery of a key held by a running one is put off (not run, not failed), then replays."""
+    key = uuid.uuid4()
+    first: list[Any] = []
+    running = threading.Thread(
+        target=lambda: first.append(deliver(jobs_app, "jobs.add", 5, hold=1.5, key=key))
+    )
+    running.start()
+    deadline = time.monotonic() + 15
+    while not runs(jobs_app):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    second = deliver(jobs_app, "jobs.add", 5, hold=1.5, key=key)
+    running.join()
+    assert isinstance(second, _jobs.Defer) and not second.failed
+    assert 0 <= second.countdown <= 1.0  # IDEM_JOB_BACKOFF_CAP of the jobs app
+    assert first == [_jobs.Done({"value": 5, "doubled": 10})]
+    assert deliver(jobs_app, "jobs.add", 5, hold=1.5, key=key).replayed  # type: ignore[union-attr]
+    assert effects(db) == [("add", 5)]
+
+
+def test_other_arguments_under_one_key_are_refused(jobs_app: Flask, db: psycopg.Connection[Any]) -> None:
+    """Same key, different arguments: JobMismatch, as a route answers 422; nothing runs."""
+    key = uuid.uuid4()
+    deliver(jobs_app, "jobs.add", 1, key=key)
+    with pytest.raises(JobMismatch):
+        deliver(jobs_app, "jobs.add", 2, key=key)
+    assert effects(db) == [("add", 1)]
+
+
+def test_failures_back_off_then_give_up_and_flag(jobs_app: Flask, db: psycopg.Connection[Any]) -> None:
+    """A failing task is retried with a jittered, capped countdown; at IDEM_JOB_ATTEMPTS it is flagged.
+
+    The failed attempts' writes are rolled back each time; `flask idem stuck` lists the task.
+    """
+    key = uuid.uuid4()
+    outcomes = [deliver(jobs_app, "jobs.add", 3, fail=9, key=key, failures=n) for n in range(2)]
+    assert all(isinstance(o, _jobs.Defer) and o.failed and 0 <= o.countdown <= 1.0 for o in outcomes)
+    with pytest.raises(JobGivenUp):
+        deliver(jobs_app, "jobs.add", 3, fail=9, key=key, failures=2)
+    assert effects(db) == []
+    row = db.execute("SELECT status, needs_attention, last_error FROM idempotency_keys").fetchone()
+    assert row is not None and row[:2] == ("failed", True) and "RuntimeError" in row[2]
+    with pytest.raises(JobGivenUp):  # a later delivery does not run it again
+        deliver(jobs_app, "jobs.add", 3, fail=9, key=key)
+    assert len(runs(jobs_app)) == 3
+    out = jobs_app.test_cli_runner().invoke(args=["idem", "stuck"]).output
+    assert f"NEEDS ATTENTION org=1 key={key} task=jobs.add status=failed" in out
+
+
+def test_past_the_deadline_a_task_is_given_up_without_running(
+    jobs_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """A delivery enqueued longer ago than IDEM_JOB_DEADLINE is flagged, not run."""
+    delivery = _jobs.Delivery(1, uuid.uuid4(), (4,), {}, enqueued_at=time.time() - 7200)
+    with pytest.raises(JobGivenUp):
+        _jobs.run_delivery(jobs_app, jobs.tasks["jobs.add"], delivery, rng=random.Random(0))
+    assert runs(jobs_app) == []
+    assert db.execute("SELECT status, needs_attention FROM idempotency_keys").fetchall() == [("failed", True)]
+
+
+def test_a_flow_task_killed_after_its_call_is_finished_not_repeated(
+    jobs_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """Crash after the receipt was sent, before it was recorded: the redelivery takes the request over
+    and asks the resolver, which finds the receipt; it is recorded, not sent twice. (A worker killed
+    with SIGKILL, whose lease must lapse first, is in test_celery.py.)"""
+
+    key = uuid.uuid4()
+    crash_after_send(jobs_app, "a@example.com", key)
+    assert db.execute("SELECT status, step FROM idempotency_keys").fetchone() == ("processing", "intent")
+    done = deliver(jobs_app, "jobs.mail", "a@example.com", key=key)
+    assert isinstance(done, _jobs.Done) and done.result["sent"].startswith("<")
+    assert len(receipts(jobs_app.config["JOBS_MAILDIR"])) == 1
+    assert [line.split()[0] for line in runs(jobs_app)] == ["mail", "send"]
+    assert effects(db) == [("mail", 1)]
+
+
+class Recorder:
+    """A publisher that keeps what it is given, and can fail: the relay's side of the broker."""
+
+    def __init__(self) -> None:
+        self.published: list[Message] = []
+        self.down = False
+
+    def publish(self, message: Message) -> None:
+        if self.down:
+            raise ConnectionError("broker away")
+        self.published.append(message)
+
+
+def test_the_outbox_sends_what_commits_and_the_relay_publishes_at_least_once(
+    jobs_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """Messages written in a rolled-back transaction vanish; a relay killed between publish and mark
+    leaves its messages to be published again when its claim lapses; the consumer runs the task once."""
+    from flask_idem.state import get_state
+
+    recorder = Recorder()
+    jobs_app.extensions["idem_jobs"] = state = _jobs.JobsState.create(jobs_app, recorder)
+    pool = get_state(jobs_app).pool
+    kept = uuid.uuid4()
+    with jobs_app.app_context():
+        with pool.connection() as conn, conn.transaction():
+            jobs.enqueue("jobs.add", 7, conn=conn, org_id=1, key=kept)
+        with pytest.raises(RuntimeError), pool.connection() as conn, conn.transaction():
+            jobs.enqueue("jobs.add", 8, conn=conn, org_id=1, key=uuid.uuid4())
+            raise RuntimeError("the view failed")
+    assert state.outbox.state().unsent == 1
+
+    def killed(message: Message) -> None:
+        raise SystemExit("relay killed between publish and mark")
+
+    with pytest.raises(SystemExit):
+        relay(jobs_app, after_publish=killed)
+    assert relay(jobs_app).published == 0  # its claim holds for IDEM_OUTBOX_LEASE
+    db.execute("UPDATE idempotency_keys_outbox SET claimed_until = now()")
+    assert relay(jobs_app).published == 1
+    assert state.outbox.state().unsent == 0
+    first, second = recorder.published
+    assert first.id == second.id and first.envelope.key == kept and second.args == [7]
+
+    recorder.down = True  # a failed publish is released, with its error, for a later pass
+    with jobs_app.app_context(), pool.connection() as conn, conn.transaction():
+        jobs.enqueue("jobs.add", 9, conn=conn, org_id=1, key=uuid.uuid4())
+    assert relay(jobs_app).failed == 1
+    assert db.execute("SELECT last_error FROM idempotency_keys_outbox WHERE sent_at IS NULL").fetchone() == (
+        "ConnectionError",
+    )
+
+    for message in recorder.published:  # the consumer absorbs the relay's duplicate
+        env = message.envelope
+        delivery = _jobs.Delivery(env.org_id, env.key, tuple(message.args), message.kwargs, env.enqueued_at)
+        _jobs.run_delivery(jobs_app, jobs.tasks[message.task], delivery, rng=random.Random(0))
+    assert effects(db) == [("add", 7)]
+
+
+def test_the_envelope_round_trips_and_refuses_what_is_not_one() -> None:
+    """Headers carry org, key, enqueue time and failures; a message without them is refused."""
+    from flask_idem.jobs import JobError
+
+    envelope = Envelope(3, uuid.uuid4(), 1700000000.5, failures=2)
+    assert Envelope.from_headers(envelope.headers()) == envelope
+    with pytest.raises(JobError, match="no idempotency envelope"):
+        Envelope.from_headers({})
+    with pytest.raises(JobError, match="malformed"):
+        Envelope.from_headers({**envelope.headers(), "idem_org": "3"})
+    assert task_key(1, envelope.key, "a") != task_key(2, envelope.key, "a") != task_key(1, envelope.key, "b")
+
+
+def test_task_outcomes_are_signalled_and_counted_by_task(
+    jobs_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """Deliveries send the request's outcome signals with ``task``; Metrics counts them by task, and
+    reads the outbox's unsent messages at scrape time."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from flask_idem import signals
+    from flask_idem.metrics import Metrics
+
+    registry = CollectorRegistry()
+    Metrics(jobs_app, registry=registry)
+    jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, Recorder())
+    deferred: list[dict[str, Any]] = []
+    signals.job_deferred.connect(lambda sender, **data: deferred.append(data), sender=jobs_app, weak=False)
+    key = uuid.uuid4()
+    deliver(jobs_app, "jobs.add", 1, key=key)
+    deliver(jobs_app, "jobs.add", 1, key=key)
+    deliver(jobs_app, "jobs.add", 2, fail=1, key=uuid.uuid4())
+    with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
+        jobs.enqueue("jobs.add", 3, conn=conn, org_id=1, key=uuid.uuid4())
+    found = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+
+    def task(outcome: str) -> float:
+        return found.get(
+            ("flask_idem_task_outcomes_total", (("outcome", outcome), ("task", "jobs.add"))), 0.0
+        )
+
+    assert (task("key_reserved"), task("response_stored"), task("response_replayed")) == (2, 1, 1)
+    assert task("job_deferred") == 1
+    assert [(d["task"], d["failures"], d["reason"]) for d in deferred] == [("jobs.add", 1, "RuntimeError")]
+    assert found[("flask_idem_outbox_unsent", (("table", "idempotency_keys"),))] == 1
+
+
+def test_the_relay_claims_messages_of_every_organisation_oldest_first(
+    jobs_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """Messages of several organisations (several shards on Citus) are claimed together, oldest first,
+    ``limit`` per pass."""
+    recorder = Recorder()
+    jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, recorder)
+    with jobs_app.app_context():
+        for n in range(6):
+            with jobs.idem.pool.connection() as conn, conn.transaction():
+                jobs.enqueue("jobs.add", n, conn=conn, org_id=n % 3 + 1, key=uuid.uuid4())
+    assert relay(jobs_app, limit=4).published == 4
+    assert relay(jobs_app, limit=4).published == 2
+    assert [m.args[0] for m in recorder.published] == list(range(6))
+    assert {m.envelope.org_id for m in recorder.published} == {1, 2, 3}
+
+
+def test_mistakes_are_refused_with_what_to_change(jobs_app: Flask) -> None:
+    """Bad settings, a task option the decorator owns, a name taken, a second init_app, init_app before
+    the extension's, and an enqueue without its transaction: each is refused, naming the fix."""
+    from celery import Celery
+
+    from flask_idem import ConfigurationError, Idempotency
+    from flask_idem.celery import CeleryJobs
+    from flask_idem.jobs import JobPolicy
+
+    with pytest.raises(ConfigurationError, match="IDEM_JOB_ATTEMPTS must be a positive integer"):
+        JobPolicy.from_config({"IDEM_JOB_ATTEMPTS": 0})
+    with pytest.raises(ConfigurationError, match="IDEM_JOB_DEADLINE must be a positive number"):
+        JobPolicy.from_config({"IDEM_JOB_DEADLINE": "soon"})
+    with pytest.raises(ConfigurationError, match="acks_late"):
+        jobs.task(name="jobs.other", acks_late=False)
+    with pytest.raises(ConfigurationError, match="named 'jobs.add'"):
+        jobs.task(name="jobs.add")(lambda job: None)
+    with pytest.raises(ConfigurationError, match="call init_app once"):
+        jobs.init_app(jobs_app, Celery("again", set_as_current=False))
+    with pytest.raises(ConfigurationError, match="idem.init_app"):
+        CeleryJobs(Idempotency()).init_app(Flask("bare"), Celery("bare", set_as_current=False))
+    with jobs_app.app_context(), pytest.raises(ConfigurationError, match="conn=run.connection"):
+        jobs.enqueue("jobs.add", 1)
+    with pytest.raises(ConfigurationError, match="IDEM_OUTBOX_LEASE"):
+        app = Flask("lease")
+        app.config.update(IDEM_DATABASE_URL=jobs_app.config["IDEM_DATABASE_URL"], IDEM_OUTBOX_LEASE=-1)
+        Idempotency(app, scope=lambda: 1)
+        CeleryJobs(Idempotency()).init_app(app, Celery("lease", set_as_current=False))
+
+
+def test_flask_idem_recover_finishes_a_task_whose_message_never_came_back(
+    jobs_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """A flow task stranded after its call (its message lost): the recovery job finishes it through the
+    resolver, and `flask idem stuck` names it as a task meanwhile."""
+    from flask_idem.recovery import recover
+
+    key = uuid.uuid4()
+    crash_after_send(jobs_app, "b@example.com", key)
+    db.execute(
+        "UPDATE idempotency_keys SET next_attempt_at = now(), created_at = now() - interval '2 minutes'"
+    )
+    out = jobs_app.test_cli_runner().invoke(args=["idem", "stuck", "--older-than", "60"]).output
+    assert (
+        f"slow            org=1 key={key} task=jobs.mail status=processing flow=jobs.mail step=intent" in out
+    )
+    report = recover(jobs_app)
+    assert [entry[:2] for entry in report.completed] == [(1, key)]
+    assert len(receipts(jobs_app.config["JOBS_MAILDIR"])) == 1
+    assert [line.split()[0] for line in runs(jobs_app)] == ["mail", "send"]
+    again = deliver(jobs_app, "jobs.mail", "b@example.com", key=key)
+    assert isinstance(again, _jobs.Done) and again.replayed
+
+
+def test_flask_idem_relay_publishes_and_says_so(jobs_app: Flask, make_app: Any) -> None:
+    """`flask idem relay` runs one pass and prints its counts; on an application without background
+    jobs it says how to set them up."""
+    recorder = Recorder()
+    jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, recorder)
+    with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
+        jobs.enqueue("jobs.add", 5, conn=conn, org_id=1, key=uuid.uuid4())
+    result = jobs_app.test_cli_runner().invoke(args=["idem", "relay"])
+    assert result.exit_code == 0, result.output
+    assert result.output == "Published 1, failed 0, taken over 0; purged 0 sent message(s).\n"
+    assert len(recorder.published) == 1
+    plain = make_app().test_cli_runner().invoke(args=["idem", "relay"])
+    assert plain.exit_code == 1 and "jobs.init_app(app, celery_app)" in plain.output
