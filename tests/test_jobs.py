@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 from flask import Flask
+from psycopg import sql
 
 from flask_idem import _jobs
 from flask_idem.jobs import Envelope, JobGivenUp, JobMismatch, Message, task_key
@@ -365,3 +366,28 @@ def test_flask_idem_relay_publishes_and_says_so(jobs_app: Flask, make_app: Any) 
     assert len(recorder.published) == 1
     plain = make_app().test_cli_runner().invoke(args=["idem", "relay"])
     assert plain.exit_code == 1 and "jobs.init_app(app, celery_app)" in plain.output
+
+
+def test_background_jobs_need_the_outbox_layout(jobs_app: Flask, db: psycopg.Connection[Any]) -> None:
+    """On a key table of layout 2, as an older flask-idem left it (no outbox), an enqueue and a relay pass
+    are refused, naming `flask idem migrate`; once the outbox is there they work."""
+    from flask_idem import ConfigurationError, _layout
+
+    recorder = Recorder()
+    jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, recorder)
+    db.execute("ALTER TABLE idempotency_keys_outbox RENAME TO outbox_away")
+    db.execute(sql.SQL("COMMENT ON TABLE idempotency_keys IS {}").format(_layout.comment(2, 1)))
+    try:
+        with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
+            with pytest.raises(ConfigurationError, match="layout 3.*has layout 2.*flask idem migrate"):
+                jobs.enqueue("jobs.add", 1, conn=conn, org_id=1, key=uuid.uuid4())
+        with pytest.raises(ConfigurationError, match="flask idem migrate"):
+            relay(jobs_app)
+    finally:
+        db.execute("ALTER TABLE outbox_away RENAME TO idempotency_keys_outbox")
+        db.execute(
+            sql.SQL("COMMENT ON TABLE idempotency_keys IS {}").format(_layout.comment(_layout.latest(), 1))
+        )
+    with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
+        jobs.enqueue("jobs.add", 1, conn=conn, org_id=1, key=uuid.uuid4())
+    assert relay(jobs_app).published == 1
