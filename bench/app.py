@@ -25,9 +25,9 @@ from example_app import create_app as create_shop
 from example_app.auth import authenticate
 from example_app.extensions import idem
 from example_app.schemas import OrderIn, load
-from flask_idem.pool import Connection, batched
-from flask_idem.state import get_state
-from flask_idem.wire import Statement
+from flask_idem._pool import PooledConnection, batched
+from flask_idem._state import get_state
+from flask_idem._wire import Statement
 
 __all__ = ["create_app"]
 
@@ -59,12 +59,12 @@ def floor() -> tuple[dict[str, Any], int, dict[str, str]]:
 def floor_batched() -> tuple[dict[str, Any], int, dict[str, str]]:
     """Like ``/bench/floor``, with the two statements sent in batches with ``BEGIN`` and ``COMMIT``.
 
-    A batched transaction (:class:`flask_idem.pool.Batched`, as a decorated route's) sends the statement
+    A batched transaction (:class:`flask_idem._pool.Batched`, as a decorated route's) sends the statement
     before the ``INSERT`` together with ``BEGIN``, and the one after it together with ``COMMIT``: the
     round trips of the baseline, two statements more.
     """
     data = load(_order_in, request.get_json())
-    with get_state().pool.transaction(batched=True) as conn:
+    with get_state().source.transaction(batched=True) as conn:
         transaction = batched(conn)
         assert transaction is not None
         transaction.begin(_NO_OP, {})
@@ -77,7 +77,7 @@ _NO_OP = Statement.from_query(b"SELECT 1")
 
 
 def _create_order(
-    before: Callable[[Connection], None], after: Callable[[Connection], None]
+    before: Callable[[PooledConnection], None], after: Callable[[PooledConnection], None]
 ) -> tuple[dict[str, Any], int, dict[str, str]]:
     data = load(_order_in, request.get_json())
     with idem.pool.connection() as conn, conn.transaction():
@@ -87,7 +87,7 @@ def _create_order(
     return _answer(row)
 
 
-def _no_op(conn: Connection) -> None:
+def _no_op(conn: PooledConnection) -> None:
     conn.execute("SELECT 1")
 
 

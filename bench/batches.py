@@ -3,7 +3,7 @@
     uv run python bench/batches.py                 # 7 rounds of 1000 transactions per way (~1 min)
     uv run python bench/batches.py --rounds 3 --transactions 500
 
-One process, one connection, the extension's own statements (``flask_idem.store``) against a scratch
+One process, one connection, the extension's own statements (``flask_idem._store``) against a scratch
 database (``flask_idem_bench_batches`` on ``FLASK_IDEM_BENCH_DATABASE_URL``). Each way runs the SQL of a
 fresh-key request without HTTP: the reservation, an order's ``INSERT``, the completion, in one
 transaction. The ways take turns, ``--transactions`` each per round, the order rotated every round, and
@@ -23,7 +23,7 @@ The ways (round trips per transaction in brackets):
   behind PgBouncer without prepared statements;
 - **psycopg pipeline** (3): ``BEGIN`` and the reservation in one ``conn.pipeline()`` block, the
   completion and ``COMMIT`` in another;
-- **batches, unprepared** (3): ``flask_idem.pool.Batched`` with nothing prepared, as behind PgBouncer
+- **batches, unprepared** (3): ``flask_idem._pool.Batched`` with nothing prepared, as behind PgBouncer
   without prepared statements (``IDEM_PREPARE_THRESHOLD = None``);
 - **batches, prepared** (3): ``Batched`` as the pool uses it by default;
 - **server functions** (3): batches calling PL/pgSQL functions for the reservation (the Citus one,
@@ -50,8 +50,8 @@ from psycopg.types.json import Jsonb  # noqa: E402
 
 from bench.harness import DEFAULT_SERVER_URL, scratch_database  # noqa: E402
 from flask_idem import _layout, wire  # noqa: E402
-from flask_idem.pool import Batched, Connection  # noqa: E402
-from flask_idem.store import KeyedRequest, Store, lock_id  # noqa: E402
+from flask_idem._pool import Batched, PooledConnection  # noqa: E402
+from flask_idem._store import KeyedRequest, Store, lock_id  # noqa: E402
 
 INSERT = "INSERT INTO orders (org_id, k, amount, currency) VALUES (%s, %s, %s, %s) RETURNING id, created_at"
 RESPONSE = {
@@ -69,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     server = os.environ.get("FLASK_IDEM_BENCH_DATABASE_URL", DEFAULT_SERVER_URL)
     with scratch_database(server, "flask_idem_bench_batches") as url:
-        conn = Connection.connect(url, autocommit=True, prepare_threshold=5)
+        conn = PooledConnection.connect(url, autocommit=True, prepare_threshold=5)
         try:
             ways = _ways(conn)
             figures = _measure(conn, ways, args.rounds, args.transactions)
@@ -78,7 +78,7 @@ def main() -> None:
     _print(figures, args)
 
 
-def _ways(conn: Connection) -> dict[str, Callable[[], None]]:
+def _ways(conn: PooledConnection) -> dict[str, Callable[[], None]]:
     store = Store(None, tombstone_ttl=TTL)  # type: ignore[arg-type]  # no pool: the statements only
     key_table = _layout.revisions()[0]  # layout 1: the table, and the reserve function below
     names = _layout.names("idempotency_keys")
@@ -195,7 +195,7 @@ def _server_cpu(pid: int) -> float:
 
 
 def _measure(
-    conn: Connection, ways: dict[str, Callable[[], None]], rounds: int, transactions: int
+    conn: PooledConnection, ways: dict[str, Callable[[], None]], rounds: int, transactions: int
 ) -> dict[str, tuple[float, float, float]]:
     """Median client CPU, server CPU and wall µs per transaction of each way."""
     pid = conn.info.backend_pid

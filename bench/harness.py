@@ -26,7 +26,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from flask_idem.state import get_state
+from flask_idem._state import get_state
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -122,7 +122,7 @@ def set_up_shop(url: str) -> tuple[int, str]:
             init_db()
             return create_org("bench")
     finally:
-        get_state(app).pool.close()
+        get_state(app).source.close()
 
 
 def server_version(url: str) -> str:

@@ -51,7 +51,7 @@ from psycopg import pq  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from bench.harness import BODY, DEFAULT_SERVER_URL, citus_database, scratch_database  # noqa: E402
-from flask_idem.state import get_state
+from flask_idem._state import get_state
 
 WARMUP = 8
 TRACED = 5
@@ -123,8 +123,8 @@ def _measure(url: str, *, distributed: bool) -> tuple[dict[str, Count], dict[str
         counts = {c.name: _count(counting if distributed else app, c, api_key) for c in cases}
         times = _times(app, cases, api_key)
     finally:
-        get_state(app).pool.close()
-        get_state(counting).pool.close()
+        get_state(app).source.close()
+        get_state(counting).source.close()
     return counts, times
 
 
@@ -139,8 +139,8 @@ def _cases(app: Flask, url: str, org_id: int, api_key: str) -> list[Case]:
     @contextmanager
     def in_flight() -> Iterator[object]:
         """Another connection holds ``held`` reserved and uncommitted, as a running request would."""
-        from flask_idem.fingerprint import fingerprint
-        from flask_idem.store import KeyedRequest
+        from flask_idem._fingerprint import fingerprint
+        from flask_idem._store import KeyedRequest
 
         store = get_state(app).store
         sha = fingerprint(method="POST", path="/orders", query=b"", mimetype="application/json", body=BODY)
@@ -191,7 +191,7 @@ def _count(app: Flask, case: Case, api_key: str) -> Count:
     """Trace ``TRACED`` requests of ``path`` on the pool's only connection and count the messages."""
     with app.app_context(), case.around():
         _send(app, case, api_key, WARMUP)
-        with get_state(app).pool.connection() as conn:
+        with get_state(app).source.connection() as conn:
             pgconn = conn.pgconn  # the same connection every request of this process borrows
         with tempfile.TemporaryFile("w+") as trace:
             pgconn.trace(trace.fileno())

@@ -434,11 +434,11 @@ def _pgbench(url: str, org_id: int, api_key: str, plan: Plan, tmp: Path, notes: 
 def pgbench_script() -> str:
     """A pgbench script sending what POST /orders sends for a fresh key, statement for statement.
 
-    The key table's statements come from flask_idem.store itself, so they cannot drift; the API-key
+    The key table's statements come from flask_idem._store itself, so they cannot drift; the API-key
     lookup and the order INSERT are example_app's. Each key is two random bigints; the first doubles as
     the advisory lock id (the store derives it with BLAKE2b on the client, which costs the server nothing).
     """
-    from flask_idem.store import _Statements
+    from flask_idem._store import _Statements
 
     statements = _Statements("idempotency_keys", distributed=_distributed())
     key = "(lpad(to_hex(:k1::bigint), 16, '0') || lpad(to_hex(:k2::bigint), 16, '0'))::uuid"

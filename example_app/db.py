@@ -18,8 +18,6 @@ from flask import Flask
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from flask_idem.state import get_state
-
 from .extensions import idem
 
 __all__ = ["database_url", "embedded_url", "fetch_all", "fetch_one", "init_db"]
@@ -62,7 +60,7 @@ def init_db() -> None:
     """
     idem.create_table()
     ddl = files(__package__).joinpath("schema.sql").read_bytes()
-    settings = get_state().settings
+    settings = idem.settings
     if settings.distributed:
         distributed = sql.SQL(files(__package__).joinpath("distributed.sql").read_text("utf-8"))
         ddl = (

@@ -10,7 +10,6 @@ from flask import Flask, Response
 from werkzeug.exceptions import HTTPException, UnprocessableEntity
 
 from flask_idem.errors import PROBLEM_JSON, database_error, problem
-from flask_idem.state import get_state
 
 __all__ = ["KeyAlreadyUsed", "ValidationFailed", "http_error", "problem_exception", "register"]
 
@@ -65,7 +64,9 @@ def http_error(e: HTTPException) -> Response:
 
 def _db_error(e: psycopg.Error) -> Response:
     try:
-        retry_after = get_state().settings.retry_after
+        from .extensions import idem  # not at import: the gateway simulator shares this module
+
+        retry_after = idem.settings.retry_after
     except RuntimeError:  # the gateway simulator shares these handlers, not the extension
         retry_after = 1
     return problem(database_error(e, retry_after=retry_after))

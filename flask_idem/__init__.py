@@ -1,7 +1,17 @@
 """flask-idem: idempotency keys for Flask, backed by PostgreSQL."""
 
 from ._deadline import DeadlineExceeded as DeadlineExceeded
+from ._extension import Idempotency as Idempotency
+from ._keys import HEADER as HEADER
 from ._policy import Fingerprint as Fingerprint
+from ._pool import ProcessPool as ProcessPool
+from ._replay import REPLAYED_HEADER as REPLAYED_HEADER
+from ._replay import StoreResponse as StoreResponse
+from ._scopes import scope_id as scope_id
+from ._settings import DEFAULT_REPLAY_HEADERS as DEFAULT_REPLAY_HEADERS
+from ._settings import OnMismatch as OnMismatch
+from ._settings import ScopeFunc as ScopeFunc
+from ._settings import Settings as Settings
 from ._timeouts import DEFAULT_CONNECT_OPTIONS as DEFAULT_CONNECT_OPTIONS
 from .errors import ConfigurationError as ConfigurationError
 from .errors import DatabaseFailed as DatabaseFailed
@@ -18,19 +28,13 @@ from .errors import OperationFailed as OperationFailed
 from .errors import OutcomePending as OutcomePending
 from .errors import ResponseNotStored as ResponseNotStored
 from .errors import StoredResponseUnreadable as StoredResponseUnreadable
-from .extension import Idempotency as Idempotency
 from .flow import Flow as Flow
 from .flow import OutcomeUnknown as OutcomeUnknown
 from .flow import Run as Run
-from .keys import HEADER as HEADER
-from .replay import REPLAYED_HEADER as REPLAYED_HEADER
-from .replay import StoreResponse as StoreResponse
-from .scopes import scope_id as scope_id
-from .settings import OnMismatch as OnMismatch
-from .settings import ScopeFunc as ScopeFunc
 
 __all__ = [
     "DEFAULT_CONNECT_OPTIONS",
+    "DEFAULT_REPLAY_HEADERS",
     "HEADER",
     "REPLAYED_HEADER",
     "ConfigurationError",
@@ -52,9 +56,11 @@ __all__ = [
     "OperationFailed",
     "OutcomePending",
     "OutcomeUnknown",
+    "ProcessPool",
     "ResponseNotStored",
     "Run",
     "ScopeFunc",
+    "Settings",
     "StoreResponse",
     "StoredResponseUnreadable",
     "scope_id",

@@ -1,11 +1,12 @@
 """The extension's psycopg connections, and the transaction that sends BEGIN and COMMIT with statements.
 
-:class:`Connection` is what :class:`.pool.ProcessPool` opens: a psycopg connection that keeps one cursor
-for the key store, knows when it was opened and under which deadline it is lent, refuses ``commit()`` and
-``rollback()`` inside the extension's transaction, and tells its pool whether connecting worked. The
-attributes it adds to psycopg's class start with ``_idem_``, so that they cannot meet psycopg's own; the
-one psycopg hook it overrides, ``_deallocate``, is named with the other internals in :mod:`.wire`.
-:class:`Batched` is that transaction for the atomic path (see its docstring and :mod:`.wire`).
+:class:`PooledConnection` is what :class:`._pool.ProcessPool` opens: a psycopg connection that keeps one
+cursor for the key store, knows when it was opened and under which deadline it is lent, refuses
+``commit()`` and ``rollback()`` inside the extension's transaction, and tells its pool whether connecting
+worked. The attributes it adds to psycopg's class start with ``_idem_``, so that they cannot meet
+psycopg's own; the one psycopg hook it overrides, ``_deallocate``, is named with the other internals in
+:mod:`._wire`.
+:class:`Batched` is that transaction for the atomic path (see its docstring and :mod:`._wire`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from psycopg import pq
 from psycopg.abc import Transformer
 from psycopg.rows import DictRow, TupleRow
 
-from . import _deadline, wire
+from . import _deadline, _wire
 
-__all__ = ["OWNER", "Batched", "Connection", "batched"]
+__all__ = ["OWNER", "Batched", "PooledConnection", "batched"]
 
 #: The key of a pool's connection options under which a new connection learns which pool asked for it.
 OWNER = "_flask_idem_owner"
@@ -30,8 +31,8 @@ class _Owner(Protocol):
     def connect_failed(self) -> None: ...
 
 
-class Connection(psycopg.Connection[TupleRow]):
-    """The connections of a :class:`.pool.ProcessPool`: psycopg connections with one cursor for the store.
+class PooledConnection(psycopg.Connection[TupleRow]):
+    """The connections of a :class:`._pool.ProcessPool`: psycopg connections with one cursor for the store.
 
     psycopg gives every new cursor an empty cache of parameter adapters, so the first statement on a new
     cursor looks up how to send each parameter again. The store's statements run on every write request,
@@ -53,7 +54,7 @@ class Connection(psycopg.Connection[TupleRow]):
 
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
-        """Connect as psycopg does, telling the :class:`.pool.ProcessPool` that asked whether it worked."""
+        """Connect as psycopg does, telling the :class:`._pool.ProcessPool` that asked whether it worked."""
         owner: _Owner | None = kwargs.pop(OWNER, None)
         try:
             return super().connect(conninfo, **kwargs)
@@ -67,7 +68,7 @@ class Connection(psycopg.Connection[TupleRow]):
 
         psycopg sends ``DEALLOCATE ALL`` after a rollback (a savepoint's included) and after it saw
         ``DISCARD ALL`` or ``DEALLOCATE ALL`` go by: the statements batches prepared go with it, so the
-        batches forget their names at that moment (:mod:`flask_idem.wire`).
+        batches forget their names at that moment (:mod:`flask_idem._wire`).
         """
         if name is None and self._idem_batch_names:
             self._idem_batch_names.clear()
@@ -95,7 +96,7 @@ class Connection(psycopg.Connection[TupleRow]):
 
 def batched(conn: psycopg.Connection[Any]) -> Batched | None:
     """The batched transaction open on ``conn``, if it is one (:meth:`ProcessPool.transaction`)."""
-    return conn._idem_batched if isinstance(conn, Connection) else None
+    return conn._idem_batched if isinstance(conn, PooledConnection) else None
 
 
 class Batched:
@@ -104,7 +105,7 @@ class Batched:
     A fresh key's transaction is the reservation, the view's statements and the completion. Sent as
     psycopg sends them, ``BEGIN`` and ``COMMIT`` each cost a round trip of their own; here the store sends
     ``BEGIN`` together with the reservation (:meth:`begin`), and defers the completion to ``COMMIT``
-    (:meth:`defer`), in batches of the extended protocol (:mod:`flask_idem.wire`): the view's own
+    (:meth:`defer`), in batches of the extended protocol (:mod:`flask_idem._wire`): the view's own
     round trips and two more, as without the extension.
 
     Until :meth:`begin`, the connection is out of autocommit: should any statement run first through
@@ -115,15 +116,15 @@ class Batched:
     batches' names are forgotten with them.
     """
 
-    def __init__(self, conn: Connection, *, prepare: bool) -> None:
+    def __init__(self, conn: PooledConnection, *, prepare: bool) -> None:
         self.conn = conn
         self._prepare = prepare
-        self._deferred: list[wire.Item] = []
+        self._deferred: list[_wire.Item] = []
 
     def __enter__(self) -> Batched:
         conn = self.conn
         if conn._idem_transformer is None:
-            conn._idem_transformer = wire.adapters(conn)
+            conn._idem_transformer = _wire.adapters(conn)
             conn._idem_batch_names = set()
         conn.autocommit = False
         conn._idem_batched = self
@@ -136,7 +137,7 @@ class Batched:
                 deferred, self._deferred = self._deferred, []
                 conn._idem_batched = None
                 if deferred:
-                    self._run([*deferred, wire.COMMIT], prepare=self._prepare)
+                    self._run([*deferred, _wire.COMMIT], prepare=self._prepare)
                 else:
                     conn.commit()  # psycopg's own COMMIT: a simple query
         finally:
@@ -149,7 +150,7 @@ class Batched:
         """Whether the transaction has begun on the server."""
         return self.conn.pgconn.transaction_status != pq.TransactionStatus.IDLE
 
-    def begin(self, statement: wire.Statement, params: Mapping[str, Any]) -> wire.Result:
+    def begin(self, statement: _wire.Statement, params: Mapping[str, Any]) -> _wire.Result:
         """Send ``BEGIN`` and the transaction's first statement in one round trip; return its result.
 
         A prepared statement found deallocated (SQLSTATE 26000, after a ``DEALLOCATE ALL`` the batch did
@@ -158,12 +159,12 @@ class Batched:
         if self.begun:
             raise RuntimeError("The batched transaction has begun already.")
         try:
-            return self._run([wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
+            return self._run([_wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
         except psycopg.errors.InvalidSqlStatementName:
-            self._run([wire.ROLLBACK], prepare=False)
-            return self._run([wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
+            self._run([_wire.ROLLBACK], prepare=False)
+            return self._run([_wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
 
-    def defer(self, statement: wire.Statement, params: Mapping[str, Any]) -> None:
+    def defer(self, statement: _wire.Statement, params: Mapping[str, Any]) -> None:
         """Run ``statement`` with ``COMMIT``, in its round trip, after every statement sent before it.
 
         Its result is not seen; should it fail, the transaction is rolled back and its error raised.
@@ -172,11 +173,11 @@ class Batched:
             raise RuntimeError("A statement can only be deferred to COMMIT once the transaction has begun.")
         self._deferred.append((statement, params))
 
-    def _run(self, items: list[wire.Item], *, prepare: bool) -> list[wire.Result]:
+    def _run(self, items: list[_wire.Item], *, prepare: bool) -> list[_wire.Result]:
         conn = self.conn
         assert conn._idem_transformer is not None
         prepared = conn._idem_batch_names if prepare else None
-        return wire.run(conn, items, transformer=conn._idem_transformer, prepared=prepared)
+        return _wire.run(conn, items, transformer=conn._idem_transformer, prepared=prepared)
 
     def _end(self) -> None:
         """Leave the connection as the pool lends it: idle and in autocommit, or closed."""

@@ -5,7 +5,7 @@ outcome back: :class:`Done` (return the result), :class:`Defer` (deliver it agai
 seconds), :class:`Dropped` (end quietly: the key is another delivery's, or its result has expired), or an
 exception of :mod:`flask_idem.jobs` that ends the task for good. The key table does what it does for a
 request: an atomic task's writes commit with its key; a task with a :class:`~flask_idem.Flow` records its
-intent under a lease, then the engine advances it step by step (:mod:`._engine`), and a redelivery (or
+intent under a lease, then the engine advances it step by step (:mod:`._steps`), and a redelivery (or
 ``flask idem recover``) resumes it after its last finished step.
 """
 
@@ -26,17 +26,17 @@ import psycopg
 from flask import Flask, Response
 from psycopg.rows import TupleRow
 
-from . import _engine, _layout, signals
-from ._calls import entering_app_code, in_transaction
+from . import _layout, _steps, signals
+from ._fingerprint import fingerprint
 from ._outbox import Outbox
+from ._settings import parse_seconds
+from ._state import IdemState, get_state
+from ._store import KeyedRequest, KeyRecord, Lease
+from ._transactions import entering_app_code, in_transaction
 from .errors import ConfigurationError, KeyInUse, OperationFailed, OutcomePending
-from .fingerprint import fingerprint
 from .flow import INTENT, Flow, Run, run_from_record
 from .jobs import TASK_METHOD, Job, JobGivenUp, JobMismatch, JobPolicy, Publisher, task_path
 from .recovery import backoff
-from .settings import parse_seconds
-from .state import IdemState, get_state
-from .store import KeyedRequest, KeyRecord, Lease
 
 __all__ = [
     "EXTENSION_NAME",
@@ -86,7 +86,7 @@ class JobsState:
         config = app.config
         return cls(
             policy=policy or JobPolicy.from_config(config),
-            outbox=Outbox.of(state.pool, state.settings),
+            outbox=Outbox.of(state.source, state.settings),
             publisher=publisher,
             relay_lease=parse_seconds("IDEM_OUTBOX_LEASE", config.get("IDEM_OUTBOX_LEASE", 30.0)),
             retention=parse_seconds(
@@ -263,7 +263,7 @@ class _Delivery:
                 return _Existing(existing)
             return self.state.store.complete(conn, lease, record, failed=reason)
 
-        marked = in_transaction(self.state.pool, mark, batched=True)
+        marked = in_transaction(self.state.source, mark, batched=True)
         if isinstance(marked, _Existing):
             if marked.record is None or marked.record.response is None:
                 return Dropped(f"{reason}; another delivery holds the key and decides")
@@ -314,7 +314,7 @@ class _Delivery:
             return Done(result)
 
         try:
-            outcome = in_transaction(self.state.pool, body, batched=True)
+            outcome = in_transaction(self.state.source, body, batched=True)
         except _GiveUp as e:
             return self.give_up(str(e))
         except psycopg.Error:
@@ -369,7 +369,7 @@ class _Delivery:
             return _Existing(record)
 
         try:
-            started = in_transaction(self.state.pool, begin, batched=True)
+            started = in_transaction(self.state.source, begin, batched=True)
         except _GiveUp as e:
             return self.give_up(str(e))
         except psycopg.Error:
@@ -391,7 +391,7 @@ class _Delivery:
             self.delivery.failures + 1, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng
         )
         try:
-            response = _engine.advance(self.state, flow, started, lease, retry_in=retry_in)
+            response = _steps.advance(self.state, flow, started, lease, retry_in=retry_in)
         except KeyInUse:
             return self.busy("lease lost to another delivery")
         except OutcomePending:

@@ -1,4 +1,4 @@
-"""The outbox table of background jobs: every SQL statement about it (the key table's are in :mod:`.store`).
+"""The outbox table of background jobs: every SQL statement about it (the key table's are in :mod:`._store`).
 
 A message is written in the caller's transaction (:meth:`Outbox.write`), so it exists exactly when the
 request's writes and key commit. The relay claims unsent messages under a short lease (``FOR UPDATE
@@ -20,9 +20,9 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from ._pool import ConnectionSource
+from ._settings import Settings
 from .jobs import Envelope, Message
-from .pool import ConnectionSource
-from .settings import Settings
 
 __all__ = ["Outbox", "OutboxState", "outbox_table"]
 
@@ -44,22 +44,22 @@ class OutboxState:
 class Outbox:
     """The outbox of one key table.
 
-    :param pool: where :meth:`claim`, :meth:`mark_sent`, :meth:`release` and :meth:`purge` borrow
+    :param source: where :meth:`claim`, :meth:`mark_sent`, :meth:`release` and :meth:`purge` borrow
         connections (:meth:`write` runs on the caller's). The table is made by the key table's layout 3
         (``flask_idem/migrations/v3_outbox.py``).
     :param table: the key table's name (``IDEM_TABLE``); the outbox is named after it.
     :param distributed: the key table is distributed on Citus; the outbox is co-located with it.
     """
 
-    def __init__(self, pool: ConnectionSource, *, table: str, distributed: bool = False) -> None:
-        self.pool = pool
+    def __init__(self, source: ConnectionSource, *, table: str, distributed: bool = False) -> None:
+        self.source = source
         self.distributed = distributed
         self._sql = _Statements(table, distributed=distributed)
 
     @classmethod
-    def of(cls, pool: ConnectionSource, settings: Settings) -> Outbox:
-        """The outbox of the key table that ``settings`` name, on ``pool``."""
-        return cls(pool, table=settings.table, distributed=settings.distributed)
+    def of(cls, source: ConnectionSource, settings: Settings) -> Outbox:
+        """The outbox of the key table that ``settings`` name, on ``source``."""
+        return cls(source, table=settings.table, distributed=settings.distributed)
 
     def write(
         self,
@@ -90,7 +90,7 @@ class Outbox:
         Committed before it returns: the relay publishes with no transaction open.
         """
         params: dict[str, Any] = {"token": token, "lease": lease, "limit": limit}
-        with self.pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+        with self.source.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
             if not self.distributed:
                 rows = cur.execute(self._sql.claim, params).fetchall()
             else:
@@ -110,7 +110,7 @@ class Outbox:
     def mark_sent(self, message: Message, *, token: uuid.UUID) -> bool:
         """Mark ``message`` sent, if ``token`` still holds it; false when another relay took it over."""
         params = {"org_id": message.envelope.org_id, "id": message.id, "token": token}
-        with self.pool.connection() as conn:
+        with self.source.connection() as conn:
             return conn.execute(self._sql.mark_sent, params).rowcount == 1
 
     def release(self, message: Message, *, token: uuid.UUID, error: str, retry_in: float) -> None:
@@ -122,17 +122,17 @@ class Outbox:
             "error": error,
             "retry_in": retry_in,
         }
-        with self.pool.connection() as conn:
+        with self.source.connection() as conn:
             conn.execute(self._sql.release, params)
 
     def purge(self, *, older_than: float) -> int:
         """Delete messages sent more than ``older_than`` seconds ago; return how many."""
-        with self.pool.connection() as conn:
+        with self.source.connection() as conn:
             return conn.execute(self._sql.purge, {"older_than": older_than}).rowcount
 
     def state(self) -> OutboxState:
         """How many messages are unsent, and the oldest one's age (one statement over a partial index)."""
-        with self.pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        with self.source.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
             row = cur.execute(self._sql.state).fetchone()
         assert row is not None  # aggregates always answer one row
         return OutboxState(unsent=row["unsent"], oldest_unsent_seconds=row["oldest"])

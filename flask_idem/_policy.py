@@ -1,6 +1,6 @@
 """What counts as the same request on one route: :class:`Fingerprint`, the route's fingerprint policy.
 
-The default policy is the whole request (:func:`.fingerprint.fingerprint`: method, path, query, media type
+The default policy is the whole request (:func:`._fingerprint.fingerprint`: method, path, query, media type
 and the whole canonical body), hashed exactly as it always was, so keys stored before a route had a policy
 keep matching. A policy narrows or widens that: parts of a JSON (or form) body chosen by JSON Pointer
 (RFC 6901), named headers, and the value of a function of the request.
@@ -14,7 +14,7 @@ A policy also keeps a short digest of each part, stored with the response (never
 422 for a changed request can say which part changed: "header X-Currency", "body /amount".
 
 Nothing here reads Flask's request: :meth:`Fingerprint.compute` takes plain values, like
-:mod:`.fingerprint`.
+:mod:`._fingerprint`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._canonical import ABSENT, at, encode, form, jsonlike, without
+from ._fingerprint import canonical_query, decode_json, fingerprint, is_json
 from .errors import ConfigurationError
-from .fingerprint import canonical_query, decode_json, fingerprint, is_json
 
 __all__ = ["Fingerprint", "Fingerprinted", "RequestParts", "describe_mismatch"]
 

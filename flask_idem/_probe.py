@@ -19,7 +19,7 @@ cannot connect at all, the pool learns that the database is unreachable, and sto
 long for a connection.
 
 Only connections that reach the server directly are probed: behind a pooler (PgBouncer), the process id
-the client knows is the pooler's, not the server's (:class:`.pool.ProcessPool` finds out when it opens a
+the client knows is the pooler's, not the server's (:class:`._pool.ProcessPool` finds out when it opens a
 connection). The probes cost nothing while no connection waits long: the prober thread wakes once per
 :data:`PROBE_INTERVAL` and looks at the pool's lent connections; a round opens one short connection.
 """
@@ -39,7 +39,7 @@ import psycopg
 from psycopg import pq
 
 from . import _deadline
-from ._connection import Connection
+from ._connection import PooledConnection
 
 __all__ = ["PROBE_AFTER", "PROBE_INTERVAL", "Prober"]
 
@@ -65,7 +65,7 @@ class Prober:
     """
 
     def __init__(
-        self, conninfo: str, lent: Callable[[], Collection[Connection]], unreachable: Callable[[], None]
+        self, conninfo: str, lent: Callable[[], Collection[PooledConnection]], unreachable: Callable[[], None]
     ) -> None:
         self._conninfo = conninfo
         self._lent = lent

@@ -17,9 +17,15 @@ import psycopg
 from flask import Request, Response, current_app, g, request
 from psycopg.rows import TupleRow
 
-from . import _deadline, _engine, signals
-from ._calls import in_transaction, render
+from . import _deadline, _steps, signals
+from ._fingerprint import fingerprint
+from ._keys import HEADER, parse_key
 from ._policy import Fingerprint, Fingerprinted, RequestParts, describe_mismatch
+from ._replay import StoreResponse, record_response, replay_response
+from ._settings import OnMismatch, ScopeFunc, Settings
+from ._state import IdemState
+from ._store import KeyedRequest, KeyRecord, Lease
+from ._transactions import in_transaction, render
 from .errors import (
     ConfigurationError,
     DatabaseUnavailable,
@@ -31,13 +37,7 @@ from .errors import (
     NoScope,
     database_error,
 )
-from .fingerprint import fingerprint
 from .flow import INTENT, Flow, Run, run_from_record
-from .keys import HEADER, parse_key
-from .replay import StoreResponse, record_response, replay_response
-from .settings import OnMismatch, ScopeFunc, Settings
-from .state import IdemState
-from .store import KeyedRequest, KeyRecord, Lease
 
 __all__ = ["SAFE_METHODS", "Current", "ViewOptions", "current", "handle"]
 
@@ -115,7 +115,7 @@ def _keyed(
                 raise MissingKey()
             _ready(state)
             return in_transaction(
-                state.pool,
+                state.source,
                 lambda conn: current_app.make_response(_call_view(conn, None, None, view, args, kwargs)),
             )
         printed: _Printed | None = None
@@ -279,7 +279,7 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
         state.fire("view", conn)
         return response
 
-    answer = in_transaction(state.pool, body, batched=True)
+    answer = in_transaction(state.source, body, batched=True)
     if stored:
         _sent_stored(keyed, None, answer)
     return _raise_errors(answer)
@@ -344,7 +344,7 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
             )
         return _answer_existing(state, options, record, attempt)
 
-    started = in_transaction(state.pool, begin, batched=True)
+    started = in_transaction(state.source, begin, batched=True)
     if not isinstance(started, Run):
         if stored:
             _sent_stored(keyed, flow.name, started)
@@ -357,7 +357,7 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
             flow=flow.name,
             step=started.last_step,
         )
-    return _engine.advance(state, flow, started, lease, retry_in=seconds)
+    return _steps.advance(state, flow, started, lease, retry_in=seconds)
 
 
 def _whole_body(req: Request) -> bytes:

@@ -141,7 +141,7 @@ def _target() -> tuple[str, bool, float]:
     from flask import current_app, has_app_context
 
     if has_app_context():
-        from .state import EXTENSION_NAME
+        from ._state import EXTENSION_NAME
 
         state = current_app.extensions.get(EXTENSION_NAME)
         if state is not None:

@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING, Any
 from flask import Flask, current_app, has_app_context
 
 from . import _jobs
+from ._settings import parse_seconds
+from ._state import get_state
 from ._view import current
 from .errors import ConfigurationError
 from .flow import Flow
 from .jobs import Envelope, JobError, JobPolicy, Message, task_key
 from .recovery import backoff
-from .settings import parse_seconds
-from .state import get_state
 
 try:
     import celery as _celery
@@ -58,7 +58,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError("flask_idem.celery needs Celery: pip install 'flask-idem[celery]'.") from e
 
 if TYPE_CHECKING:
-    from .extension import Idempotency
+    from ._extension import Idempotency
 
 __all__ = ["TASK_OPTIONS", "CeleryJobs", "CeleryPublisher"]
 

@@ -17,11 +17,11 @@ from psycopg.conninfo import conninfo_to_dict
 from . import _jobs, _layout, _migrate, relay
 from ._codec import new_key
 from ._outbox import outbox_table
+from ._pool import ProcessPool
+from ._state import get_state
 from .errors import ConfigurationError, missing_table_hint
 from .jobs import TASK_METHOD
-from .pool import ProcessPool
 from .recovery import RecoveryReport, recover, run_forever
-from .state import get_state
 
 __all__ = ["idem_cli"]
 
@@ -66,10 +66,10 @@ def _check_connection() -> None:
     params = conninfo_to_dict(url)
     timeout = int(params.get("connect_timeout") or _CONNECT_TIMEOUT)
     try:
-        if isinstance(state.pool, ProcessPool):
+        if isinstance(state.source, ProcessPool):
             psycopg.connect(url, connect_timeout=timeout).close()
         else:
-            with state.pool.connection():
+            with state.source.connection():
                 pass
     except psycopg.OperationalError as e:
         reason = str(e).strip()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
-from .keys import HEADER
+from ._keys import HEADER
 
 if TYPE_CHECKING:
     import requests

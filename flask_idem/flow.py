@@ -54,8 +54,8 @@ import psycopg
 from psycopg.rows import TupleRow
 
 from ._async import synchronous
+from ._settings import parse_seconds
 from .errors import ConfigurationError
-from .settings import parse_seconds
 
 __all__ = ["Flow", "OutcomeUnknown", "Run"]
 

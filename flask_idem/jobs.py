@@ -29,9 +29,9 @@ from typing import Any, Protocol
 import psycopg
 from psycopg.rows import TupleRow
 
+from ._settings import parse_seconds
 from .errors import ConfigurationError
 from .flow import Run
-from .settings import parse_seconds
 
 __all__ = [
     "TASK_METHOD",

@@ -37,8 +37,8 @@ from blinker import NamedSignal
 from flask import Flask, Response
 
 from . import _jobs, signals
+from ._state import get_state
 from .errors import ConfigurationError
-from .state import get_state
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
@@ -180,7 +180,7 @@ class Metrics:
 
 
 class KeyTableCollector(Collector):
-    """Gauges of the key table's state, read with :meth:`Store.state <flask_idem.store.Store.state>`
+    """Gauges of the key table's state, read with :meth:`Store.state <flask_idem._store.Store.state>`
     (one statement per key table) each time a registry collects it, labelled with the table's name:
 
     - ``flask_idem_keys_processing``: multi-step requests not finished;

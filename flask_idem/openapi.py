@@ -31,11 +31,11 @@ from apispec import APISpec, BasePlugin
 from flask import Flask, current_app, has_app_context
 from werkzeug.routing import Rule
 
+from ._keys import HEADER
+from ._replay import REPLAYED_HEADER
+from ._state import get_state
 from ._view import ViewOptions
 from .errors import PROBLEM_JSON, ConfigurationError
-from .keys import HEADER
-from .replay import REPLAYED_HEADER
-from .state import get_state
 
 __all__ = ["PROBLEM_SCHEMA", "IdempotencyPlugin"]
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import psycopg
 from flask import Flask
 
-from . import _engine, signals, tracing
-from ._calls import in_transaction
+from . import _steps, signals, tracing
+from ._state import IdemState, get_state
+from ._store import Lease, Stranded
+from ._transactions import in_transaction
 from .errors import ConfigurationError, KeyInUse, OperationFailed, OutcomePending
 from .flow import run_from_record
-from .state import IdemState, get_state
-from .store import Lease, Stranded
 
 __all__ = ["RecoveryReport", "backoff", "recover", "run_forever"]
 
@@ -78,7 +78,7 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
         for _ in range(limit):
             token = uuid.uuid4()
             claimed = in_transaction(
-                state.pool,
+                state.source,
                 lambda conn, token=token: state.store.claim_stranded(  # type: ignore[misc]
                     conn,
                     token=token,
@@ -115,7 +115,7 @@ def _recover_one(
         row.attempts, base=settings.recovery_backoff, cap=settings.recovery_backoff_cap, rng=rng
     )
     try:
-        response = _engine.advance(state, flow, run, lease, retry_in=retry_in)
+        response = _steps.advance(state, flow, run, lease, retry_in=retry_in)
     except OutcomePending:
         report.pending.append((*entry, f"outcome unknown; next try within {retry_in:.1f} s"))
     except KeyInUse:
@@ -147,7 +147,7 @@ def _give_up(state: IdemState, row: Stranded, lease: Lease, reason: str) -> None
         "headers": [["Content-Type", "application/problem+json"]],
         "body": error.get_body(),
     }
-    in_transaction(state.pool, lambda conn: state.store.complete(conn, lease, record, failed=reason))
+    in_transaction(state.source, lambda conn: state.store.complete(conn, lease, record, failed=reason))
     # Sent (and logged at ERROR) once the row is marked: a person is needed.
     signals.send(
         signals.given_up, org_id=row.org_id, key=row.key, flow=row.flow, reason=reason, attempts=row.attempts

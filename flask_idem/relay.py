@@ -23,9 +23,9 @@ from flask import Flask
 
 from . import signals
 from ._jobs import get_jobs
+from ._state import get_state
 from .jobs import Message
 from .recovery import backoff
-from .state import get_state
 
 __all__ = ["RelayReport", "relay", "relay_forever"]
 
@@ -64,7 +64,7 @@ def relay(
     with app.app_context():
         if not jobs.outbox_found.is_set():
             state = get_state(app)
-            with state.pool.connection() as conn:
+            with state.source.connection() as conn:
                 jobs.check_outbox(conn, state.settings.table)
         messages = jobs.outbox.claim(token=token, lease=jobs.relay_lease, limit=limit)
         for message in messages:

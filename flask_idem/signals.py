@@ -159,7 +159,7 @@ message_relayed = _signals.signal("message-relayed")
 
 # -- the key table -------------------------------------------------------------------------------------
 
-#: A key-table operation of :class:`~flask_idem.store.Store` finished (its statements ran; a request
+#: A key-table operation of :class:`~flask_idem._store.Store` finished (its statements ran; a request
 #: makes two to five). Sent only to receivers (never logged), with the current application as sender
 #: (``None`` outside an application context). Arguments: ``operation`` (the method's name:
 #: ``reserve``, ``complete``, ``take_over``, ``hold``, ``record_step``, ``release``,

@@ -16,7 +16,7 @@ import psycopg
 from flask import Flask
 from psycopg import sql
 
-from flask_idem.state import get_state
+from flask_idem._state import get_state
 
 from . import pgbouncer
 from .servers import ROOT, free_port, gunicorn, wait_for_http
@@ -56,7 +56,7 @@ def headers(api_key: str, key: uuid.UUID | str | None = None, **extra: str) -> d
 
 def close_pool(app: Flask) -> None:
     """Close the connection pool flask-idem opened for ``app`` in this process."""
-    get_state(app).pool.close()
+    get_state(app).source.close()
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 15.0, interval: float = 0.05) -> None:

@@ -18,9 +18,9 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb
 
 from example_app import create_app
-from flask_idem.pool import Connection, ProcessPool
-from flask_idem.state import get_state
-from flask_idem.store import KeyedRequest, KeyRef, Lease, Reservation, Store, lock_id
+from flask_idem._pool import PooledConnection, ProcessPool
+from flask_idem._state import get_state
+from flask_idem._store import KeyedRequest, KeyRef, Lease, Reservation, Store, lock_id
 
 from . import citus
 from .helpers import count, headers
@@ -45,13 +45,13 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Any, Any]]]
     """Statements of every pooled connection opened from now on (the store's and the shop's)."""
     log: list[tuple[Any, Any]] = []
     monkeypatch.setattr(RecordingCursor, "log", log)
-    init = Connection.__init__
+    init = PooledConnection.__init__
 
-    def recording_init(self: Connection, *args: Any, **kwargs: Any) -> None:
+    def recording_init(self: PooledConnection, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self.cursor_factory = RecordingCursor
 
-    monkeypatch.setattr(Connection, "__init__", recording_init)
+    monkeypatch.setattr(PooledConnection, "__init__", recording_init)
     yield log
 
 
@@ -86,7 +86,7 @@ def is_data_statement(query: Any) -> bool:
 def store(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Store]:
     store = Store(ProcessPool(database_url, max_size=4), distributed=True, tombstone_ttl=3600.0)
     yield store
-    store.pool.close()
+    store.source.close()
 
 
 def test_tables_are_distributed_and_colocated(db: psycopg.Connection[Any]) -> None:
@@ -117,7 +117,7 @@ def test_store_statements_are_router_queries(
     """Reserve, replay lookup, complete, and every write under a lease reach one shard."""
     atomic, leased = uuid.uuid4(), uuid.uuid4()
     mine, theirs = Lease(7, leased, uuid.uuid4(), 60), Lease(7, leased, uuid.uuid4(), 60)
-    with store.pool.connection() as conn:
+    with store.source.connection() as conn:
         with conn.transaction():
             assert store.reserve(conn, KeyedRequest(7, atomic, SHA, "POST", "/x"), ttl=60).reserved
             store.complete(conn, KeyRef(7, atomic), {"status": 201})
@@ -146,10 +146,10 @@ def test_plain_reserve_statement_is_multi_step(
     """Why the function exists: the single-statement reserve of plain PostgreSQL is not a router query."""
     plain = Store(ProcessPool(database_url, max_size=1))
     try:
-        with plain.pool.connection() as conn, conn.transaction():
+        with plain.source.connection() as conn, conn.transaction():
             plain.reserve(conn, KeyedRequest(7, uuid.uuid4(), SHA, "P", "/"), ttl=1.0)
     finally:
-        plain.pool.close()
+        plain.source.close()
     explained = plan(db, *next((q, p) for q, p in recorded if is_data_statement(q)))
     assert "Distributed Subplan" in explained and "pull to coordinator" in explained
 
@@ -173,7 +173,7 @@ def test_shop_requests_run_router_queries(
         assert client.post("/payments", json=pay, headers=headers(api_key, uuid.uuid4())).status_code == 201
         assert client.get(f"/orders/{pay['order_id']}", headers=headers(api_key)).status_code == 200
     finally:
-        get_state(app).pool.close()
+        get_state(app).source.close()
     statements = [(q, p) for q, p in recorded if is_data_statement(q)]
     touched = " ".join(str(q) for q, _ in statements)
     for table in ("orders", "payments", "idempotency_keys"):
@@ -306,12 +306,12 @@ def test_recovery_claim_stuck_and_purge_span_shards(store: Store, db: psycopg.Co
     assert tombstones == (8,)
     assert len(store.stuck(older_than=60)) == 8
     claimed: set[int] = set()
-    with store.pool.connection() as conn, conn.transaction():
+    with store.source.connection() as conn, conn.transaction():
         for row in store.claim_stranded(
             conn, token=uuid.uuid4(), lease=60, limit=5, deadline=60, flows=["f"]
         ):
             assert row.overdue
             claimed.add(row.org_id)
-    with store.pool.connection() as conn, conn.transaction():
+    with store.source.connection() as conn, conn.transaction():
         more = store.claim_stranded(conn, token=uuid.uuid4(), lease=60, limit=5, deadline=60, flows=["f"])
     assert len(claimed) == 5 and {r.org_id for r in more} == set(range(1, 9)) - claimed

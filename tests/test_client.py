@@ -17,6 +17,7 @@ import pytest
 import requests
 from flask import Flask, request
 
+from flask_idem._keys import HEADER
 from flask_idem.client import (
     AttemptInfo,
     FlaskTransport,
@@ -31,7 +32,6 @@ from flask_idem.client import (
     set_testing,
 )
 from flask_idem.errors import DatabaseUnavailable, KeyMismatch
-from flask_idem.keys import HEADER
 
 from .servers import in_thread
 

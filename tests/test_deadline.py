@@ -16,8 +16,8 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import PoolTimeout
 
 from flask_idem import DEFAULT_CONNECT_OPTIONS, ConfigurationError, DeadlineExceeded, _deadline, _probe
-from flask_idem.pool import FAIL_FAST_TIMEOUT, ProcessPool
-from flask_idem.settings import Settings
+from flask_idem._pool import FAIL_FAST_TIMEOUT, ProcessPool
+from flask_idem._settings import Settings
 
 from . import pgbouncer
 from .faultproxy import FaultProxy, running_proxy

@@ -11,9 +11,9 @@ import pytest
 from flask import Flask
 
 from flask_idem import Idempotency
+from flask_idem._settings import Settings
+from flask_idem._state import get_state
 from flask_idem.errors import ConfigurationError
-from flask_idem.settings import Settings
-from flask_idem.state import get_state
 
 URL = "postgresql://localhost/unused"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from flask_idem._fingerprint import MAX_JSON_DEPTH, canonical_json, fingerprint, is_json
 from flask_idem.errors import InvalidBody
-from flask_idem.fingerprint import MAX_JSON_DEPTH, canonical_json, fingerprint, is_json
 
 
 def fp(

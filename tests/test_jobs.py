@@ -58,7 +58,7 @@ def runs(app: Flask) -> list[str]:
 
 def crash_after_send(app: Flask, to: str, key: uuid.UUID) -> None:
     """Deliver ``jobs.mail`` and end it after its receipt went out, before that step is recorded."""
-    from flask_idem.state import get_state
+    from flask_idem._state import get_state
 
     state = get_state(app)
 
@@ -189,11 +189,11 @@ def test_the_outbox_sends_what_commits_and_the_relay_publishes_at_least_once(
 ) -> None:
     """Messages written in a rolled-back transaction vanish; a relay killed between publish and mark
     leaves its messages to be published again when its claim lapses; the consumer runs the task once."""
-    from flask_idem.state import get_state
+    from flask_idem._state import get_state
 
     recorder = Recorder()
     jobs_app.extensions["idem_jobs"] = state = _jobs.JobsState.create(jobs_app, recorder)
-    pool = get_state(jobs_app).pool
+    pool = get_state(jobs_app).source
     kept = uuid.uuid4()
     with jobs_app.app_context():
         with pool.connection() as conn, conn.transaction():

@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
+from flask_idem._keys import MAX_LENGTH, parse_key
 from flask_idem.errors import InvalidKey
-from flask_idem.keys import MAX_LENGTH, parse_key
 
 KEY = "5f1e6a3c-2b7d-4c8e-9a01-3d4f5e6a7b8c"
 

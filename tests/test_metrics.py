@@ -178,7 +178,7 @@ def test_gauges_read_only_small_indexes(db: psycopg.Connection[Any], make_app: C
         " '{}'::jsonb, now() + interval '1 day' FROM generate_series(1, 50000) AS i"
     )
     db.execute("ANALYZE idempotency_keys")
-    from flask_idem.state import get_state
+    from flask_idem._state import get_state
 
     statement = get_state(app).store._sql.state
     plan = json.dumps(db.execute(b"EXPLAIN (FORMAT JSON) " + statement).fetchone())

@@ -81,7 +81,7 @@ def test_revisions_are_numbered_and_chained() -> None:
 
 def test_reserve_function_answers_the_store_columns() -> None:
     """Layout 1's reserve function (Citus) returns the very columns the store's reserve statement reads."""
-    from flask_idem.store import _Statements
+    from flask_idem._store import _Statements
 
     record = _Statements("idempotency_keys").record.decode().replace("%(tomb)s", "p_tomb")
     function = _layout.revisions()[0].distributed_sql
@@ -438,7 +438,7 @@ def test_claim_reads_only_due_rows_on_layout_2(
     """With 5,000 stranded requests backing off and 3 due, the recovery claim reads them all on layout 1
     and only the due ones through layout 2's index (its plan names the index: the claim statement and
     the index's expression must stay in step). Prints the buffers each plan touched."""
-    from flask_idem.store import Store
+    from flask_idem._store import Store
 
     keys = sql.Identifier(legacy)
     db.execute(

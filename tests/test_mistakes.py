@@ -13,7 +13,7 @@ from flask import Blueprint, Flask
 from psycopg.conninfo import make_conninfo
 
 from flask_idem import ConfigurationError, Idempotency, OutcomeUnknown, scope_id
-from flask_idem.settings import Settings
+from flask_idem._settings import Settings
 
 from .flow_app import Ledger, build_flow_app
 from .helpers import close_pool, count

@@ -15,7 +15,7 @@ from flask import Flask
 from werkzeug.test import TestResponse
 
 from flask_idem import Fingerprint
-from flask_idem.settings import Settings
+from flask_idem._settings import Settings
 
 from .helpers import app_factory, count
 from .policy_app import ORG, build_policy_app

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from flask_idem import Fingerprint
+from flask_idem._fingerprint import fingerprint
 from flask_idem._policy import RequestParts, describe_mismatch
 from flask_idem.errors import ConfigurationError, InvalidBody
-from flask_idem.fingerprint import fingerprint
 
 JSON = "application/json"
 
@@ -42,7 +42,7 @@ def sha(policy: Fingerprint, request: RequestParts) -> bytes:
 
 
 def test_the_default_policy_is_the_fingerprint_keys_were_stored_with() -> None:
-    """Fingerprint() hashes exactly as flask_idem.fingerprint does, so stored keys keep matching."""
+    """Fingerprint() hashes exactly as flask_idem._fingerprint does, so stored keys keep matching."""
     body = b'{"amount": 1.0, "b": [1, 2]}'
     expected = fingerprint(method="POST", path="/orders", query=b"a=1", mimetype=JSON, body=body)
     result = Fingerprint().compute(parts(body, query=b"a=1"))

@@ -22,9 +22,9 @@ from sqlalchemy.orm import scoped_session, sessionmaker
 
 from example_app.auth import hash_api_key, new_api_key
 from flask_idem import ConfigurationError, Idempotency
+from flask_idem._state import get_state
 from flask_idem.errors import PROBLEM_JSON
 from flask_idem.sqla import SessionCommitRefused
-from flask_idem.state import get_state
 
 from . import sqla_app
 from .faultproxy import running_proxy

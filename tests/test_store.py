@@ -13,8 +13,8 @@ import psycopg
 import pytest
 
 from flask_idem._migrate import upgrade
-from flask_idem.pool import Connection, ProcessPool
-from flask_idem.store import KeyedRequest, KeyRef, Lease, Store, lock_id
+from flask_idem._pool import PooledConnection, ProcessPool
+from flask_idem._store import KeyedRequest, KeyRef, Lease, Store, lock_id
 
 from . import citus
 from .helpers import PREPARE_THRESHOLD
@@ -27,7 +27,7 @@ def store(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Store]:
     pool = ProcessPool(database_url, max_size=20, prepare_threshold=PREPARE_THRESHOLD)
     store = Store(pool, distributed=citus.ENABLED)
     yield store
-    store.pool.close()
+    store.source.close()
 
 
 def reserve(store: Store, conn: Any, key: uuid.UUID, **extra: Any) -> Any:
@@ -42,11 +42,11 @@ def test_init_schema_twice_and_custom_table(database_url: str, db: psycopg.Conne
     try:
         for _ in range(2):
             upgrade(database_url, table="idem_custom.keys", distributed=citus.ENABLED)
-        with custom.pool.connection() as conn, conn.transaction():
+        with custom.source.connection() as conn, conn.transaction():
             assert reserve(custom, conn, uuid.uuid4()).reserved
         assert db.execute("SELECT count(*) FROM idem_custom.keys").fetchone() == (1,)
     finally:
-        custom.pool.close()
+        custom.source.close()
         db.execute("DROP SCHEMA idem_custom CASCADE")
 
 
@@ -65,7 +65,7 @@ def test_concurrent_reservations_have_one_winner(store: Store) -> None:
     outcomes: list[str] = []
 
     def attempt() -> None:
-        with store.pool.connection() as conn, conn.transaction():
+        with store.source.connection() as conn, conn.transaction():
             barrier.wait(10)
             found = reserve(store, conn, key)
             outcomes.append("won" if found.reserved else "in flight" if found.record is None else "seen")
@@ -131,7 +131,7 @@ def test_claims_are_disjoint(store: Store, db: psycopg.Connection[Any]) -> None:
     results: dict[str, list[Any]] = {}
 
     def claim(name: str, hold: bool) -> None:
-        with store.pool.connection() as conn, conn.transaction():
+        with store.source.connection() as conn, conn.transaction():
             results[name] = store.claim_stranded(
                 conn, token=uuid.uuid4(), lease=60, limit=4, deadline=3600, flows=["f"]
             )
@@ -154,15 +154,15 @@ def test_lease_guard(store: Store, db: psycopg.Connection[Any]) -> None:
     """Only the holder of the current lease token can record, finish or release."""
     key = uuid.uuid4()
     mine, theirs = uuid.uuid4(), uuid.uuid4()
-    with store.pool.connection() as conn, conn.transaction():
+    with store.source.connection() as conn, conn.transaction():
         assert reserve(store, conn, key, flow="f", lease=Lease(1, key, mine, 60)).reserved
     mine_lease, their_lease = Lease(1, key, mine, 60), Lease(1, key, theirs, 60)
-    with store.pool.connection() as conn, conn.transaction():
+    with store.source.connection() as conn, conn.transaction():
         assert not store.take_over(conn, their_lease)  # lease still live
         assert store.record_step(conn, mine_lease, "s", {"n": 1})
         assert not store.record_step(conn, their_lease, "s", {"n": 2})
     db.execute("UPDATE idempotency_keys SET lease_expires_at = now() - interval '1 second'")
-    with store.pool.connection() as conn, conn.transaction():
+    with store.source.connection() as conn, conn.transaction():
         assert store.take_over(conn, their_lease)
         assert not store.complete(conn, mine_lease, {"status": 200})
         assert not store.release(conn, mine_lease, error="late", retry_in=1)
@@ -177,20 +177,20 @@ def test_lease_guard(store: Store, db: psycopg.Connection[Any]) -> None:
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_pool_is_per_process(store: Store) -> None:
     """A forked child gets a pool of its own instead of the parent's connections."""
-    parent_pool = store.pool.pool
+    parent_pool = store.source.pool
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child reports whether it got a new pool that works, then exits at once
         try:
-            ok = store.pool.pool is not parent_pool
-            with store.pool.connection() as conn:
+            ok = store.source.pool is not parent_pool
+            with store.source.connection() as conn:
                 ok = ok and conn.execute("SELECT 1").fetchone() == (1,)
             os.write(write, b"1" if ok else b"0")
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
     assert os.read(read, 1) == b"1"
-    with store.pool.connection() as conn:  # the parent's pool still works after the child exited
+    with store.source.connection() as conn:  # the parent's pool still works after the child exited
         assert conn.execute("SELECT 2").fetchone() == (2,)
 
 
@@ -203,7 +203,7 @@ def test_expired_key_flagged_for_a_person_is_kept(store: Store, db: psycopg.Conn
         " VALUES (1, %s, %s, 'POST', '/x', 'failed', '{\"status\": 500}', now() - interval '1 hour', true)",
         (key, SHA),
     )
-    with store.pool.connection() as conn, conn.transaction():
+    with store.source.connection() as conn, conn.transaction():
         found = reserve(store, conn, key)
     assert not found.reserved
     assert found.record is not None and found.record.status == "failed"
@@ -231,7 +231,7 @@ def test_racing_reservations_on_rotating_keys(store: Store, db: psycopg.Connecti
         while time.monotonic() < deadline:
             key = uuid.UUID(int=int(time.monotonic() * 200))  # a new key every 5 ms
             try:
-                with store.pool.connection() as conn, conn.transaction():
+                with store.source.connection() as conn, conn.transaction():
                     found = reserve(store, conn, key)
                     if found.reserved:
                         store.complete(conn, KeyRef(1, key), {"status": 201, "headers": [], "body": ""})
@@ -255,8 +255,8 @@ def test_racing_reservations_on_rotating_keys(store: Store, db: psycopg.Connecti
 
 def test_store_statements_share_one_cursor_per_pooled_connection(database_url: str, store: Store) -> None:
     """The pool's connections keep one cursor for the store; a plain psycopg connection works too."""
-    with store.pool.connection() as conn:
-        assert isinstance(conn, Connection)
+    with store.source.connection() as conn:
+        assert isinstance(conn, PooledConnection)
         with conn.transaction():
             assert reserve(store, conn, uuid.uuid4()).reserved
         first = conn._idem_store_cursor

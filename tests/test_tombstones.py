@@ -15,8 +15,8 @@ from typing import Any
 import psycopg
 from flask import Flask
 
+from flask_idem._state import get_state
 from flask_idem.errors import PROBLEM_JSON
-from flask_idem.state import get_state
 
 from .helpers import age, count
 from .notes_app import post

@@ -1,4 +1,4 @@
-"""Batched transactions (flask_idem.wire, pool.Batched): fewer round trips, psycopg's state kept whole."""
+"""Batched transactions (flask_idem._wire, pool.Batched): fewer round trips, psycopg's state kept whole."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from flask import Flask, request
 from flask.testing import FlaskClient
 from psycopg import pq
 
-from flask_idem import Idempotency, wire
-from flask_idem.pool import Connection
-from flask_idem.state import get_state
+from flask_idem import Idempotency, _wire
+from flask_idem._pool import PooledConnection
+from flask_idem._state import get_state
 
 from .helpers import close_pool, count
 from .notes_app import ORG, build_app, post
@@ -68,10 +68,10 @@ def prepared(conn: psycopg.Connection[Any]) -> int:
     return int(row[0])
 
 
-def pooled(app: Flask) -> Connection:
+def pooled(app: Flask) -> PooledConnection:
     """The one connection of the app's pool."""
-    with app.app_context(), get_state(app).pool.connection() as conn:
-        assert isinstance(conn, Connection)
+    with app.app_context(), get_state(app).source.connection() as conn:
+        assert isinstance(conn, PooledConnection)
         return conn
 
 
@@ -160,48 +160,50 @@ def test_commit_inside_the_view_is_refused(app: Flask, db: psycopg.Connection[An
 
 
 @pytest.fixture
-def conn(database_url: str) -> Iterator[Connection]:
-    with Connection.connect(database_url, autocommit=True) as conn:
+def conn(database_url: str) -> Iterator[PooledConnection]:
+    with PooledConnection.connect(database_url, autocommit=True) as conn:
         yield conn
 
 
-def run(conn: Connection, items: list[wire.Item], prepared: set[bytes] | None = None) -> list[wire.Result]:
-    return wire.run(conn, items, transformer=psycopg.adapt.Transformer(conn), prepared=prepared)
+def run(
+    conn: PooledConnection, items: list[_wire.Item], prepared: set[bytes] | None = None
+) -> list[_wire.Result]:
+    return _wire.run(conn, items, transformer=psycopg.adapt.Transformer(conn), prepared=prepared)
 
 
 def test_named_parameters_become_numbered_ones() -> None:
     """A repeated name is one parameter; %% is a percent sign."""
-    statement = wire.Statement.from_query(b"SELECT %(a)s, %(b)s, %(a)s, 5 %% 3")
+    statement = _wire.Statement.from_query(b"SELECT %(a)s, %(b)s, %(a)s, 5 %% 3")
     assert statement.text == b"SELECT $1, $2, $1, 5 % 3"
     assert statement.params == ("a", "b")
 
 
-def test_a_batch_answers_each_statement(conn: Connection) -> None:
+def test_a_batch_answers_each_statement(conn: PooledConnection) -> None:
     """Rows and row counts of every statement, in one round trip, prepared or not."""
-    statement = wire.Statement.from_query(b"SELECT %(n)s::int + 1 AS next, %(s)s::text AS s")
+    statement = _wire.Statement.from_query(b"SELECT %(n)s::int + 1 AS next, %(s)s::text AS s")
     names: set[bytes] = set()
     for prepared in (None, names, names):
-        results = run(conn, [wire.BEGIN, (statement, {"n": 41, "s": "x"}), wire.COMMIT], prepared)
+        results = run(conn, [_wire.BEGIN, (statement, {"n": 41, "s": "x"}), _wire.COMMIT], prepared)
         assert [r.rows for r in results] == [[], [{"next": 42, "s": "x"}], []]
         assert conn.info.transaction_status == pq.TransactionStatus.IDLE
     assert len(names) == 1
 
 
-def test_a_failed_statement_stops_the_batch(conn: Connection) -> None:
+def test_a_failed_statement_stops_the_batch(conn: PooledConnection) -> None:
     """The first error is raised; what follows it, COMMIT included, did not run."""
-    divide = wire.Statement.from_query(b"SELECT 1 / %(d)s::int")
+    divide = _wire.Statement.from_query(b"SELECT 1 / %(d)s::int")
     with pytest.raises(psycopg.errors.DivisionByZero):
-        run(conn, [wire.BEGIN, (divide, {"d": 0}), wire.COMMIT])
+        run(conn, [_wire.BEGIN, (divide, {"d": 0}), _wire.COMMIT])
     assert conn.info.transaction_status == pq.TransactionStatus.INERROR
     conn.rollback()
     assert run(conn, [(divide, {"d": 1})])[0].rows == [{"?column?": 1}]
 
 
-def test_a_value_that_cannot_be_adapted_sends_nothing(conn: Connection) -> None:
+def test_a_value_that_cannot_be_adapted_sends_nothing(conn: PooledConnection) -> None:
     """Adapting fails before the batch is sent: the connection stays open and idle."""
-    statement = wire.Statement.from_query(b"SELECT %(x)s")
+    statement = _wire.Statement.from_query(b"SELECT %(x)s")
     with pytest.raises(psycopg.ProgrammingError):
-        run(conn, [wire.BEGIN, (statement, {"x": object()})])
+        run(conn, [_wire.BEGIN, (statement, {"x": object()})])
     assert not conn.closed
     assert conn.info.transaction_status == pq.TransactionStatus.IDLE
     assert conn.execute("SELECT 1").fetchone() == (1,)
@@ -318,10 +320,10 @@ def without_psycopg_internals(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     """psycopg as a release without ``psycopg.generators.fetch_many`` would be: the capability check of
     this process starts over, and finds it missing."""
     monkeypatch.delattr("psycopg.generators.fetch_many")
-    monkeypatch.setattr(wire, "_verdict", None)
-    wire._internals.cache_clear()
+    monkeypatch.setattr(_wire, "_verdict", None)
+    _wire._internals.cache_clear()
     yield
-    wire._internals.cache_clear()
+    _wire._internals.cache_clear()
 
 
 def test_without_psycopg_internals_every_statement_goes_alone(
@@ -348,11 +350,11 @@ def test_psycopg_behaving_otherwise_is_found_by_the_trial(
 ) -> None:
     """Internals that are there but answer otherwise (here, errors of the wrong class) fail the trial
     batch of the first connection: the extension falls back and says why."""
-    monkeypatch.setattr(wire, "_verdict", None)
+    monkeypatch.setattr(_wire, "_verdict", None)
     monkeypatch.setattr(
         psycopg.errors, "error_from_result", lambda *a, **k: psycopg.Error("not a class of its own")
     )
-    wire._internals.cache_clear()
+    _wire._internals.cache_clear()
     try:
         app, _ = build_app(database_url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
         try:
@@ -361,12 +363,12 @@ def test_psycopg_behaving_otherwise_is_found_by_the_trial(
         finally:
             close_pool(app)
     finally:
-        wire._internals.cache_clear()
+        _wire._internals.cache_clear()
     assert any("a trial batch raised Error" in r.getMessage() for r in caplog.records)
 
 
 def test_flask_idem_imports_without_psycopg_internals() -> None:
     """The internals are imported on first use: ``import flask_idem`` works with them gone."""
-    code = "import psycopg.generators as g; del g.fetch_many, g.send; import flask_idem, flask_idem.wire"
+    code = "import psycopg.generators as g; del g.fetch_many, g.send; import flask_idem, flask_idem._wire"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr

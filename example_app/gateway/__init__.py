@@ -26,7 +26,7 @@ from typing import Any
 
 from flask import Flask
 
-from flask_idem.pool import ProcessPool
+from flask_idem import ProcessPool
 
 __all__ = ["create_app"]
 

@@ -22,7 +22,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     -- The authenticated organisation, from the extension's scope callable; never from the request body.
     org_id       bigint      NOT NULL,
     idem_key     uuid        NOT NULL,
-    -- SHA-256 over method, path, query and canonical body (flask_idem.fingerprint).
+    -- SHA-256 over method, path, query and canonical body (flask_idem._fingerprint).
     request_sha  bytea       NOT NULL CHECK (octet_length(request_sha) = 32),
     method       text        NOT NULL,
     path         text        NOT NULL,
@@ -106,7 +106,7 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    -- The columns of the reserve statement (flask_idem.store), as a later request reads them.
+    -- The columns of the reserve statement (flask_idem._store), as a later request reads them.
     RETURN QUERY
         SELECT false, v_taken, k.request_sha, k.status, k.response,
             k.status <> 'processing' AND NOT k.needs_attention

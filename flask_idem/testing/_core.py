@@ -21,9 +21,9 @@ from flask.testing import FlaskClient
 from psycopg import sql
 from werkzeug.test import TestResponse
 
-from ..keys import HEADER
-from ..replay import REPLAYED_HEADER
-from ..state import Hook, get_state
+from .._keys import HEADER
+from .._replay import REPLAYED_HEADER
+from .._state import Hook, get_state
 
 __all__ = ["Effect", "NotRetrySafe", "Rows", "WorkerKilled"]
 

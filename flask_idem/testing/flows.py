@@ -11,8 +11,8 @@ from flask.testing import FlaskClient
 from psycopg import sql
 from werkzeug.test import TestResponse
 
+from .._state import get_state
 from ..recovery import recover
-from ..state import get_state
 from ._core import Call, Effect, Killer, client_of, describe, fail, hooked, replayed, send_and_kill, show
 
 __all__ = ["crash_between_steps"]
@@ -153,7 +153,7 @@ def _make_due(app: Flask, key: uuid.UUID) -> None:
     """Let time pass for a killed request: its lease is over and the recovery job may take it now."""
     state = get_state(app)
     table = sql.Identifier(*state.settings.table.split("."))
-    with state.pool.transaction() as conn:
+    with state.source.transaction() as conn:
         conn.execute(
             sql.SQL(
                 "UPDATE {} SET lease_expires_at = now(), next_attempt_at = NULL"

@@ -6,7 +6,7 @@ from typing import Any
 
 from flask import Flask
 
-from ..extension import OPTIONS_ATTR
+from .._extension import OPTIONS_ATTR
 
 __all__ = ["UNSAFE_METHODS", "unprotected_routes"]
 

@@ -17,7 +17,7 @@ from flask.testing import FlaskClient
 
 from example_app.auth import new_api_key
 from example_app.cli import create_org
-from flask_idem.fingerprint import fingerprint
+from flask_idem._fingerprint import fingerprint
 
 from ..helpers import count, headers
 from ..notes_app import post

@@ -12,7 +12,7 @@ lock is released by the same COMMIT or ROLLBACK that ends the reservation, it ne
 works behind PgBouncer in transaction mode), and it costs nothing extra because it is evaluated inside the
 ``INSERT`` statement itself.
 
-The store *has* a :class:`~flask_idem.pool.ConnectionSource` (its pool, or a SQLAlchemy engine's) for the
+The store *has* a :class:`~flask_idem._pool.ConnectionSource` (its pool, or a SQLAlchemy engine's) for the
 statements it runs on its own (schema, ``stuck``, ``purge``); the others run on the caller's connection,
 inside the caller's transaction.
 """
@@ -29,8 +29,8 @@ from psycopg import sql
 from psycopg.rows import DictRow, class_row, dict_row
 from psycopg.types.json import Jsonb
 
-from . import wire
-from .pool import Connection, ConnectionSource, batched
+from . import _wire
+from ._pool import ConnectionSource, PooledConnection, batched
 from .signals import timed
 
 __all__ = [
@@ -64,7 +64,7 @@ class KeyRef:
 class KeyedRequest(KeyRef):
     """A write request that carries a key: what a reservation records about it."""
 
-    #: The request's fingerprint (:func:`flask_idem.fingerprint.fingerprint`).
+    #: The request's fingerprint (:func:`flask_idem._fingerprint.fingerprint`).
     request_sha: bytes
     method: str
     path: str
@@ -202,7 +202,7 @@ def _cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[DictRow]:
 
     Rows come back as dictionaries, so they are bound to the dataclasses above by column name.
     """
-    if not isinstance(conn, Connection):
+    if not isinstance(conn, PooledConnection):
         return conn.cursor(row_factory=dict_row)
     cursor = conn._idem_store_cursor
     if cursor is None or cursor.closed:
@@ -217,7 +217,7 @@ def _lease_params(lease: Lease) -> dict[str, Any]:
 class Store:
     """The key table's statements, and the pool they run on when they need a connection of their own.
 
-    :param pool: where :meth:`stuck`, :meth:`purge` and the observing methods borrow connections.
+    :param source: where :meth:`stuck`, :meth:`purge` and the observing methods borrow connections.
     :param table: the key table's name, optionally schema-qualified (``"idem.keys"``).
     :param tombstone_ttl: seconds a key is remembered, as a tombstone, after its stored response
         expired; 0 forgets it at once.
@@ -228,14 +228,14 @@ class Store:
 
     def __init__(
         self,
-        pool: ConnectionSource,
+        source: ConnectionSource,
         *,
         table: str = "idempotency_keys",
         tombstone_ttl: float = 0.0,
         distributed: bool = False,
     ) -> None:
         self._sql = _Statements(table, distributed=distributed)
-        self.pool = pool
+        self.source = source
         self.tombstone_ttl = tombstone_ttl
 
     # -- both modes ------------------------------------------------------------------------------------
@@ -411,7 +411,7 @@ class Store:
 
     def stuck(self, *, older_than: float) -> list[StuckRow]:
         """Rows flagged for a person, and processing rows older than ``older_than`` seconds."""
-        with self.pool.connection() as conn, conn.cursor(row_factory=class_row(StuckRow)) as cursor:
+        with self.source.connection() as conn, conn.cursor(row_factory=class_row(StuckRow)) as cursor:
             return cursor.execute(self._sql.stuck, {"older_than": older_than}).fetchall()
 
     # -- retention -------------------------------------------------------------------------------------
@@ -433,7 +433,7 @@ class Store:
             steps.append(("tombstoned", self._sql.tombstone_candidates, self._sql.tombstone))
         for name, candidates, statement in steps:
             while True:
-                with self.pool.connection() as conn, conn.transaction():
+                with self.source.connection() as conn, conn.transaction():
                     cursor = _cursor(conn)
                     if not self._sql.distributed:
                         seen = count = cursor.execute(statement, params).rowcount
@@ -455,14 +455,14 @@ class Store:
         It reads only the partial indexes of leased and flagged rows (rows in flight or needing a
         person), never the table's finished rows, so it stays cheap however many keys are kept.
         """
-        with self.pool.connection() as conn, conn.cursor(row_factory=class_row(TableState)) as cursor:
+        with self.source.connection() as conn, conn.cursor(row_factory=class_row(TableState)) as cursor:
             found = cursor.execute(self._sql.state).fetchone()
         assert found is not None  # aggregates always answer one row
         return found
 
     def stats(self) -> TableStats:
         """The key table at a glance, for ``flask idem stats``, from one snapshot of it."""
-        with self.pool.connection() as conn, conn.transaction():
+        with self.source.connection() as conn, conn.transaction():
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             by_status = [(r[0], r[1]) for r in conn.execute(self._sql.stats_by_status)]
             by_flow = [(r[0], r[1], r[2], r[3]) for r in conn.execute(self._sql.stats_by_flow)]
@@ -583,9 +583,9 @@ class _Statements:
             "UPDATE {table} SET status = 'completed', response = %(response)s"
             " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
         )
-        # The statements a batched transaction sends with BEGIN or COMMIT (flask_idem.pool.Batched).
+        # The statements a batched transaction sends with BEGIN or COMMIT (flask_idem._pool.Batched).
         self.batches = {
-            text: wire.Statement.from_query(text)
+            text: _wire.Statement.from_query(text)
             for text in (self.reserve, self.reserve_leased, self.complete)
         }
         self.take_over = q(

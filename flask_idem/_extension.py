@@ -1,7 +1,7 @@
 """The :class:`Idempotency` extension: ``init_app``, the route decorator, and the view's connection.
 
-This is the top floor: it puts together the settings (:mod:`.settings`), the per-application state
-(:mod:`.state`), what runs around a view (:mod:`._view`) and the CLI (:mod:`.cli`). Nothing below imports it.
+This is the top floor: it puts together the settings (:mod:`._settings`), the per-application state
+(:mod:`._state`), what runs around a view (:mod:`._view`) and the CLI (:mod:`.cli`). Nothing below imports it.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from psycopg_pool import ConnectionPool
 from . import _deadline, _migrate, _view
 from ._async import synchronous
 from ._policy import Fingerprint
+from ._pool import ConnectionSource, PooledConnection, ProcessPool
+from ._replay import StoreResponse, parse_store_response
+from ._settings import OnMismatch, ScopeFunc, Settings, parse_on_mismatch, parse_seconds
+from ._state import EXTENSION_NAME, IdemState, get_state
 from .cli import idem_cli
 from .errors import ConfigurationError
 from .flow import Flow
-from .pool import Connection, ConnectionSource, ProcessPool
-from .replay import StoreResponse, parse_store_response
-from .settings import OnMismatch, ScopeFunc, Settings, parse_on_mismatch, parse_seconds
-from .state import EXTENSION_NAME, IdemState, get_state
 
 if TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
@@ -305,7 +305,7 @@ class Idempotency:
         without ``atexit``); a later use opens a new pool. With ``sqlalchemy=`` there is no pool of the
         extension's own, and this does nothing: the engine is the application's.
         """
-        get_state().pool.close()
+        get_state().source.close()
 
     @property
     def connection(self) -> psycopg.Connection[TupleRow]:
@@ -345,7 +345,18 @@ class Idempotency:
         return _deadline.budget(seconds if seconds is not None else math.inf)
 
     @property
-    def pool(self) -> ConnectionPool[Connection]:
+    def settings(self) -> Settings:
+        """The current application's configuration, as ``init_app`` read and checked it (read-only).
+
+        For code of the application that needs what flask-idem was told, such as the key table's name
+        (``idem.settings.table``), whether it is distributed on Citus, or the ``Retry-After`` it sends.
+
+        :raises RuntimeError: when flask-idem was not initialised on the current application.
+        """
+        return get_state().settings
+
+    @property
+    def pool(self) -> ConnectionPool[PooledConnection]:
         """The current application's connection pool, for database work outside idempotent views::
 
             with idem.pool.connection() as conn:
@@ -355,7 +366,7 @@ class Idempotency:
 
         :raises ConfigurationError: with ``sqlalchemy=``, where the application's engine is the pool.
         """
-        source = get_state().pool
+        source = get_state().source
         if not isinstance(source, ProcessPool):
             raise ConfigurationError(
                 "This application uses SQLAlchemy (Idempotency(sqlalchemy=...)): flask-idem has no pool"

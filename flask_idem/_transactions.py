@@ -1,6 +1,6 @@
 """Calling application code: inside one of the extension's transactions, and with its 4xx rendered.
 
-Shared by the atomic path (:mod:`._view`), the multi-step engine (:mod:`._engine`) and the recovery job.
+Shared by the atomic path (:mod:`._view`), the multi-step engine (:mod:`._steps`) and the recovery job.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from psycopg import pq
 from psycopg.rows import TupleRow
 from werkzeug.exceptions import HTTPException
 
+from ._pool import ConnectionSource
 from .errors import DatabaseFailed
-from .pool import ConnectionSource
 
 __all__ = ["entering_app_code", "in_transaction", "render"]
 
@@ -58,7 +58,7 @@ def in_transaction(
     """Run ``body`` in one transaction of ``source`` and commit, unless it fails.
 
     With ``batched``, ``body``'s first statement is sent with ``BEGIN`` (and what it defers with
-    ``COMMIT``) where the source can (:class:`.pool.Batched`): ``body`` must begin with a statement of
+    ``COMMIT``) where the source can (:class:`._pool.Batched`): ``body`` must begin with a statement of
     the key store.
 
     The transaction is rolled back instead when ``body`` raises, when it returns a 5xx response, and

@@ -17,12 +17,12 @@ from psycopg.rows import TupleRow
 from werkzeug.exceptions import HTTPException
 
 from . import signals, tracing
-from ._calls import entering_app_code, in_transaction, render
+from ._replay import record_response
+from ._state import IdemState
+from ._store import Lease
+from ._transactions import entering_app_code, in_transaction, render
 from .errors import KeyInUse, OutcomePending
 from .flow import Flow, OutcomeUnknown, Run, Step
-from .replay import record_response
-from .state import IdemState
-from .store import Lease
 
 __all__ = ["advance"]
 
@@ -45,7 +45,7 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
     :raises KeyInUse: the lease was lost to another attempt, which will finish the request.
     :raises OutcomePending: a call step ended without a known outcome; the lease is given up.
     """
-    pool = state.pool
+    source = state.source
     try:
         for step in flow.remaining(run.last_step):
             started = time.perf_counter()
@@ -58,10 +58,10 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
                     raise
                 duration = time.perf_counter() - started
                 state.fire(step.name, None)
-                in_transaction(pool, partial(_record, state, lease, step.name, result))
+                in_transaction(source, partial(_record, state, lease, step.name, result))
                 run.results[step.name] = result
             else:
-                early = in_transaction(pool, partial(_db_step, state, step, run, lease))
+                early = in_transaction(source, partial(_db_step, state, step, run, lease))
                 if early is not None:
                     _sent_stored(run, early)
                     return early
@@ -77,7 +77,7 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
                     duration=duration,
                 )
             run.last_step = step.name
-        response = in_transaction(pool, partial(_finish, state, flow, run, lease))
+        response = in_transaction(source, partial(_finish, state, flow, run, lease))
     except _LeaseLost:
         if signals.wanted(signals.lease_lost):
             signals.send(signals.lease_lost, org_id=run.org_id, key=run.key, flow=run.flow)
@@ -210,7 +210,7 @@ def _release(state: IdemState, lease: Lease, error: str, retry_in: float) -> Non
     """Give the lease up so a retry can take over at once; best effort (the lease expires anyway)."""
     try:
         in_transaction(
-            state.pool, lambda conn: state.store.release(conn, lease, error=error, retry_in=retry_in)
+            state.source, lambda conn: state.store.release(conn, lease, error=error, retry_in=retry_in)
         )
     except psycopg.Error as e:
         logger.warning("Could not release a lease: %s (SQLSTATE %s).", type(e).__name__, e.sqlstate)

@@ -19,10 +19,10 @@ from psycopg.rows import TupleRow
 
 from . import _layout
 from ._codec import ResponseCodec
+from ._pool import ConnectionSource, ProcessPool
+from ._settings import Settings
+from ._store import Store
 from .flow import Flow
-from .pool import ConnectionSource, ProcessPool
-from .settings import Settings
-from .store import Store
 
 __all__ = ["EXTENSION_NAME", "Hook", "IdemState", "get_state"]
 
@@ -43,7 +43,7 @@ class IdemState:
     settings: Settings
     #: Where this application's connections and transactions come from: its per-process pool (the key
     #: store's and :attr:`.Idempotency.pool`), or its SQLAlchemy session (:mod:`.sqla`).
-    pool: ConnectionSource
+    source: ConnectionSource
     store: Store
     #: The flows of multi-step routes by name, for the recovery job (shared with the extension object).
     flows: Mapping[str, Flow]
@@ -59,7 +59,7 @@ class IdemState:
         """Make sure the key table exists in a layout this code runs on: once, at the first use of the
         database, then never again (one flag to read).
 
-        One catalog query on a connection of :attr:`pool`, which needs no privilege. A layout older than
+        One catalog query on a connection of :attr:`source`, which needs no privilege. A layout older than
         the newest but one this code runs on is logged, once, as a warning. Not done by ``init_app``,
         which must not touch the database: ``flask idem init-db`` and ``flask db upgrade``, which create
         the table, load the application first (``init_app`` included), and so does a pre-fork server's
@@ -72,7 +72,7 @@ class IdemState:
         """
         if self.layout_checked.is_set():
             return
-        with self.pool.connection() as conn:
+        with self.source.connection() as conn:
             found = _layout.read(conn, self.settings.table)
         _layout.check(found, self.settings.table)
         if found.layout is not None and found.layout < _layout.latest():
@@ -102,7 +102,7 @@ class IdemState:
         Its connections come from ``source`` when given, and otherwise from a pool of its own, opened on
         first use.
         """
-        pool = source or ProcessPool(
+        source = source or ProcessPool(
             settings.database_url,
             min_size=settings.pool_min_size,
             max_size=settings.pool_max_size,
@@ -112,10 +112,13 @@ class IdemState:
             deadline=settings.database_deadline,
         )
         store = Store(
-            pool, table=settings.table, tombstone_ttl=settings.tombstone_ttl, distributed=settings.distributed
+            source,
+            table=settings.table,
+            tombstone_ttl=settings.tombstone_ttl,
+            distributed=settings.distributed,
         )
         codec = ResponseCodec(settings.response_keys) if settings.response_keys else None
-        return cls(settings=settings, pool=pool, store=store, flows=flows, codec=codec)
+        return cls(settings=settings, source=source, store=store, flows=flows, codec=codec)
 
 
 def get_state(app: Flask | None = None) -> IdemState:

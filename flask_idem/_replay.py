@@ -1,6 +1,6 @@
 """Stored responses: what is kept of a view's answer, and how a retry gets it back.
 
-Shared by the atomic path (:mod:`._view`), the multi-step engine (:mod:`._engine`) and the recovery job.
+Shared by the atomic path (:mod:`._view`), the multi-step engine (:mod:`._steps`) and the recovery job.
 
 What a stored response may hold is the route's choice (``store_response``):
 

@@ -42,8 +42,8 @@ from psycopg import pq
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from . import _deadline, wire
-from ._connection import OWNER, Batched, Connection, batched
+from . import _deadline, _wire
+from ._connection import OWNER, Batched, PooledConnection, batched
 from ._deadline import DeadlineExceeded
 from ._probe import Prober
 from ._timeouts import DEFAULT_CONNECT_OPTIONS, server_timeouts, with_connect_options
@@ -51,7 +51,7 @@ from ._timeouts import DEFAULT_CONNECT_OPTIONS, server_timeouts, with_connect_op
 __all__ = [
     "DEFAULT_CONNECT_OPTIONS",
     "Batched",
-    "Connection",
+    "PooledConnection",
     "ConnectionSource",
     "DeadlineExceeded",
     "ProcessPool",
@@ -127,7 +127,7 @@ def _usable(conn: psycopg.Connection[Any]) -> bool:
     return True
 
 
-class _Pool(ConnectionPool[Connection]):
+class _Pool(ConnectionPool[PooledConnection]):
     """psycopg's pool, which hands out no connection that the server has already closed, lends each one
     under a deadline, and waits for one only briefly while the database cannot be reached."""
 
@@ -135,7 +135,7 @@ class _Pool(ConnectionPool[Connection]):
         self._owner = owner
         super().__init__(*args, **kwargs)
 
-    def getconn(self, timeout: float | None = None) -> Connection:
+    def getconn(self, timeout: float | None = None) -> PooledConnection:
         """A live connection, armed with the request's remaining database time (:mod:`._deadline`).
 
         The wait for it counts: it is bounded by ``timeout`` (the pool's), by that remaining time, and
@@ -161,7 +161,7 @@ class _Pool(ConnectionPool[Connection]):
             owner.lent.add(conn)
         return conn
 
-    def _live(self, until: float) -> Connection:
+    def _live(self, until: float) -> PooledConnection:
         """A connection from the pool; dead ones are closed and replaced, without a round trip."""
         conn = super().getconn(max(0.0, until - time.monotonic()))
         while not _usable(conn):
@@ -171,7 +171,7 @@ class _Pool(ConnectionPool[Connection]):
             conn = super().getconn(max(0.0, until - time.monotonic()))
         return conn
 
-    def putconn(self, conn: Connection) -> None:
+    def putconn(self, conn: PooledConnection) -> None:
         """Take the connection out from under its deadline and give it back."""
         armed = conn._idem_armed
         if armed is not None:
@@ -188,8 +188,10 @@ class ProcessPool:
 
     The pool is created on first use and created again when the process id changes, so a pre-fork server
     (gunicorn) that imports the application in its master still gives every worker its own connections.
-    Its connections are :class:`Connection` objects in autocommit mode; every transaction is an explicit
-    ``with conn.transaction():`` block.
+    Its connections are psycopg connections in autocommit mode; every transaction is an explicit
+    ``with conn.transaction():`` block. Every connection gets flask-idem's connection options and is lent
+    under its deadline (:doc:`/timeouts`); the reference shop's payment gateway simulator uses one for its
+    own tables.
 
     :param conninfo: a libpq connection string or URL.
     :param name: the pool's name in psycopg's logs.
@@ -223,10 +225,10 @@ class ProcessPool:
         )
         self.deadline = deadline
         #: Batches prepare their statements when psycopg may prepare its own, libpq can close them, and
-        #: psycopg tells when it deallocates them all (Connection._deallocate, see wire's docstring).
+        #: psycopg tells when it deallocates them all (PooledConnection._deallocate, see wire's docstring).
         self._prepare = (
             prepare_threshold is not None
-            and wire.can_prepare()
+            and _wire.can_prepare()
             and callable(getattr(psycopg.Connection, "_deallocate", None))
         )
         self._pool_args: dict[str, Any] = {
@@ -237,21 +239,21 @@ class ProcessPool:
             "reconnect_timeout": RECONNECT_TIMEOUT,
             "kwargs": {"autocommit": True, "prepare_threshold": prepare_threshold, OWNER: self},
         }
-        self._pool: ConnectionPool[Connection] | None = None
+        self._pool: ConnectionPool[PooledConnection] | None = None
         self._pid = 0
         self._lock = threading.Lock()
         self._drained_at = 0.0
         self._failing_since: float | None = None
-        #: Whether batched transactions can run with this psycopg (:func:`.wire.usable`), found out on the
+        #: Whether batched transactions can run with this psycopg (:func:`._wire.usable`), found out on the
         #: first connection of the process; until then, and when not, transactions are plain.
         self._batches = False
         #: Connections lent out now, under a deadline; the prober asks the server about the slow ones.
-        self.lent: set[Connection] = set()
+        self.lent: set[PooledConnection] = set()
         self._prober = Prober(self._conninfo, lambda: list(self.lent), self.connect_failed)
         atexit.register(self.close)
 
     @property
-    def pool(self) -> ConnectionPool[Connection]:
+    def pool(self) -> ConnectionPool[PooledConnection]:
         """This process's connection pool, opened on first use."""
         pool = self._pool
         if pool is not None and self._pid == os.getpid():
@@ -262,7 +264,7 @@ class ProcessPool:
                 # the parent, and closing them here would cut the parent's connections.
                 self._pool = _Pool(
                     self._conninfo,
-                    connection_class=Connection,
+                    connection_class=PooledConnection,
                     open=False,
                     configure=self._configure,
                     owner=self,
@@ -298,7 +300,7 @@ class ProcessPool:
             self._failing_since = None
             logger.info("The database answers again.")
 
-    def _configure(self, conn: Connection) -> None:
+    def _configure(self, conn: PooledConnection) -> None:
         """Stamp a new connection, and give the server our deadline where it has no timeouts of its own.
 
         Its two round trips are under the deadline too: a path that hangs right after connecting must not
@@ -309,7 +311,7 @@ class ProcessPool:
         seconds = self.deadline or math.inf
         armed = _deadline.arm(conn, seconds, started=conn._idem_opened_at, on_cut=_nothing)
         try:
-            self._batches = wire.usable(conn)  # a trial batch, on the first connection of the process
+            self._batches = _wire.usable(conn)  # a trial batch, on the first connection of the process
             if self.deadline is not None:
                 conn._idem_direct = server_timeouts(conn, self.deadline)
         finally:
@@ -342,19 +344,19 @@ class ProcessPool:
         pool.drain()
 
     @contextmanager
-    def connection(self) -> Iterator[Connection]:
+    def connection(self) -> Iterator[PooledConnection]:
         """Borrow a connection from the pool for the duration of a ``with`` block."""
         with self.pool.connection() as conn, _deadline_errors(conn):
             yield conn
 
     @contextmanager
-    def transaction(self, *, batched: bool = False) -> Iterator[Connection]:
+    def transaction(self, *, batched: bool = False) -> Iterator[PooledConnection]:
         """Borrow a connection and run the ``with`` block in one transaction on it.
 
         A connection found dead at BEGIN (the server closed it since it was opened) is replaced once:
         nothing was sent on it that could have taken effect. With ``batched`` the transaction is a
         :class:`Batched` one: its ``BEGIN`` waits for its first statement (a dead connection is then found
-        there, and the caller runs the block again: :func:`flask_idem._calls.in_transaction`).
+        there, and the caller runs the block again: :func:`flask_idem._transactions.in_transaction`).
         """
         if batched and self._batches:
             with (
@@ -367,7 +369,7 @@ class ProcessPool:
         with ExitStack() as stack:
             yield self._begin(stack)
 
-    def _begin(self, stack: ExitStack) -> Connection:
+    def _begin(self, stack: ExitStack) -> PooledConnection:
         """Borrow a connection into ``stack`` and begin a transaction on it, replacing one found dead."""
         conn = stack.enter_context(self.pool.connection())
         stack.enter_context(_deadline_errors(conn))  # around COMMIT too: it is left after the transaction
@@ -389,13 +391,13 @@ def _nothing(conn: object) -> None:
     """A connection cut while being configured needs nothing more: psycopg_pool discards it."""
 
 
-def _cut(conn: Connection) -> bool:
+def _cut(conn: PooledConnection) -> bool:
     armed = conn._idem_armed
     return armed is not None and armed.cut
 
 
 @contextmanager
-def _deadline_errors(conn: Connection) -> Iterator[None]:
+def _deadline_errors(conn: PooledConnection) -> Iterator[None]:
     """An error on a connection the watchdog cut becomes :class:`DeadlineExceeded`."""
     try:
         yield

@@ -88,9 +88,12 @@ def parse_on_mismatch(name: str, value: Any) -> OnMismatch:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """The ``IDEM_*`` configuration of one application, read and checked once by ``init_app``.
+    """The ``IDEM_*`` configuration of one application, read and checked once by ``init_app``; the current
+    application's is :attr:`Idempotency.settings <flask_idem.Idempotency.settings>`.
 
-    See the configuration page of the documentation for each key, its default and its meaning.
+    Each attribute is the key of the same name without its prefix, in lower case (``table`` is
+    ``IDEM_TABLE``, ``retry_after`` is ``IDEM_RETRY_AFTER``), with its default applied; see the
+    configuration page for each. Read-only: the configuration is not read again after ``init_app``.
     """
 
     database_url: str = field(repr=False)

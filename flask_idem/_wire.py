@@ -5,7 +5,7 @@ psycopg gives every statement a turn of the conversation of its own: ``BEGIN``, 
 the view's transaction (the reservation before it, the completion after it), so on its own it would cost
 two waits more than the route without the extension. A *batch* sends a few statements in libpq's pipeline
 mode, each as Parse (unless prepared), Bind and Execute, followed by a single Sync: the server answers them
-all in one turn. :class:`~flask_idem.pool.Batched` uses it to send ``BEGIN`` with the reservation and the
+all in one turn. :class:`~flask_idem._pool.Batched` uses it to send ``BEGIN`` with the reservation and the
 completion with ``COMMIT``.
 
 What a batch keeps, and why it is safe:
