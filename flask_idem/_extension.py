@@ -39,9 +39,6 @@ __all__ = ["Idempotency"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Attribute of a decorated view that holds its options (read by flask_idem.openapi and flask_idem.testing).
-OPTIONS_ATTR = "_flask_idem"
-
 
 class Idempotency:
     """Make write routes of a Flask application safe to retry.
@@ -256,7 +253,7 @@ class Idempotency:
             for app in self._apps:
                 if view in app.view_functions.values():
                     raise ConfigurationError(_misplaced_message([f"{view.__module__}.{view.__qualname__}"]))
-            wrapper._flask_idem = options  # type: ignore[attr-defined]  # read by flask_idem.openapi
+            setattr(wrapper, _view.OPTIONS_ATTR, options)  # read by flask_idem.openapi and .testing
             return wrapper  # type: ignore[return-value]
 
         return decorator

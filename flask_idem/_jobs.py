@@ -225,15 +225,14 @@ class _Delivery:
         return self._deferred(Defer(countdown, reason, failed=False))
 
     def _deferred(self, defer: Defer) -> Defer:
-        if signals.wanted(signals.job_deferred):
-            signals.send(
-                signals.job_deferred,
-                org_id=self.keyed.org_id,
-                key=self.keyed.key,
-                reason=defer.reason,
-                countdown=round(defer.countdown, 3),
-                failures=self.delivery.failures + defer.failed,
-            )
+        signals.send(
+            signals.job_deferred,
+            org_id=self.keyed.org_id,
+            key=self.keyed.key,
+            reason=defer.reason,
+            countdown=round(defer.countdown, 3),
+            failures=self.delivery.failures + defer.failed,
+        )
         return defer
 
     def give_up(self, reason: str) -> Outcome:
@@ -305,8 +304,7 @@ class _Delivery:
             found = self.state.store.reserve(conn, keyed, ttl=self.ttl)
             if not found.reserved:
                 return _Existing(found.record)
-            if signals.wanted(signals.key_reserved):
-                signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=None)
+            signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=None)
             if self.overdue:
                 raise _GiveUp("deadline passed before it ran")
             result = self._call(conn)
@@ -324,7 +322,7 @@ class _Delivery:
             return self.failed(type(e).__name__)
         if isinstance(outcome, _Existing):
             return self._existing(outcome.record)
-        if isinstance(outcome, Done) and signals.wanted(signals.response_stored):
+        if isinstance(outcome, Done):
             signals.send(signals.response_stored, org_id=keyed.org_id, key=keyed.key, flow=None, status=200)
         return outcome
 
@@ -344,8 +342,7 @@ class _Delivery:
         def begin(conn: psycopg.Connection[TupleRow]) -> Run | _Existing:
             found = store.reserve(conn, keyed, ttl=self.ttl, flow=flow.name, lease=lease)
             if found.reserved:
-                if signals.wanted(signals.key_reserved):
-                    signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=flow.name)
+                signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=flow.name)
                 if self.overdue:
                     raise _GiveUp("deadline passed before it ran")
                 intent = self._call(conn)
@@ -379,7 +376,7 @@ class _Delivery:
             return self.failed(type(e).__name__)
         if isinstance(started, _Existing):
             return self._existing(started.record)
-        if started.resumed and signals.wanted(signals.lease_taken_over):
+        if started.resumed:
             signals.send(
                 signals.lease_taken_over,
                 org_id=keyed.org_id,
@@ -409,38 +406,33 @@ class _Delivery:
         """The outcome of a delivery whose key is taken: the stored result, a refusal, or later."""
         keyed = self.keyed
         if record is None:
-            if signals.wanted(signals.key_in_flight):
-                signals.send(signals.key_in_flight, org_id=keyed.org_id, key=keyed.key)
+            signals.send(signals.key_in_flight, org_id=keyed.org_id, key=keyed.key)
             return self.busy("in flight in another delivery")
         if not hmac.compare_digest(record.request_sha, keyed.request_sha):
-            if signals.wanted(signals.mismatch_rejected):
-                signals.send(signals.mismatch_rejected, org_id=keyed.org_id, key=keyed.key)
+            signals.send(signals.mismatch_rejected, org_id=keyed.org_id, key=keyed.key)
             raise JobMismatch(
                 f"Task {self.spec.name}: key {keyed.key} was used before with other arguments (or by another"
                 " task); refused. Give each distinct piece of work its own key."
             )
         if record.response is None:
-            if signals.wanted(signals.key_in_flight):
-                signals.send(signals.key_in_flight, org_id=keyed.org_id, key=keyed.key)
+            signals.send(signals.key_in_flight, org_id=keyed.org_id, key=keyed.key)
             return self.busy("in flight in another delivery")
         if record.status == "failed":
             raise JobGivenUp(f"Task {self.spec.name} was given up before and is flagged for a person.")
         if record.stale:
-            if signals.wanted(signals.tombstone_hit):
-                signals.send(
-                    signals.tombstone_hit,
-                    org_id=keyed.org_id,
-                    key=keyed.key,
-                    status=record.response["status"],
-                )
-            return Dropped("done long ago: its stored result has expired")
-        if signals.wanted(signals.response_replayed):
             signals.send(
-                signals.response_replayed,
+                signals.tombstone_hit,
                 org_id=keyed.org_id,
                 key=keyed.key,
                 status=record.response["status"],
             )
+            return Dropped("done long ago: its stored result has expired")
+        signals.send(
+            signals.response_replayed,
+            org_id=keyed.org_id,
+            key=keyed.key,
+            status=record.response["status"],
+        )
         return Done(_record_result(record.response), replayed=True)
 
 

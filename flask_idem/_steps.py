@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from functools import partial
 from typing import Any
 
@@ -24,7 +25,7 @@ from ._transactions import entering_app_code, in_transaction, render
 from .errors import KeyInUse, OutcomePending
 from .flow import Flow, OutcomeUnknown, Run, Step
 
-__all__ = ["advance"]
+__all__ = ["advance", "sent_stored"]
 
 logger = logging.getLogger("flask_idem")
 
@@ -63,24 +64,22 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
             else:
                 early = in_transaction(source, partial(_db_step, state, step, run, lease))
                 if early is not None:
-                    _sent_stored(run, early)
+                    sent_stored(run.org_id, run.key, run.flow, early)
                     return early
                 duration = time.perf_counter() - started
-            if signals.wanted(signals.step_finished):
-                signals.send(
-                    signals.step_finished,
-                    org_id=run.org_id,
-                    key=run.key,
-                    flow=run.flow,
-                    step=step.name,
-                    outside=step.outside,
-                    duration=duration,
-                )
+            signals.send(
+                signals.step_finished,
+                org_id=run.org_id,
+                key=run.key,
+                flow=run.flow,
+                step=step.name,
+                outside=step.outside,
+                duration=duration,
+            )
             run.last_step = step.name
         response = in_transaction(source, partial(_finish, state, flow, run, lease))
     except _LeaseLost:
-        if signals.wanted(signals.lease_lost):
-            signals.send(signals.lease_lost, org_id=run.org_id, key=run.key, flow=run.flow)
+        signals.send(signals.lease_lost, org_id=run.org_id, key=run.key, flow=run.flow)
         raise KeyInUse(retry_after=state.settings.retry_after) from None
     except _Unknown as e:
         _release(state, lease, str(e), retry_in)
@@ -91,33 +90,26 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
     if response.status_code >= 500:  # rolled back: let a retry or the recovery job finish it
         _release(state, lease, f"HTTP {response.status_code}", retry_in)
     else:
-        _sent_stored(run, response)
+        sent_stored(run.org_id, run.key, run.flow, response)
     return response
 
 
-def _sent_stored(run: Run, response: Response) -> None:
-    if signals.wanted(signals.response_stored):
-        signals.send(
-            signals.response_stored,
-            org_id=run.org_id,
-            key=run.key,
-            flow=run.flow,
-            status=response.status_code,
-        )
+def sent_stored(org_id: int, key: uuid.UUID, flow: str | None, response: Response) -> None:
+    """Send :data:`.signals.response_stored` for a response committed just now."""
+    signals.send(signals.response_stored, org_id=org_id, key=key, flow=flow, status=response.status_code)
 
 
 def _sent_unknown(run: Run, step: Step, cause: BaseException | None) -> None:
     """Signal an unknown outcome, telling :class:`.OutcomeUnknown` apart from any other exception."""
     signal = signals.outcome_unknown if isinstance(cause, OutcomeUnknown) else signals.call_failed
-    if signals.wanted(signal):
-        signals.send(
-            signal,
-            org_id=run.org_id,
-            key=run.key,
-            flow=run.flow,
-            step=step.name,
-            exception=type(cause).__name__,
-        )
+    signals.send(
+        signal,
+        org_id=run.org_id,
+        key=run.key,
+        flow=run.flow,
+        step=step.name,
+        exception=type(cause).__name__,
+    )
 
 
 def _record(

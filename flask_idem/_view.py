@@ -46,6 +46,10 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 _CURRENT_ATTR = "_flask_idem_current"
 
+#: Attribute of a decorated view that holds its :class:`ViewOptions` (read by flask_idem.openapi and
+#: flask_idem.testing).
+OPTIONS_ATTR = "_flask_idem"
+
 logger = logging.getLogger("flask_idem")
 
 
@@ -138,7 +142,7 @@ def _keyed(
         return _multistep(state, options, options.flow, attempt)
     except psycopg.Error as e:
         error = database_error(e, retry_after=state.settings.retry_after, key_table=state.settings.table)
-        if error.code == 503 and signals.wanted(signals.store_unavailable):
+        if error.code == 503:
             signals.send(
                 signals.store_unavailable,
                 org_id=None if keyed is None else keyed.org_id,
@@ -270,8 +274,7 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
         found = state.store.reserve(conn, keyed, ttl=options.key_ttl(settings))
         if not found.reserved:
             return _answer_existing(state, options, found.record, attempt)
-        if signals.wanted(signals.key_reserved):
-            signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=None)
+        signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=None)
         response, document = attempt.respond(state, options, conn)
         if document is not None:
             state.store.complete(conn, keyed, document)
@@ -280,17 +283,9 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
         return response
 
     answer = in_transaction(state.source, body, batched=True)
-    if stored:
-        _sent_stored(keyed, None, answer)
+    if stored and isinstance(answer, Response):
+        _steps.sent_stored(keyed.org_id, keyed.key, None, answer)
     return _raise_errors(answer)
-
-
-def _sent_stored(keyed: KeyedRequest, flow: str | None, answer: Response | IdempotencyError | Run) -> None:
-    """Send :data:`.signals.response_stored` for a response committed just now."""
-    if isinstance(answer, Response) and signals.wanted(signals.response_stored):
-        signals.send(
-            signals.response_stored, org_id=keyed.org_id, key=keyed.key, flow=flow, status=answer.status_code
-        )
 
 
 def _raise_errors(answer: Response | IdempotencyError) -> Response:
@@ -316,8 +311,7 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
         nonlocal stored
         found = state.store.reserve(conn, keyed, ttl=options.key_ttl(settings), flow=flow.name, lease=lease)
         if found.reserved:
-            if signals.wanted(signals.key_reserved):
-                signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=flow.name)
+            signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=flow.name)
             intent = attempt.call(conn)
             if not isinstance(intent, dict):  # the view answered at once, e.g. abort(404)
                 response = current_app.make_response(intent)
@@ -346,10 +340,10 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
 
     started = in_transaction(state.source, begin, batched=True)
     if not isinstance(started, Run):
-        if stored:
-            _sent_stored(keyed, flow.name, started)
+        if stored and isinstance(started, Response):
+            _steps.sent_stored(keyed.org_id, keyed.key, flow.name, started)
         return _raise_errors(started)
-    if started.resumed and signals.wanted(signals.lease_taken_over):
+    if started.resumed:
         signals.send(
             signals.lease_taken_over,
             org_id=keyed.org_id,
@@ -441,20 +435,17 @@ def _answer_existing(
     if not _same_request(record, keyed, attempt.printed):
         on_mismatch = settings.on_mismatch if options.on_mismatch is None else options.on_mismatch
         if on_mismatch != "replay":
-            if signals.wanted(signals.mismatch_rejected):
-                signals.send(signals.mismatch_rejected, org_id=keyed.org_id, key=keyed.key)
+            signals.send(signals.mismatch_rejected, org_id=keyed.org_id, key=keyed.key)
             return _mismatch(attempt.printed, record, retention)
         replayed = signals.mismatch_replayed
     if record.response is None:
         return _in_flight(settings, keyed, retention)
     if record.stale:
         answer = _tombstone_answer(record.response, retention)
-        if signals.wanted(signals.tombstone_hit):
-            status = answer.code if isinstance(answer, IdempotencyError) else answer.status_code
-            signals.send(signals.tombstone_hit, org_id=keyed.org_id, key=keyed.key, status=status)
+        status = answer.code if isinstance(answer, IdempotencyError) else answer.status_code
+        signals.send(signals.tombstone_hit, org_id=keyed.org_id, key=keyed.key, status=status)
         return answer
-    if signals.wanted(replayed):
-        signals.send(replayed, org_id=keyed.org_id, key=keyed.key, status=record.response["status"])
+    signals.send(replayed, org_id=keyed.org_id, key=keyed.key, status=record.response["status"])
     return replay_response(record.response, state.codec)
 
 
@@ -470,8 +461,7 @@ def _mismatch(printed: _Printed | None, record: KeyRecord, retention: dict[str, 
 
 
 def _in_flight(settings: Settings, keyed: KeyedRequest, retention: dict[str, Any]) -> KeyInUse:
-    if signals.wanted(signals.key_in_flight):
-        signals.send(signals.key_in_flight, org_id=keyed.org_id, key=keyed.key)
+    signals.send(signals.key_in_flight, org_id=keyed.org_id, key=keyed.key)
     return KeyInUse(retry_after=settings.retry_after, members=retention)
 
 

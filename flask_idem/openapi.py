@@ -34,7 +34,7 @@ from werkzeug.routing import Rule
 from ._keys import HEADER
 from ._replay import REPLAYED_HEADER
 from ._state import get_state
-from ._view import ViewOptions
+from ._view import OPTIONS_ATTR, ViewOptions
 from .errors import PROBLEM_JSON, ConfigurationError
 
 __all__ = ["PROBLEM_SCHEMA", "IdempotencyPlugin"]
@@ -237,10 +237,10 @@ class IdempotencyPlugin(BasePlugin):
 
 def _options(view: Any, method: str) -> ViewOptions | None:
     """The options :meth:`.Idempotency.idempotent` left on ``view`` (or on a ``MethodView``'s method)."""
-    options = getattr(view, "_flask_idem", None)
+    options = getattr(view, OPTIONS_ATTR, None)
     view_class = getattr(view, "view_class", None)
     if options is None and view_class is not None:
-        options = getattr(getattr(view_class, method, None), "_flask_idem", None)
+        options = getattr(getattr(view_class, method, None), OPTIONS_ATTR, None)
     return options if isinstance(options, ViewOptions) else None
 
 

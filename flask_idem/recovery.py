@@ -128,15 +128,14 @@ def _recover_one(
             report.pending.append((*entry, f"finish step answered {response.status_code}; will be retried"))
         else:
             report.completed.append((*entry, f"answered {response.status_code}"))
-            if signals.wanted(signals.recovered):
-                signals.send(
-                    signals.recovered,
-                    org_id=row.org_id,
-                    key=row.key,
-                    flow=row.flow,
-                    status=response.status_code,
-                    attempts=row.attempts,
-                )
+            signals.send(
+                signals.recovered,
+                org_id=row.org_id,
+                key=row.key,
+                flow=row.flow,
+                status=response.status_code,
+                attempts=row.attempts,
+            )
 
 
 def _give_up(state: IdemState, row: Stranded, lease: Lease, reason: str) -> None:

@@ -80,13 +80,12 @@ def relay(
                 after_publish(message)
             if jobs.outbox.mark_sent(message, token=token):
                 report.published += 1
-                if signals.wanted(signals.message_relayed):
-                    signals.send(
-                        signals.message_relayed,
-                        org_id=message.envelope.org_id,
-                        key=message.envelope.key,
-                        task=message.task,
-                    )
+                signals.send(
+                    signals.message_relayed,
+                    org_id=message.envelope.org_id,
+                    key=message.envelope.key,
+                    task=message.task,
+                )
             else:
                 report.lost += 1
         report.purged = jobs.outbox.purge(older_than=jobs.retention)

@@ -225,19 +225,18 @@ def running_task(name: str) -> Iterator[None]:
 
 
 def wanted(signal: NamedSignal) -> bool:
-    """Whether sending ``signal`` would reach anyone: a receiver, or the log at the outcome's level.
-
-    Call sites check it before building the signal's arguments, so that an outcome nobody listens to
-    costs this one call.
-    """
+    """Whether sending ``signal`` would reach anyone: a receiver, or the log at the outcome's level."""
     return bool(signal.receivers) or logger.isEnabledFor(_LOG[signal.name][0])
 
 
 def send(signal: NamedSignal, **data: Any) -> None:
-    """Send an outcome signal with the current application as sender, and log it.
+    """Send an outcome signal with the current application as sender, and log it; nothing more when
+    neither a receiver nor the log would hear it (:func:`wanted`), as Flask's own signals do.
 
     ``endpoint`` is added from the current request when the caller does not give it.
     """
+    if not wanted(signal):
+        return
     if "endpoint" not in data:
         data["endpoint"] = request.endpoint if has_request_context() else None
     task = _task.get()

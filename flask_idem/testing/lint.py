@@ -6,7 +6,7 @@ from typing import Any
 
 from flask import Flask
 
-from .._extension import OPTIONS_ATTR
+from .._view import OPTIONS_ATTR
 
 __all__ = ["UNSAFE_METHODS", "unprotected_routes"]
 
