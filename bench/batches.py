@@ -51,7 +51,8 @@ from psycopg.types.json import Jsonb  # noqa: E402
 from bench.harness import DEFAULT_SERVER_URL, scratch_database  # noqa: E402
 from flask_idem import _layout, wire  # noqa: E402
 from flask_idem._pool import Batched, PooledConnection  # noqa: E402
-from flask_idem._store import KeyedRequest, Store, lock_id  # noqa: E402
+from flask_idem._records import KeyedRequest
+from flask_idem._store import Store, lock_id  # noqa: E402
 
 INSERT = "INSERT INTO orders (org_id, k, amount, currency) VALUES (%s, %s, %s, %s) RETURNING id, created_at"
 RESPONSE = {

@@ -140,7 +140,7 @@ def _cases(app: Flask, url: str, org_id: int, api_key: str) -> list[Case]:
     def in_flight() -> Iterator[object]:
         """Another connection holds ``held`` reserved and uncommitted, as a running request would."""
         from flask_idem._fingerprint import fingerprint
-        from flask_idem._store import KeyedRequest
+        from flask_idem._records import KeyedRequest
 
         store = get_state(app).store
         sha = fingerprint(method="POST", path="/orders", query=b"", mimetype="application/json", body=BODY)

@@ -29,9 +29,9 @@ from psycopg.rows import TupleRow
 from . import _layout, _steps, signals
 from ._fingerprint import fingerprint
 from ._outbox import Outbox
+from ._records import KeyedRequest, KeyRecord, Lease
 from ._settings import parse_seconds
 from ._state import IdemState, get_state
-from ._store import KeyedRequest, KeyRecord, Lease
 from ._transactions import entering_app_code, in_transaction
 from .errors import ConfigurationError, KeyInUse, OperationFailed, OutcomePending
 from .flow import INTENT, Flow, Run, run_from_record

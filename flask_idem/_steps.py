@@ -18,9 +18,9 @@ from psycopg.rows import TupleRow
 from werkzeug.exceptions import HTTPException
 
 from . import signals, tracing
+from ._records import Lease
 from ._replay import record_response
 from ._state import IdemState
-from ._store import Lease
 from ._transactions import entering_app_code, in_transaction, render
 from .errors import KeyInUse, OutcomePending
 from .flow import Flow, OutcomeUnknown, Run, Step

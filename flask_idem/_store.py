@@ -19,10 +19,11 @@ inside the caller's transaction.
 
 from __future__ import annotations
 
-import hashlib
+import functools
+import re
 import uuid
-from dataclasses import dataclass, field, fields
-from typing import Any, LiteralString
+from importlib.resources import files
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -31,170 +32,22 @@ from psycopg.types.json import Jsonb
 
 from . import _wire
 from ._pool import ConnectionSource, PooledConnection, batched
+from ._records import (
+    RECORD_FIELDS,
+    KeyedRequest,
+    KeyRecord,
+    KeyRef,
+    Lease,
+    Reservation,
+    Stranded,
+    StuckRow,
+    TableState,
+    TableStats,
+    lock_id,
+)
 from .signals import timed
 
-__all__ = [
-    "KeyRecord",
-    "KeyRef",
-    "KeyedRequest",
-    "Lease",
-    "Reservation",
-    "Store",
-    "Stranded",
-    "StuckRow",
-    "TableState",
-    "TableStats",
-    "lock_id",
-]
-
-#: Advisory locks share one namespace with the application's own. Mixing this constant into the lock id
-#: keeps ours apart from ids an application derives from small integers.
-_LOCK_SALT = b"flask-idem/v1"
-
-
-@dataclass(frozen=True, slots=True)
-class KeyRef:
-    """One key of one organisation: the primary key of a row of the key table."""
-
-    org_id: int
-    key: uuid.UUID
-
-
-@dataclass(frozen=True, slots=True)
-class KeyedRequest(KeyRef):
-    """A write request that carries a key: what a reservation records about it."""
-
-    #: The request's fingerprint (:func:`flask_idem._fingerprint.fingerprint`).
-    request_sha: bytes
-    method: str
-    path: str
-
-
-@dataclass(frozen=True, slots=True)
-class Lease(KeyRef):
-    """A worker's hold on a multi-step request: every write it makes is guarded by ``token``."""
-
-    token: uuid.UUID
-    #: How long the lease lasts from each write that renews it.
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class KeyRecord:
-    """A committed row of the key table, as a later request with the same key sees it."""
-
-    request_sha: bytes
-    status: str
-    response: dict[str, Any] | None
-    #: Past its retention period and its tombstone's, finished, and not flagged for a person: the key
-    #: may be used anew.
-    expired: bool
-    #: Past its retention period but not its tombstone's: the stored response is gone (or about to be),
-    #: and a retry is told where the result is, or that it expired.
-    stale: bool
-    #: Multi-step rows: whether a worker holds the request now, the flow, and what it recorded.
-    lease_live: bool = False
-    flow: str | None = None
-    step: str | None = None
-    state: dict[str, Any] = field(default_factory=dict)
-
-
-_RECORD_FIELDS = tuple(f.name for f in fields(KeyRecord))
-
-
-@dataclass(frozen=True, slots=True)
-class Stranded:
-    """A multi-step request the recovery job claimed: its lease had expired."""
-
-    org_id: int
-    key: uuid.UUID
-    flow: str
-    step: str | None
-    state: dict[str, Any]
-    method: str
-    path: str
-    attempts: int
-    overdue: bool
-
-
-@dataclass(frozen=True, slots=True)
-class StuckRow:
-    """A row ``flask idem stuck`` reports."""
-
-    org_id: int
-    key: uuid.UUID
-    status: str
-    flow: str | None
-    step: str | None
-    attempts: int
-    age_seconds: float
-    needs_attention: bool
-    last_error: str | None
-    #: What the row is for: a request's method and path, or ``TASK`` and the task's path for a
-    #: background job (:mod:`flask_idem.jobs`).
-    method: str = ""
-    path: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class TableState:
-    """The key table's state at a glance, read with one query over small partial indexes (for metrics).
-
-    Only committed rows count: an atomic request's row is never seen ``processing`` by others, so
-    ``processing`` rows are multi-step requests.
-    """
-
-    #: Multi-step requests not finished yet.
-    processing: int
-    #: Of those, the ones whose lease has expired: stranded, waiting for a retry or the recovery job.
-    stranded: int
-    #: Rows flagged for a person (``flask idem stuck``).
-    flagged: int
-    #: Age in seconds of the oldest processing request; 0 when there is none.
-    oldest_processing_seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class TableStats:
-    """What ``flask idem stats`` prints. Reads the whole table: meant for a person, not for a scraper."""
-
-    #: Rows by status, sorted by status.
-    by_status: list[tuple[str, int]]
-    #: Multi-step rows by flow, status and last finished step (``None`` before any step after the intent).
-    by_flow: list[tuple[str, str, str | None, int]]
-    flagged: int
-    #: Rows kept as tombstones (:data:`IDEM_TOMBSTONE_TTL`): their stored response has expired.
-    tombstones: int
-    #: What ``flask idem purge`` would do now: rows it would turn into tombstones, and rows it would
-    #: delete (tombstones past their own period, or expired rows when tombstones are off).
-    to_tombstone: int
-    to_delete: int
-    #: The oldest processing request, or ``None``.
-    oldest_processing: StuckRow | None
-    #: ``pg_total_relation_size`` of the table (with its indexes and TOAST), and the indexes alone.
-    total_bytes: int
-    index_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """What :meth:`Store.reserve` found.
-
-    ``reserved`` is true when this transaction inserted the row and now owns the key. Otherwise
-    ``record`` is the committed row, or ``None`` when another transaction holds the key and has not
-    committed yet (the request is in flight).
-    """
-
-    reserved: bool
-    record: KeyRecord | None = None
-
-
-def lock_id(org_id: int, key: uuid.UUID) -> int:
-    """The signed 64-bit advisory lock id of one (org, key) pair."""
-    digest = hashlib.blake2b(
-        org_id.to_bytes(8, "big", signed=True) + key.bytes, digest_size=8, key=_LOCK_SALT
-    ).digest()
-    return int.from_bytes(digest, "big", signed=True)
+__all__ = ["Store"]
 
 
 def _cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[DictRow]:
@@ -290,7 +143,7 @@ class Store:
                 row = cursor.execute(self._sql.lookup, params).fetchone()
                 if row is None:
                     return Reservation(reserved=False)
-            record = KeyRecord(**{name: row[name] for name in _RECORD_FIELDS})
+            record = KeyRecord(**{name: row[name] for name in RECORD_FIELDS})
             if not record.expired:
                 return Reservation(reserved=False, record=record)
             if not row["taken"]:  # another request is renewing the expired key right now
@@ -489,7 +342,7 @@ def _by_org(rows: list[DictRow]) -> list[list[DictRow]]:
 
 
 class _Statements:
-    """Every statement of the store, composed once for one table name."""
+    """Every statement of the store (``_store.sql``), composed once for one table name."""
 
     def __init__(self, table: str, *, distributed: bool = False) -> None:
         parts = table.split(".")
@@ -497,271 +350,80 @@ class _Statements:
             raise ValueError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}")
         self.distributed = distributed
         name = sql.Identifier(*parts)
-        names = {
-            "table": name,
-            "expires_index": sql.Identifier(parts[-1] + "_expires_at_idx"),
-            "lease_index": sql.Identifier(parts[-1] + "_lease_idx"),
-            "attention_index": sql.Identifier(parts[-1] + "_attention_idx"),
-        }
         #: The table's name as ``regclass`` input (quoted, schema-qualified if given).
         self.qualified = name.as_string(None)
+        names: dict[str, sql.Composable] = {
+            "table": name,
+            "reserve_function": sql.Identifier(*parts[:-1], parts[-1] + "_reserve"),
+        }
+        fragments, statements = _blocks(distributed)
+        for fragment, text in fragments.items():
+            names[fragment] = sql.SQL(text).format(**names)
 
-        # The columns a later request reads (named as KeyRecord's fields), and the guard of every write
-        # under a lease.
-        # A finished row is "stale" once its response passed retention, and "expired" (the key may be
-        # used anew) once its tombstone's period passed too. A row the purge turned into a tombstone
-        # has had its expires_at moved to the tombstone's end (see `tombstone` below).
-        finished = sql.SQL("k.status <> 'processing' AND NOT k.needs_attention")
-        # Written so that no STABLE function (timestamptz arithmetic) takes a column, and none sits in a
-        # CASE: Citus refuses both in UPDATE and DELETE.
-        gone = sql.SQL(
-            "(k.response ? 'tombstone' IS TRUE AND k.expires_at <= now()"
-            " OR k.response ? 'tombstone' IS NOT TRUE"
-            "    AND k.expires_at <= now() - make_interval(secs => %(tomb)s))"
-        )
-        record = sql.SQL(
-            "k.request_sha, k.status, k.response,"
-            " {finished} AND {gone} AS expired,"
-            " {finished} AND (k.response ? 'tombstone' OR k.expires_at <= now()) AS stale,"
-            " coalesce(k.lease_expires_at > now(), false) AS lease_live, k.flow, k.step, k.state"
-        ).format(finished=finished, gone=gone)
-        mine = sql.SQL(
-            " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
-            " AND status = 'processing' AND lease_token = %(token)s"
-        )
-
-        def q(text: LiteralString, **more: sql.Composable) -> bytes:
+        def q(block: str, **more: sql.Composable) -> bytes:
             # Rendered once: executing a Composed would compose it again on every call.
-            return (
-                sql.SQL(text)
-                .format(**names, record=record, mine=mine, finished=finished, gone=gone, **more)
-                .as_bytes(None)
-            )
+            return sql.SQL(statements[block]).format(**names, **more).as_bytes(None)
 
-        # Always one row: whether this transaction inserted the row, whether it holds the key's lock,
-        # and the committed row of the key, if its snapshot has one (it never sees its own insert).
-        # Atomic requests have no flow and no lease; multi-step ones name both.
-        reserve = (
-            "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken),"
-            " reserved AS ("
-            " INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, expires_at,"
-            "                      flow, lease_token, lease_expires_at)"
-            " SELECT %(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, 'processing',"
-            "        now() + make_interval(secs => %(ttl)s), {lease} FROM lock WHERE lock.taken"
-            " ON CONFLICT (org_id, idem_key) DO NOTHING"
-            " RETURNING 1"
-            ")"
-            " SELECT EXISTS (SELECT FROM reserved) AS fresh, lock.taken, {record}"
-            " FROM lock LEFT JOIN {table} AS k ON k.org_id = %(org_id)s AND k.idem_key = %(key)s"
-        )
-        self.reserve = q(reserve, lease=sql.SQL("NULL, NULL, NULL"))
-        self.reserve_leased = q(
-            reserve, lease=sql.SQL("%(flow)s, %(token)s, now() + make_interval(secs => %(lease)s)")
-        )
-        # On Citus: the same answer from the reserve function of layout 1 (distributed_sql), run on the
-        # key's node.
-        function = sql.Identifier(*parts[:-1], parts[-1] + "_reserve")
-        call = (
-            "SELECT * FROM {function}(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)s, %(path)s,"
-            " %(ttl)s, %(lock)s, {lease}, %(tomb)s)"
-        )
-        #: The columns of a key's row as a later request reads them; the reserve function of layout 1's
-        #: distributed_sql answers the same (a test compares them).
-        self.record = record.as_bytes(None)
-        if distributed:
-            self.reserve = q(call, function=function, lease=sql.SQL("NULL, NULL, NULL"))
-            self.reserve_leased = q(call, function=function, lease=sql.SQL("%(flow)s, %(token)s, %(lease)s"))
-        self.lookup = q(
-            "SELECT false AS fresh, true AS taken, {record} FROM {table} AS k"
-            " WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s"
-        )
-        self.delete_expired = q(
-            "DELETE FROM {table} AS k"
-            " WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s AND {finished} AND {gone}"
-        )
-        self.complete = q(
-            "UPDATE {table} SET status = 'completed', response = %(response)s"
-            " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
-        )
+        self.reserve = q("reserve", lease=names["atomic"])
+        self.reserve_leased = q("reserve", lease=names["leased"])
+        #: The columns of a key's row as a later request reads them (the reserve function of layout 1's
+        #: distributed_sql answers the same; a test compares them).
+        self.record = names["record"].as_bytes(None)
+        self.lookup = q("lookup")
+        self.delete_expired = q("delete_expired")
+        self.complete = q("complete")
         # The statements a batched transaction sends with BEGIN or COMMIT (flask_idem._pool.Batched).
         self.batches = {
             text: _wire.Statement.from_query(text)
             for text in (self.reserve, self.reserve_leased, self.complete)
         }
-        self.take_over = q(
-            "UPDATE {table} SET lease_token = %(token)s,"
-            " lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = attempts + 1"
-            " WHERE org_id = %(org_id)s AND idem_key = %(key)s"
-            " AND status = 'processing' AND lease_expires_at <= now()"
-        )
-        self.hold = q("UPDATE {table} SET lease_expires_at = now() + make_interval(secs => %(lease)s){mine}")
-        self.record_step = q(
-            "UPDATE {table} SET step = %(step)s,"
-            " state = state || jsonb_build_object(%(step)s::text, %(result)s::jsonb),"
-            " lease_expires_at = now() + make_interval(secs => %(lease)s){mine}"
-        )
-        self.complete_leased = q(
-            "UPDATE {table} SET status = %(status)s, response = %(response)s,"
-            " lease_token = NULL, lease_expires_at = NULL, next_attempt_at = NULL,"
-            " last_error = coalesce(%(error)s, last_error),"
-            " needs_attention = (%(status)s = 'failed'){mine}"
-        )
-        self.release = q(
-            "UPDATE {table} SET lease_expires_at = now(), last_error = %(error)s,"
-            " next_attempt_at = now() + make_interval(secs => %(retry_in)s){mine}"
-        )
-        due = sql.SQL(
-            "k.lease_expires_at IS NOT NULL AND greatest(k.lease_expires_at, k.next_attempt_at) <= now()"
-        )
-        # A stranded request is due once its lease has expired and its next attempt is due: at
-        # greatest(lease_expires_at, next_attempt_at), which ignores a NULL next_attempt_at. Layout 2
-        # indexes that moment (flask_idem.migrations.v2_due_index), so a claim reads due rows only, not
-        # every row still backing off; on layout 1 the same statement reads them all, as before.
-        self.claim = q(
-            "WITH due AS ("
-            " SELECT org_id, idem_key FROM {table} AS k"
-            " WHERE {due} AND k.status = 'processing' AND k.flow = ANY(%(flows)s)"
-            " ORDER BY greatest(k.lease_expires_at, k.next_attempt_at) LIMIT %(limit)s"
-            " FOR UPDATE SKIP LOCKED"
-            ")"
-            " UPDATE {table} AS k SET lease_token = %(token)s,"
-            " lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = k.attempts + 1"
-            " FROM due WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key"
-            " RETURNING k.org_id, k.idem_key AS key, k.flow, k.step, k.state, k.method, k.path, k.attempts,"
-            " k.created_at <= now() - make_interval(secs => %(deadline)s) AS overdue",
-            due=due,
-        )
-        self.stuck = q(
-            "SELECT org_id, idem_key AS key, status, flow, step, attempts,"
-            " extract(epoch FROM now() - created_at)::float8 AS age_seconds, needs_attention, last_error,"
-            " method, path"
-            " FROM {table}"
-            " WHERE needs_attention"
-            " OR (status = 'processing' AND created_at <= now() - make_interval(secs => %(older_than)s))"
-            " ORDER BY created_at"
-        )
-        self.purge = q(
-            "DELETE FROM {table} WHERE (org_id, idem_key) IN ("
-            " SELECT org_id, idem_key FROM {table} AS k"
-            " WHERE k.expires_at <= now() AND {finished} AND {gone}"
-            " ORDER BY k.expires_at LIMIT %(limit)s"
-            " FOR UPDATE SKIP LOCKED)"
-        )
-        # What a tombstone keeps of the response: its status and Location, no body and no other header
-        # (they may carry personal data). Its expires_at moves to the end of the tombstone's period, out
-        # of the range the next purge walks.
-        self.tombstone = q(
-            "UPDATE {table} AS k SET expires_at = k.expires_at + make_interval(secs => %(tomb)s),"
-            " response = jsonb_build_object("
-            "  'tombstone', true, 'status', k.response->'status',"
-            "  'headers', coalesce((SELECT jsonb_agg(h) FROM jsonb_array_elements(k.response->'headers') AS h"
-            "                       WHERE lower(h->>0) = 'location'), '[]'::jsonb))"
-            " FROM (SELECT org_id, idem_key FROM {table} AS k"
-            "       WHERE k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'"
-            "       ORDER BY k.expires_at LIMIT %(limit)s"
-            "       FOR UPDATE SKIP LOCKED) AS due"
-            " WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key"
-        )
-
-        # Observing. Committed processing rows always have a lease (atomic rows are never committed
-        # processing), so `lease_expires_at IS NOT NULL` lets the planner use the lease index.
-        processing = sql.SQL(
-            " FROM {table} WHERE lease_expires_at IS NOT NULL AND status = 'processing'"
-        ).format(**names)
-        self.state = q(
-            "SELECT p.processing, p.stranded,"
-            " (SELECT count(*) FROM {table} WHERE needs_attention) AS flagged,"
-            " p.oldest_processing_seconds"
-            " FROM (SELECT count(*) AS processing,"
-            " count(*) FILTER (WHERE lease_expires_at <= now()) AS stranded,"
-            " coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_processing_seconds"
-            " {processing}) AS p",
-            processing=processing,
-        )
-        self.stats_by_status = q("SELECT status, count(*) FROM {table} GROUP BY status ORDER BY status")
-        self.stats_by_flow = q(
-            "SELECT flow, status, step, count(*) FROM {table} WHERE flow IS NOT NULL"
-            " GROUP BY flow, status, step ORDER BY flow, status, step NULLS FIRST"
-        )
-        self.stats_oldest = q(
-            "SELECT org_id, idem_key AS key, status, flow, step, attempts,"
-            " extract(epoch FROM now() - created_at)::float8 AS age_seconds, needs_attention, last_error"
-            " {processing} ORDER BY created_at LIMIT 1",
-            processing=processing,
-        )
-        # What the next purge would do: delete rows past their tombstone's period (or past retention,
-        # without tombstones), and turn the other rows past retention into tombstones.
-        self.stats_totals = q(
-            "SELECT count(*) FILTER (WHERE k.needs_attention) AS flagged,"
-            " count(*) FILTER (WHERE k.response ? 'tombstone') AS tombstones,"
-            " count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND {gone}) AS to_delete,"
-            " count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'"
-            "  AND NOT ({gone})) AS to_tombstone,"
-            " pg_total_relation_size(%(table)s::regclass) AS total_bytes,"
-            " pg_indexes_size(%(table)s::regclass) AS index_bytes"
-            " FROM {table} AS k"
-        )
-
-        # On Citus (the rest of this method): FOR UPDATE cannot span shards, nor can a LIMIT under it. Rows
-        # are read without locks across shards (*_candidates), then acted on one organisation at a time
-        # (one shard, a router query) by a statement that locks them with SKIP LOCKED and checks again.
-        # Only IMMUTABLE functions may take a column in its UPDATE and DELETE, and no STABLE one may sit
-        # in a CASE or COALESCE, so expires_at + tomb is computed in epoch seconds and the tombstone is
-        # built with jsonb_set (jsonb_build_object is STABLE).
+        self.take_over = q("take_over")
+        self.hold = q("hold")
+        self.record_step = q("record_step")
+        self.complete_leased = q("complete_leased")
+        self.release = q("release")
+        self.claim = q("claim")
+        self.stuck = q("stuck")
+        self.purge = q("purge")
+        self.tombstone = q("tombstone")
+        self.state = q("state")
+        self.stats_by_status = q("stats_by_status")
+        self.stats_by_flow = q("stats_by_flow")
+        self.stats_oldest = q("stats_oldest")
+        self.stats_totals = q("stats_totals")
         self.claim_candidates = self.purge_candidates = self.tombstone_candidates = b""
-        if not distributed:
-            return
-        claimable = sql.SQL("{due} AND k.status = 'processing' AND k.flow = ANY(%(flows)s)").format(due=due)
-        one_org = sql.SQL("k.org_id = %(org)s AND k.idem_key = ANY(%(keys)s::uuid[])")
-        self.claim_candidates = q(
-            "SELECT org_id, idem_key AS key,"
-            " created_at <= now() - make_interval(secs => %(deadline)s) AS overdue"
-            " FROM {table} AS k WHERE {due} AND NOT k.idem_key = ANY(%(triedkeys)s::uuid[])"
-            " ORDER BY greatest(k.lease_expires_at, k.next_attempt_at) LIMIT %(limit)s",
-            due=claimable,
-        )
-        self.claim = q(
-            "UPDATE {table} AS t SET lease_token = %(token)s,"
-            " lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = t.attempts + 1"
-            " FROM (SELECT org_id, idem_key FROM {table} AS k WHERE {one_org} AND {due}"
-            "       FOR UPDATE SKIP LOCKED) AS due"
-            " WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key"
-            " RETURNING t.org_id, t.idem_key AS key, t.flow, t.step, t.state, t.method, t.path, t.attempts",
-            due=claimable,
-            one_org=one_org,
-        )
-        self.purge_candidates = q(
-            "SELECT org_id, idem_key AS key FROM {table} AS k"
-            " WHERE k.expires_at <= now() AND {finished} AND {gone}"
-            " ORDER BY k.expires_at LIMIT %(limit)s"
-        )
-        self.purge = q(
-            "DELETE FROM {table} AS t WHERE t.org_id = %(org)s AND (t.org_id, t.idem_key) IN ("
-            " SELECT org_id, idem_key FROM {table} AS k"
-            " WHERE {one_org} AND k.expires_at <= now() AND {finished} AND {gone}"
-            " FOR UPDATE SKIP LOCKED)",
-            one_org=one_org,
-        )
-        tombstoning = sql.SQL("k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'").format(
-            finished=finished
-        )
-        self.tombstone_candidates = q(
-            "SELECT org_id, idem_key AS key FROM {table} AS k"
-            " WHERE {tombstoning} ORDER BY k.expires_at LIMIT %(limit)s",
-            tombstoning=tombstoning,
-        )
-        self.tombstone = q(
-            "UPDATE {table} AS t"
-            " SET expires_at = to_timestamp(extract(epoch FROM t.expires_at - 'epoch'::timestamptz)"
-            "                               + %(tomb)s),"
-            " response = jsonb_set(jsonb_set('{{\"tombstone\": true}}'::jsonb,"
-            "  '{{status}}', coalesce(t.response->'status', 'null'::jsonb)),"
-            "  '{{headers}}', coalesce((SELECT jsonb_agg(h)"
-            "                          FROM jsonb_array_elements(t.response->'headers') AS h"
-            "                          WHERE lower(h->>0) = 'location'), '[]'::jsonb))"
-            " FROM (SELECT org_id, idem_key FROM {table} AS k WHERE {one_org} AND {tombstoning}"
-            "       FOR UPDATE SKIP LOCKED) AS due"
-            " WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key",
-            one_org=one_org,
-            tombstoning=tombstoning,
-        )
+        if distributed:
+            self.claim_candidates = q("claim_candidates")
+            self.purge_candidates = q("purge_candidates")
+            self.tombstone_candidates = q("tombstone_candidates")
+
+
+_NAME = re.compile(r"^-- name: (fragment )?(\w+)( citus)?$")
+
+
+@functools.cache
+def _blocks(distributed: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """The fragments and the statements of ``_store.sql``, comments dropped and white space collapsed;
+    on Citus (``distributed``) a block named ``... citus`` replaces its plain namesake."""
+    fragments: dict[str, str] = {}
+    statements: dict[str, str] = {}
+    block: tuple[dict[str, str], str] | None = None
+    lines: list[str] = []
+
+    def close() -> None:
+        if block is not None:
+            target, name = block
+            target[name] = " ".join(" ".join(lines).split())
+
+    for line in files(__package__).joinpath("_store.sql").read_text("utf-8").splitlines():
+        match = _NAME.match(line)
+        if match is not None:
+            close()
+            fragment, name, citus = match.groups()
+            lines = []
+            keep = distributed or citus is None
+            block = ((fragments if fragment else statements), name) if keep else None
+        elif not line.lstrip().startswith("--"):
+            lines.append(line)
+    close()
+    return fragments, statements

@@ -21,10 +21,10 @@ from . import _deadline, _steps, signals
 from ._fingerprint import fingerprint
 from ._keys import HEADER, parse_key
 from ._policy import Fingerprint, Fingerprinted, RequestParts, describe_mismatch
+from ._records import KeyedRequest, KeyRecord, Lease
 from ._replay import StoreResponse, record_response, replay_response
 from ._settings import OnMismatch, ScopeFunc, Settings
 from ._state import IdemState
-from ._store import KeyedRequest, KeyRecord, Lease
 from ._transactions import in_transaction, render
 from .errors import (
     ConfigurationError,

@@ -22,8 +22,8 @@ import psycopg
 from flask import Flask
 
 from . import _steps, signals, tracing
+from ._records import Lease, Stranded
 from ._state import IdemState, get_state
-from ._store import Lease, Stranded
 from ._transactions import in_transaction
 from .errors import ConfigurationError, KeyInUse, OperationFailed, OutcomePending
 from .flow import run_from_record

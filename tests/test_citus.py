@@ -19,8 +19,9 @@ from psycopg.types.json import Jsonb
 
 from example_app import create_app
 from flask_idem._pool import PooledConnection, ProcessPool
+from flask_idem._records import KeyedRequest, KeyRef, Lease, Reservation, lock_id
 from flask_idem._state import get_state
-from flask_idem._store import KeyedRequest, KeyRef, Lease, Reservation, Store, lock_id
+from flask_idem._store import Store
 
 from . import citus
 from .helpers import count, headers

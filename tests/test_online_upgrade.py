@@ -132,7 +132,7 @@ def test_upgrade_under_load(
         f"\napplication backends seen waiting on a lock during the upgrade: {len(waits)} samples,"
         f" longest {max(waits, default=0) * 1000:.1f} ms"
     )
-    assert report.applied == [2]
+    assert report.applied == list(range(2, _layout.latest() + 1))
     assert layout_of(db, loaded) == _layout.latest()
     assert not any("INVALID" in index for index in catalog(db, loaded)["indexes"])
     assert during  # requests were served while it ran

@@ -14,7 +14,8 @@ import pytest
 
 from flask_idem._migrate import upgrade
 from flask_idem._pool import PooledConnection, ProcessPool
-from flask_idem._store import KeyedRequest, KeyRef, Lease, Store, lock_id
+from flask_idem._records import KeyedRequest, KeyRef, Lease, lock_id
+from flask_idem._store import Store
 
 from . import citus
 from .helpers import PREPARE_THRESHOLD

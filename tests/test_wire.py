@@ -327,7 +327,11 @@ def without_psycopg_internals(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
 
 
 def test_without_psycopg_internals_every_statement_goes_alone(
-    without_psycopg_internals: None, database_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    without_psycopg_internals: None,
+    database_url: str,
+    db: psycopg.Connection[Any],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A psycopg without the internals batches use: the extension says so once, and sends each statement
     on its round trip through psycopg's public API, with the same answers (a fresh key, its replay)."""
@@ -346,7 +350,10 @@ def test_without_psycopg_internals_every_statement_goes_alone(
 
 
 def test_psycopg_behaving_otherwise_is_found_by_the_trial(
-    monkeypatch: pytest.MonkeyPatch, database_url: str, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
+    database_url: str,
+    db: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Internals that are there but answer otherwise (here, errors of the wrong class) fail the trial
     batch of the first connection: the extension falls back and says why."""

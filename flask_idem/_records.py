@@ -1,0 +1,175 @@
+"""The records of the key table: what the store takes (a key, a request, a lease) and what it answers.
+
+Rows come back from the store's statements as dictionaries and are bound to these by column name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = [
+    "RECORD_FIELDS",
+    "KeyRecord",
+    "KeyRef",
+    "KeyedRequest",
+    "Lease",
+    "Reservation",
+    "Stranded",
+    "StuckRow",
+    "TableState",
+    "TableStats",
+    "lock_id",
+]
+
+#: Advisory locks share one namespace with the application's own. Mixing this constant into the lock id
+#: keeps ours apart from ids an application derives from small integers.
+_LOCK_SALT = b"flask-idem/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRef:
+    """One key of one organisation: the primary key of a row of the key table."""
+
+    org_id: int
+    key: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class KeyedRequest(KeyRef):
+    """A write request that carries a key: what a reservation records about it."""
+
+    #: The request's fingerprint (:func:`flask_idem._fingerprint.fingerprint`).
+    request_sha: bytes
+    method: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Lease(KeyRef):
+    """A worker's hold on a multi-step request: every write it makes is guarded by ``token``."""
+
+    token: uuid.UUID
+    #: How long the lease lasts from each write that renews it.
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """A committed row of the key table, as a later request with the same key sees it."""
+
+    request_sha: bytes
+    status: str
+    response: dict[str, Any] | None
+    #: Past its retention period and its tombstone's, finished, and not flagged for a person: the key
+    #: may be used anew.
+    expired: bool
+    #: Past its retention period but not its tombstone's: the stored response is gone (or about to be),
+    #: and a retry is told where the result is, or that it expired.
+    stale: bool
+    #: Multi-step rows: whether a worker holds the request now, the flow, and what it recorded.
+    lease_live: bool = False
+    flow: str | None = None
+    step: str | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+#: The columns of a key's row that a later request reads, as the store's statements name them.
+RECORD_FIELDS = tuple(f.name for f in fields(KeyRecord))
+
+
+@dataclass(frozen=True, slots=True)
+class Stranded:
+    """A multi-step request the recovery job claimed: its lease had expired."""
+
+    org_id: int
+    key: uuid.UUID
+    flow: str
+    step: str | None
+    state: dict[str, Any]
+    method: str
+    path: str
+    attempts: int
+    overdue: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StuckRow:
+    """A row ``flask idem stuck`` reports."""
+
+    org_id: int
+    key: uuid.UUID
+    status: str
+    flow: str | None
+    step: str | None
+    attempts: int
+    age_seconds: float
+    needs_attention: bool
+    last_error: str | None
+    #: What the row is for: a request's method and path, or ``TASK`` and the task's path for a
+    #: background job (:mod:`flask_idem.jobs`).
+    method: str = ""
+    path: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TableState:
+    """The key table's state at a glance, read with one query over small partial indexes (for metrics).
+
+    Only committed rows count: an atomic request's row is never seen ``processing`` by others, so
+    ``processing`` rows are multi-step requests.
+    """
+
+    #: Multi-step requests not finished yet.
+    processing: int
+    #: Of those, the ones whose lease has expired: stranded, waiting for a retry or the recovery job.
+    stranded: int
+    #: Rows flagged for a person (``flask idem stuck``).
+    flagged: int
+    #: Age in seconds of the oldest processing request; 0 when there is none.
+    oldest_processing_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class TableStats:
+    """What ``flask idem stats`` prints. Reads the whole table: meant for a person, not for a scraper."""
+
+    #: Rows by status, sorted by status.
+    by_status: list[tuple[str, int]]
+    #: Multi-step rows by flow, status and last finished step (``None`` before any step after the intent).
+    by_flow: list[tuple[str, str, str | None, int]]
+    flagged: int
+    #: Rows kept as tombstones (:data:`IDEM_TOMBSTONE_TTL`): their stored response has expired.
+    tombstones: int
+    #: What ``flask idem purge`` would do now: rows it would turn into tombstones, and rows it would
+    #: delete (tombstones past their own period, or expired rows when tombstones are off).
+    to_tombstone: int
+    to_delete: int
+    #: The oldest processing request, or ``None``.
+    oldest_processing: StuckRow | None
+    #: ``pg_total_relation_size`` of the table (with its indexes and TOAST), and the indexes alone.
+    total_bytes: int
+    index_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What :meth:`Store.reserve` found.
+
+    ``reserved`` is true when this transaction inserted the row and now owns the key. Otherwise
+    ``record`` is the committed row, or ``None`` when another transaction holds the key and has not
+    committed yet (the request is in flight).
+    """
+
+    reserved: bool
+    record: KeyRecord | None = None
+
+
+def lock_id(org_id: int, key: uuid.UUID) -> int:
+    """The signed 64-bit advisory lock id of one (org, key) pair."""
+    digest = hashlib.blake2b(
+        org_id.to_bytes(8, "big", signed=True) + key.bytes, digest_size=8, key=_LOCK_SALT
+    ).digest()
+    return int.from_bytes(digest, "big", signed=True)

@@ -1,0 +1,250 @@
+-- Every statement flask-idem runs on its key table, for a reviewer to read as SQL.
+--
+-- Each block starts with "-- name: <name>"; flask_idem/_store.py loads the blocks once, in this order,
+-- drops the comments, and fills in the braces: {table} (the key table, IDEM_TABLE) and its index names,
+-- and the fragments (blocks whose names start with "fragment ") by name. %(name)s are parameters: their
+-- values travel apart from the text, in Bind messages. A block whose name ends with "citus" replaces the
+-- block of the same name on a Citus distributed table (IDEM_DISTRIBUTED), where FOR UPDATE cannot span
+-- shards, nor a LIMIT stand under it, and UPDATE and DELETE refuse STABLE functions of a column.
+
+-- name: fragment finished
+-- A row whose request ended, and that no person has to look at.
+k.status <> 'processing' AND NOT k.needs_attention
+
+-- name: fragment gone
+-- Past retention and past the tombstone's period: the key may be used anew, and purge may delete it. A
+-- row the purge turned into a tombstone has had its expires_at moved to the tombstone's end (tombstone
+-- below). Written so that no STABLE function (timestamptz arithmetic) takes a column, and none sits in
+-- a CASE: Citus refuses both in UPDATE and DELETE.
+(k.response ? 'tombstone' IS TRUE AND k.expires_at <= now()
+ OR k.response ? 'tombstone' IS NOT TRUE
+    AND k.expires_at <= now() - make_interval(secs => %(tomb)s))
+
+-- name: fragment record
+-- The columns a later request reads of a key's row (KeyRecord's fields). "stale": its response passed
+-- retention; "expired": the key may be used anew. The reserve function of layout 1's distributed_sql
+-- answers the same (a test compares them).
+k.request_sha, k.status, k.response,
+{finished} AND {gone} AS expired,
+{finished} AND (k.response ? 'tombstone' OR k.expires_at <= now()) AS stale,
+coalesce(k.lease_expires_at > now(), false) AS lease_live, k.flow, k.step, k.state
+
+-- name: fragment mine
+-- The guard of every write under a lease: the row is still processing, under this worker's token.
+WHERE org_id = %(org_id)s AND idem_key = %(key)s AND status = 'processing' AND lease_token = %(token)s
+
+-- name: fragment atomic
+-- An atomic request's row has no flow and no lease.
+NULL, NULL, NULL
+
+-- name: fragment leased
+-- A multi-step request's row names its flow, and its lease from the database's clock.
+%(flow)s, %(token)s, now() + make_interval(secs => %(lease)s)
+
+-- name: fragment leased citus
+%(flow)s, %(token)s, %(lease)s
+
+-- name: reserve
+-- Always one row: whether this transaction inserted the row, whether it holds the key's lock (taken
+-- first, without waiting: a key whose lock is held is in flight), and the committed row of the key, if
+-- its snapshot has one (it never sees its own insert). {lease} is the atomic or the leased fragment.
+WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken),
+reserved AS (
+    INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, expires_at,
+                         flow, lease_token, lease_expires_at)
+    SELECT %(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, 'processing',
+           now() + make_interval(secs => %(ttl)s), {lease} FROM lock WHERE lock.taken
+    ON CONFLICT (org_id, idem_key) DO NOTHING
+    RETURNING 1
+)
+SELECT EXISTS (SELECT FROM reserved) AS fresh, lock.taken, {record}
+FROM lock LEFT JOIN {table} AS k ON k.org_id = %(org_id)s AND k.idem_key = %(key)s
+
+-- name: reserve citus
+-- The same answer from the reserve function of layout 1 (distributed_sql), run on the key's node.
+SELECT * FROM {reserve_function}(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)s, %(path)s,
+                                 %(ttl)s, %(lock)s, {lease}, %(tomb)s)
+
+-- name: lookup
+-- The row of a key committed after the reservation's snapshot was taken (a new statement sees it).
+SELECT false AS fresh, true AS taken, {record} FROM {table} AS k
+WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s
+
+-- name: delete_expired
+DELETE FROM {table} AS k
+WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s AND {finished} AND {gone}
+
+-- name: complete
+-- An atomic request's own uncommitted row, which nothing else can see: it always matches that one row.
+UPDATE {table} SET status = 'completed', response = %(response)s
+WHERE org_id = %(org_id)s AND idem_key = %(key)s
+
+-- name: take_over
+-- A retry or the recovery job takes a processing request whose lease expired; of concurrent callers, one.
+UPDATE {table} SET lease_token = %(token)s,
+    lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = attempts + 1
+WHERE org_id = %(org_id)s AND idem_key = %(key)s
+  AND status = 'processing' AND lease_expires_at <= now()
+
+-- name: hold
+UPDATE {table} SET lease_expires_at = now() + make_interval(secs => %(lease)s) {mine}
+
+-- name: record_step
+UPDATE {table} SET step = %(step)s,
+    state = state || jsonb_build_object(%(step)s::text, %(result)s::jsonb),
+    lease_expires_at = now() + make_interval(secs => %(lease)s) {mine}
+
+-- name: complete_leased
+UPDATE {table} SET status = %(status)s, response = %(response)s,
+    lease_token = NULL, lease_expires_at = NULL, next_attempt_at = NULL,
+    last_error = coalesce(%(error)s, last_error),
+    needs_attention = (%(status)s = 'failed') {mine}
+
+-- name: release
+UPDATE {table} SET lease_expires_at = now(), last_error = %(error)s,
+    next_attempt_at = now() + make_interval(secs => %(retry_in)s) {mine}
+
+-- name: fragment due
+-- A stranded request is due once its lease has expired and its next attempt is due: at
+-- greatest(lease_expires_at, next_attempt_at), which ignores a NULL next_attempt_at. Layout 2 indexes
+-- that moment (flask_idem.migrations.v2_due_index), so a claim reads due rows only, not every row still
+-- backing off; on layout 1 the same statement reads them all, as before.
+k.lease_expires_at IS NOT NULL AND greatest(k.lease_expires_at, k.next_attempt_at) <= now()
+
+-- name: claim
+WITH due AS (
+    SELECT org_id, idem_key FROM {table} AS k
+    WHERE {due} AND k.status = 'processing' AND k.flow = ANY(%(flows)s)
+    ORDER BY greatest(k.lease_expires_at, k.next_attempt_at) LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS k SET lease_token = %(token)s,
+    lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = k.attempts + 1
+FROM due WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key
+RETURNING k.org_id, k.idem_key AS key, k.flow, k.step, k.state, k.method, k.path, k.attempts,
+          k.created_at <= now() - make_interval(secs => %(deadline)s) AS overdue
+
+-- name: stuck
+SELECT org_id, idem_key AS key, status, flow, step, attempts,
+       extract(epoch FROM now() - created_at)::float8 AS age_seconds, needs_attention, last_error,
+       method, path
+FROM {table}
+WHERE needs_attention
+   OR (status = 'processing' AND created_at <= now() - make_interval(secs => %(older_than)s))
+ORDER BY created_at
+
+-- name: purge
+DELETE FROM {table} WHERE (org_id, idem_key) IN (
+    SELECT org_id, idem_key FROM {table} AS k
+    WHERE k.expires_at <= now() AND {finished} AND {gone}
+    ORDER BY k.expires_at LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED)
+
+-- name: tombstone
+-- What a tombstone keeps of the response: its status and Location, no body and no other header (they
+-- may carry personal data). Its expires_at moves to the end of the tombstone's period, out of the range
+-- the next purge walks.
+UPDATE {table} AS k SET expires_at = k.expires_at + make_interval(secs => %(tomb)s),
+    response = jsonb_build_object(
+        'tombstone', true, 'status', k.response->'status',
+        'headers', coalesce((SELECT jsonb_agg(h) FROM jsonb_array_elements(k.response->'headers') AS h
+                             WHERE lower(h->>0) = 'location'), '[]'::jsonb))
+FROM (SELECT org_id, idem_key FROM {table} AS k
+      WHERE k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'
+      ORDER BY k.expires_at LIMIT %(limit)s
+      FOR UPDATE SKIP LOCKED) AS due
+WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key
+
+-- name: fragment processing
+-- Committed processing rows always have a lease (atomic rows are never committed processing), so
+-- "lease_expires_at IS NOT NULL" lets the planner use the lease index.
+FROM {table} WHERE lease_expires_at IS NOT NULL AND status = 'processing'
+
+-- name: state
+SELECT p.processing, p.stranded,
+       (SELECT count(*) FROM {table} WHERE needs_attention) AS flagged,
+       p.oldest_processing_seconds
+FROM (SELECT count(*) AS processing,
+             count(*) FILTER (WHERE lease_expires_at <= now()) AS stranded,
+             coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_processing_seconds
+      {processing}) AS p
+
+-- name: stats_by_status
+SELECT status, count(*) FROM {table} GROUP BY status ORDER BY status
+
+-- name: stats_by_flow
+SELECT flow, status, step, count(*) FROM {table} WHERE flow IS NOT NULL
+GROUP BY flow, status, step ORDER BY flow, status, step NULLS FIRST
+
+-- name: stats_oldest
+SELECT org_id, idem_key AS key, status, flow, step, attempts,
+       extract(epoch FROM now() - created_at)::float8 AS age_seconds, needs_attention, last_error
+{processing} ORDER BY created_at LIMIT 1
+
+-- name: stats_totals
+-- What the next purge would do: delete rows past their tombstone's period (or past retention, without
+-- tombstones), and turn the other rows past retention into tombstones.
+SELECT count(*) FILTER (WHERE k.needs_attention) AS flagged,
+       count(*) FILTER (WHERE k.response ? 'tombstone') AS tombstones,
+       count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND {gone}) AS to_delete,
+       count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'
+                        AND NOT ({gone})) AS to_tombstone,
+       pg_total_relation_size(%(table)s::regclass) AS total_bytes,
+       pg_indexes_size(%(table)s::regclass) AS index_bytes
+FROM {table} AS k
+
+-- On Citus, from here on: rows are read without locks across shards (*_candidates), then acted on one
+-- organisation at a time (one shard, a router query) by a statement that locks them with SKIP LOCKED
+-- and checks again. Only IMMUTABLE functions may take a column in its UPDATE and DELETE, and no STABLE
+-- one may sit in a CASE or COALESCE, so expires_at + tomb is computed in epoch seconds and the tombstone
+-- is built with jsonb_set (jsonb_build_object is STABLE).
+
+-- name: fragment claimable citus
+{due} AND k.status = 'processing' AND k.flow = ANY(%(flows)s)
+
+-- name: fragment one_org citus
+k.org_id = %(org)s AND k.idem_key = ANY(%(keys)s::uuid[])
+
+-- name: fragment tombstoning citus
+k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'
+
+-- name: claim_candidates citus
+SELECT org_id, idem_key AS key,
+       created_at <= now() - make_interval(secs => %(deadline)s) AS overdue
+FROM {table} AS k WHERE {claimable} AND NOT k.idem_key = ANY(%(triedkeys)s::uuid[])
+ORDER BY greatest(k.lease_expires_at, k.next_attempt_at) LIMIT %(limit)s
+
+-- name: claim citus
+UPDATE {table} AS t SET lease_token = %(token)s,
+    lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = t.attempts + 1
+FROM (SELECT org_id, idem_key FROM {table} AS k WHERE {one_org} AND {claimable}
+      FOR UPDATE SKIP LOCKED) AS due
+WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key
+RETURNING t.org_id, t.idem_key AS key, t.flow, t.step, t.state, t.method, t.path, t.attempts
+
+-- name: purge_candidates citus
+SELECT org_id, idem_key AS key FROM {table} AS k
+WHERE k.expires_at <= now() AND {finished} AND {gone}
+ORDER BY k.expires_at LIMIT %(limit)s
+
+-- name: purge citus
+DELETE FROM {table} AS t WHERE t.org_id = %(org)s AND (t.org_id, t.idem_key) IN (
+    SELECT org_id, idem_key FROM {table} AS k
+    WHERE {one_org} AND k.expires_at <= now() AND {finished} AND {gone}
+    FOR UPDATE SKIP LOCKED)
+
+-- name: tombstone_candidates citus
+SELECT org_id, idem_key AS key FROM {table} AS k
+WHERE {tombstoning} ORDER BY k.expires_at LIMIT %(limit)s
+
+-- name: tombstone citus
+UPDATE {table} AS t
+SET expires_at = to_timestamp(extract(epoch FROM t.expires_at - 'epoch'::timestamptz) + %(tomb)s),
+    response = jsonb_set(jsonb_set('{{"tombstone": true}}'::jsonb,
+        '{{status}}', coalesce(t.response->'status', 'null'::jsonb)),
+        '{{headers}}', coalesce((SELECT jsonb_agg(h)
+                                 FROM jsonb_array_elements(t.response->'headers') AS h
+                                 WHERE lower(h->>0) = 'location'), '[]'::jsonb))
+FROM (SELECT org_id, idem_key FROM {table} AS k WHERE {one_org} AND {tombstoning}
+      FOR UPDATE SKIP LOCKED) AS due
+WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key
