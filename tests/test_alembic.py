@@ -29,8 +29,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from flask_idem import Idempotency, _layout
 from flask_idem import alembic as idem_alembic
 
-from . import citus
-from .layouts import create_first_release, layout_of
+from .support import citus
+from .support.layouts import create_first_release, layout_of
 
 pytestmark = pytest.mark.skipif(
     citus.ENABLED, reason="a scratch schema per test; the Citus upgrade is tested in test_migrate.py"

@@ -16,28 +16,28 @@ import psycopg
 import pytest
 from flask import Flask
 
-from .helpers import app_factory, count
-from .policy_app import ORG, build_policy_app
+from .support.helpers import app_factory, count
+from .support.policy_app import ORG, build_policy_app
 
 
 @pytest.fixture
-def app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
+def async_app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
     with app_factory(lambda **config: build_policy_app(database_url, **config)) as make:
         yield make()
 
 
-def post(app: Flask, path: str, key: uuid.UUID, json: Any) -> Any:
-    return app.test_client().post(path, json=json, headers={**ORG, "Idempotency-Key": str(key)})
+def post(async_app: Flask, path: str, key: uuid.UUID, json: Any) -> Any:
+    return async_app.test_client().post(path, json=json, headers={**ORG, "Idempotency-Key": str(key)})
 
 
 def test_the_coroutine_runs_on_another_thread_inside_the_keys_transaction(
-    app: Flask, db: psycopg.Connection[Any]
+    async_app: Flask, db: psycopg.Connection[Any]
 ) -> None:
     """asgiref runs the coroutine on a thread of its own; there idem.connection is the connection of the
     key's transaction (it sees the uncommitted reservation), idem.key is the key, and what the coroutine
     puts on g is seen by after_request on the request's thread."""
     key = uuid.uuid4()
-    first = post(app, "/async/notes", key, {"body": "async one"})
+    first = post(async_app, "/async/notes", key, {"body": "async one"})
     assert first.status_code == 201, first.data
     assert first.json == {
         "id": first.json["id"],
@@ -46,29 +46,29 @@ def test_the_coroutine_runs_on_another_thread_inside_the_keys_transaction(
         "other_thread": True,
     }
     assert first.headers["X-View-Thread-Seen"] == "true"
-    again = post(app, "/async/notes", key, {"body": "async one"})
+    again = post(async_app, "/async/notes", key, {"body": "async one"})
     assert again.status_code == 200 and again.data == first.data
-    assert post(app, "/async/notes", key, {"body": "async two"}).status_code == 422
+    assert post(async_app, "/async/notes", key, {"body": "async two"}).status_code == 422
     assert count(db, "notes") == 1
     assert db.execute("SELECT status FROM idempotency_keys").fetchall() == [("completed",)]
 
 
-def test_an_exception_in_the_coroutine_rolls_back(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_an_exception_in_the_coroutine_rolls_back(async_app: Flask, db: psycopg.Connection[Any]) -> None:
     """The coroutine's write and the key are rolled back together when it raises: a retry runs again."""
-    app.config["PROPAGATE_EXCEPTIONS"] = False
+    async_app.config["PROPAGATE_EXCEPTIONS"] = False
     key = uuid.uuid4()
-    assert post(app, "/async/fail", key, {}).status_code == 500
+    assert post(async_app, "/async/fail", key, {}).status_code == 500
     assert count(db, "notes") == 0 and count(db, "idempotency_keys") == 0
 
 
-def test_an_async_view_called_where_an_event_loop_runs(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_an_async_view_called_where_an_event_loop_runs(async_app: Flask, db: psycopg.Connection[Any]) -> None:
     """Called from a thread whose event loop is running (as in a test process that holds Playwright's
     loop open), where asgiref refuses to wait, the coroutine runs from a thread of its own: same
     transaction, same answers."""
     key = uuid.uuid4()
 
     async def from_a_running_loop() -> list[Any]:
-        return [post(app, "/async/notes", key, {"body": "in a loop"}) for _ in range(2)]
+        return [post(async_app, "/async/notes", key, {"body": "in a loop"}) for _ in range(2)]
 
     first, again = asyncio.run(from_a_running_loop())
     assert first.status_code == 201, first.data

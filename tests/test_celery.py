@@ -1,8 +1,8 @@
 """Idempotent Celery tasks on real workers and the real RabbitMQ: redelivery, kills, the relay's duplicates.
 
-Every test runs ``celery worker`` processes (prefork) of tests/jobs_app.py on a queue of its own, fed by
-the outbox through the relay, and SIGKILLs what a crash would kill. Skipped, saying why, where no broker
-answers (tests/celery_workers.py); CI has one.
+Every test runs ``celery worker`` processes (prefork) of tests/support/jobs_app.py on a queue of its own, fed
+by the outbox through the relay, and SIGKILLs what a crash would kill. Skipped, saying why, where no broker
+answers (tests/support/celery_workers.py); CI has one.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from flask import Flask
 
 from flask_idem.relay import relay
 
-from .celery_workers import BROKER_URL, broker_marks, delete_queue, kill, new_queue, running, worker
-from .helpers import close_pool, wait_for
-from .jobs_app import SCHEMA, build_jobs_app, jobs, receipts
-from .servers import ROOT
+from .support.celery_workers import BROKER_URL, broker_marks, delete_queue, kill, new_queue, running, worker
+from .support.helpers import close_pool, wait_for
+from .support.jobs_app import SCHEMA, build_jobs_app, jobs, receipts
+from .support.servers import ROOT
 
 pytestmark = broker_marks()
 
@@ -81,13 +81,13 @@ def test_workers_run_every_task_once_despite_the_relays_duplicates(
     keys = [enqueue(app, "jobs.add", n, hold=0.2) for n in range(6)] + [
         enqueue(app, "jobs.mail", f"{n}@example.com") for n in range(2)
     ]
-    script = f"from tests.jobs_app import relay_killed_after; relay_killed_after({len(keys)})"
+    script = f"from tests.support.jobs_app import relay_killed_after; relay_killed_after({len(keys)})"
     killed = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, **env}, timeout=60)
     assert killed.returncode == -9  # killed after publishing every message, before marking the last
     assert db.execute("SELECT count(*) FROM idempotency_keys_outbox WHERE sent_at IS NULL").fetchone() == (1,)
     db.execute("UPDATE idempotency_keys_outbox SET claimed_until = now(), sent_at = NULL")  # all again
     assert relay(app).published == len(keys)
-    with worker("tests.jobs_app", env, tmp_path / "worker.log", concurrency=2):
+    with worker("tests.support.jobs_app", env, tmp_path / "worker.log", concurrency=2):
         wait_for(lambda: completed(db) == len(keys), timeout=90, interval=0.2)
         time.sleep(1.0)  # let the duplicates be delivered too
     started = [line[0] for line in trace(env)]
@@ -106,7 +106,7 @@ def test_a_pool_process_killed_mid_task_is_redelivered_and_runs_once(
     app, env = setup
     enqueue(app, "jobs.add", 11, hold=60.0, holds=2)
     relay(app)
-    with worker("tests.jobs_app", env, tmp_path / "worker.log", concurrency=2) as proc:
+    with worker("tests.support.jobs_app", env, tmp_path / "worker.log", concurrency=2) as proc:
         for started in (1, 2):  # the first two runs hold inside their transaction, and are killed there
             wait_for(lambda started=started: len(trace(env)) == started, timeout=60)  # type: ignore[misc]
             victim = int(trace(env)[-1][3])
@@ -126,7 +126,7 @@ def test_a_whole_worker_killed_between_steps_is_finished_by_the_next(
     app, env = setup
     key = enqueue(app, "jobs.mail", "a@example.com", hold=60.0)
     relay(app)
-    with worker("tests.jobs_app", env, tmp_path / "worker1.log", concurrency=1) as proc:
+    with worker("tests.support.jobs_app", env, tmp_path / "worker1.log", concurrency=1) as proc:
         wait_for(lambda: len(receipts(env["JOBS_MAILDIR"])) == 1, timeout=60)  # sent, now holding
         family = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
         for pid in family:
@@ -134,7 +134,7 @@ def test_a_whole_worker_killed_between_steps_is_finished_by_the_next(
         proc.wait(10)
     assert running(family) == []
     assert len(receipts(env["JOBS_MAILDIR"])) == 1
-    with worker("tests.jobs_app", env, tmp_path / "worker2.log", concurrency=1):
+    with worker("tests.support.jobs_app", env, tmp_path / "worker2.log", concurrency=1):
         wait_for(lambda: completed(db) == 1, timeout=90, interval=0.2)
     assert [line[0] for line in trace(env)] == ["mail", "send"]  # resolved, not sent again
     assert receipts(env["JOBS_MAILDIR"]) == [f"<{jobs_key_send(key)}@jobs.test>"]

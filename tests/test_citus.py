@@ -23,8 +23,8 @@ from flask_idem._records import KeyedRequest, KeyRef, Lease, Reservation, lock_i
 from flask_idem._state import get_state
 from flask_idem._store import Store
 
-from . import citus
-from .helpers import count, headers
+from .support import citus
+from .support.helpers import count, headers
 
 pytestmark = pytest.mark.skipif(not citus.ENABLED, reason="runs only with FLASK_IDEM_TEST_CITUS=1")
 

@@ -9,7 +9,7 @@ from flask import Flask
 
 from flask_idem import Idempotency
 
-from .helpers import close_pool
+from .support.helpers import close_pool
 
 
 def test_init_db_is_idempotent(app: Flask) -> None:

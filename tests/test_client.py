@@ -33,7 +33,7 @@ from flask_idem.client import (
 )
 from flask_idem.errors import DatabaseUnavailable, KeyMismatch
 
-from .servers import in_thread
+from .support.servers import in_thread
 
 # A fake transport and clock for the pure backoff logic; the tests at the end use real HTTP.
 

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 import requests
 
-from .helpers import count, headers
+from .support.helpers import count, headers
 
 pytestmark = pytest.mark.slow
 

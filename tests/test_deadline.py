@@ -1,6 +1,6 @@
 """Deadlines on the database: connection options, the watchdog, a request's budget, the prober, fail-fast.
 
-A silent connection is made with the fault proxy (:mod:`tests.faultproxy`): ``silence("hung")`` leaves
+A silent connection is made with the fault proxy (:mod:`tests.support.faultproxy`): ``silence("hung")`` leaves
 every open connection acknowledged by the kernel and answered by nobody.
 """
 
@@ -19,10 +19,10 @@ from flask_idem import DEFAULT_CONNECT_OPTIONS, ConfigurationError, DeadlineExce
 from flask_idem._pool import FAIL_FAST_TIMEOUT, ProcessPool
 from flask_idem._settings import Settings
 
-from . import pgbouncer
-from .faultproxy import FaultProxy, running_proxy
-from .helpers import PREPARE_THRESHOLD
-from .servers import free_port
+from .support import pgbouncer
+from .support.faultproxy import FaultProxy, running_proxy
+from .support.helpers import PREPARE_THRESHOLD
+from .support.servers import free_port
 
 #: Slack over an expected time for a busy machine, in seconds.
 SLACK = 3.0

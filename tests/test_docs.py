@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .servers import ROOT
+from .support.servers import ROOT
 
 pytestmark = pytest.mark.slow
 

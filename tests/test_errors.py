@@ -22,8 +22,8 @@ from flask_idem.errors import (
     problem,
 )
 
-from .helpers import close_pool, count
-from .notes_app import build_app, post
+from .support.helpers import close_pool, count
+from .support.notes_app import build_app, post
 
 SECRET = "hunter2-c0rrect-h0rse"
 

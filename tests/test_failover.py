@@ -1,9 +1,9 @@
 """A failover to a streaming standby, under load: what a client saw acknowledged survives it or not.
 
-A primary and a standby (:mod:`tests.replication`), the gateway and the shop (gunicorn, 2 workers x 4
+A primary and a standby (:mod:`tests.support.replication`), the gateway and the shop (gunicorn, 2 workers x 4
 threads) on the multi-host URL ``host=127.0.0.1,127.0.0.1 port=A,B target_session_attrs=read-write``.
 Clients place and pay orders through the retry helper while probes place orders one attempt at a time
-(:mod:`tests.failover`); the primary's processes are SIGKILLed, the standby promoted 1 or 5 seconds
+(:mod:`tests.support.failover`); the primary's processes are SIGKILLed, the standby promoted 1 or 5 seconds
 later, and the history checker then holds the database against everything the clients were told.
 
 The time until the shop answers again, per worker, is printed; the tests hold it to the 10 s the shop
@@ -29,11 +29,11 @@ import requests
 
 from flask_idem.client import IdempotentClient, RequestsTransport, RetryPolicy
 
-from . import citus, pgbouncer
-from .failover import Prober, fail_over, fail_over_under_load, running_system
 from .history.cluster import Cluster
 from .history.workload import Op, perform
-from .replication import Pair
+from .support import citus, pgbouncer
+from .support.failover import Prober, fail_over, fail_over_under_load, running_system
+from .support.replication import Pair
 
 pytestmark = [
     pytest.mark.slow,

@@ -1,10 +1,10 @@
 """The network between the shop and PostgreSQL misbehaves: resets, a lost COMMIT answer, a hold, silence.
 
-The shop runs under gunicorn (2 workers x 8 threads, 4 connections per worker, as ``docs/deployment``
-advises: more threads than connections) and reaches the suite's database through the fault proxy
-(:mod:`tests.faultproxy`) while clients place orders with one attempt each and read orders and the health
-check on a schedule (:mod:`tests.outage`). Whatever the fault, nothing acknowledged is lost, nothing is
-made twice, and no key is left processing once ``flask idem recover`` ran.
+The shop runs under gunicorn (2 workers x 8 threads, 4 connections per worker, as ``docs/deployment`` advises:
+more threads than connections) and reaches the suite's database through the fault proxy
+(:mod:`tests.support.faultproxy`) while clients place orders with one attempt each and read orders and the
+health check on a schedule (:mod:`tests.support.outage`). Whatever the fault, nothing acknowledged is lost,
+nothing is made twice, and no key is left processing once ``flask idem recover`` ran.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import pytest
 import requests
 from flask.testing import FlaskCliRunner
 
-from .faultproxy import FaultProxy, can_drop_packets, running_proxy
-from .helpers import count, headers
-from .outage import ORDER, Sample, check_orders, retry_unsettled, running_load
-from .servers import gunicorn
+from .support.faultproxy import FaultProxy, can_drop_packets, running_proxy
+from .support.helpers import count, headers
+from .support.outage import ORDER, Sample, check_orders, retry_unsettled, running_load
+from .support.servers import gunicorn
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,9 @@ from flask_idem import Idempotency
 from flask_idem.errors import ConfigurationError
 from flask_idem.flow import Flow, OutcomeUnknown, Run
 
-from .flow_app import Ledger, row
-from .helpers import count
-from .notes_app import ORG, post
+from .support.flow_app import Ledger, row
+from .support.helpers import count
+from .support.notes_app import ORG, post
 
 
 def test_all_steps_run_once(flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from . import citus
 from .history import run
+from .support import citus
 
 pytestmark = pytest.mark.slow
 

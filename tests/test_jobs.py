@@ -1,6 +1,6 @@
 """Idempotent background jobs (flask_idem.jobs, _jobs): one delivery at a time, in this process.
 
-Each test hands deliveries of the tasks of tests/jobs_app.py to the runner-neutral core, as a worker
+Each test hands deliveries of the tasks of tests/support/jobs_app.py to the runner-neutral core, as a worker
 would, against the real key table. The Celery workers themselves, on RabbitMQ, are in test_celery.py.
 """
 
@@ -23,9 +23,9 @@ from flask_idem import _jobs
 from flask_idem.jobs import Envelope, JobGivenUp, JobMismatch, Message, task_key
 from flask_idem.relay import relay
 
-from .celery_workers import BROKER_URL
-from .helpers import close_pool
-from .jobs_app import SCHEMA, build_jobs_app, jobs, receipts
+from .support.celery_workers import BROKER_URL
+from .support.helpers import close_pool
+from .support.jobs_app import SCHEMA, build_jobs_app, jobs, receipts
 
 
 @pytest.fixture

@@ -30,9 +30,9 @@ from flask_idem.errors import ConfigurationError
 from flask_idem.metrics import Metrics
 from flask_idem.recovery import recover
 
-from .flow_app import Ledger, build_flow_app
-from .helpers import ROOT, close_pool, gunicorn, headers
-from .notes_app import build_app, post
+from .support.flow_app import Ledger, build_flow_app
+from .support.helpers import ROOT, close_pool, gunicorn, headers
+from .support.notes_app import build_app, post
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

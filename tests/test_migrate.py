@@ -1,7 +1,7 @@
 """The key table's life: layouts, `flask idem init-db` and `migrate`, the first release's table upgraded.
 
 Each test works on a key table of its own name (``IDEM_TABLE``) in the worker's database, made by the
-first release's DDL (:mod:`tests.layouts`) or by the migration itself, and dropped afterwards.
+first release's DDL (:mod:`tests.support.layouts`) or by the migration itself, and dropped afterwards.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from psycopg import sql
 
 from flask_idem import _layout, _migrate
 
-from . import citus
-from .flow_app import Ledger, build_flow_app
-from .helpers import app_factory, close_pool, wait_for
-from .layouts import catalog, create_first_release, drop, layout_of
-from .notes_app import build_app, post
+from .support import citus
+from .support.flow_app import Ledger, build_flow_app
+from .support.helpers import app_factory, close_pool, wait_for
+from .support.layouts import catalog, create_first_release, drop, layout_of
+from .support.notes_app import build_app, post
 
 LEGACY = "legacy_keys"
 

@@ -15,9 +15,9 @@ from psycopg.conninfo import make_conninfo
 from flask_idem import ConfigurationError, Idempotency, OutcomeUnknown, scope_id
 from flask_idem._settings import Settings
 
-from .flow_app import Ledger, build_flow_app
-from .helpers import close_pool, count
-from .notes_app import build_app, post
+from .support.flow_app import Ledger, build_flow_app
+from .support.helpers import close_pool, count
+from .support.notes_app import build_app, post
 
 KEY = {"Idempotency-Key": "5f1e6a3c-2b7d-4c8e-9a01-3d4f5e6a7b8c"}
 

@@ -23,10 +23,10 @@ from psycopg import sql
 
 from flask_idem import _layout, _migrate
 
-from . import citus
-from .helpers import app_factory
-from .layouts import catalog, create_first_release, drop, layout_of
-from .notes_app import build_app, post
+from .support import citus
+from .support.helpers import app_factory
+from .support.layouts import catalog, create_first_release, drop, layout_of
+from .support.notes_app import build_app, post
 
 pytestmark = pytest.mark.slow
 

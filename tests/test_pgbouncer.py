@@ -10,8 +10,8 @@ import pytest
 from flask import Flask
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from . import pgbouncer
-from .helpers import count, headers
+from .support import pgbouncer
+from .support.helpers import count, headers
 
 pytestmark = pytest.mark.skipif(not pgbouncer.ENABLED, reason="runs only with FLASK_IDEM_TEST_PGBOUNCER=1")
 

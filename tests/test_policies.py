@@ -17,8 +17,8 @@ from werkzeug.test import TestResponse
 from flask_idem import Fingerprint
 from flask_idem._settings import Settings
 
-from .helpers import app_factory, count
-from .policy_app import ORG, build_policy_app
+from .support.helpers import app_factory, count
+from .support.policy_app import ORG, build_policy_app
 
 
 @pytest.fixture
@@ -29,17 +29,17 @@ def make(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Callable[..
 
 
 @pytest.fixture
-def app(make: Callable[..., Flask]) -> Flask:
+def policy_app(make: Callable[..., Flask]) -> Flask:
     return make()
 
 
 def post(
-    app: Flask, path: str, key: uuid.UUID | None, json: Any = None, *, query: str = "", **headers: str
+    policy_app: Flask, path: str, key: uuid.UUID | None, json: Any = None, *, query: str = "", **headers: str
 ) -> TestResponse:
     sent = {**ORG, **headers}
     if key is not None:
         sent["Idempotency-Key"] = str(key)
-    return app.test_client().post(path + query, json=json, headers=sent)
+    return policy_app.test_client().post(path + query, json=json, headers=sent)
 
 
 def stored(db: psycopg.Connection[Any], key: uuid.UUID) -> dict[str, Any]:
@@ -52,14 +52,24 @@ def stored(db: psycopg.Connection[Any], key: uuid.UUID) -> dict[str, Any]:
 # -- what counts as the same request -------------------------------------------------------------------------
 
 
-def test_a_volatile_field_does_not_make_a_retry_a_mismatch(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_a_volatile_field_does_not_make_a_retry_a_mismatch(
+    policy_app: Flask, db: psycopg.Connection[Any]
+) -> None:
     """/client_ts and /trace/id change on every attempt: the retry is replayed, not refused."""
     key = uuid.uuid4()
     first = post(
-        app, "/volatile", key, {"amount": 5, "client_ts": 1, "trace": {"id": "a"}}, **{"X-Currency": "EUR"}
+        policy_app,
+        "/volatile",
+        key,
+        {"amount": 5, "client_ts": 1, "trace": {"id": "a"}},
+        **{"X-Currency": "EUR"},
     )
     again = post(
-        app, "/volatile", key, {"trace": {"id": "b"}, "client_ts": 2, "amount": 5.0}, **{"X-Currency": "EUR"}
+        policy_app,
+        "/volatile",
+        key,
+        {"trace": {"id": "b"}, "client_ts": 2, "amount": 5.0},
+        **{"X-Currency": "EUR"},
     )
     assert first.status_code == 201
     assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
@@ -78,14 +88,19 @@ def test_a_volatile_field_does_not_make_a_retry_a_mismatch(app: Flask, db: psyco
     ids=["body", "header", "header-absent", "both"],
 )
 def test_a_real_change_is_a_422_that_names_the_part(
-    app: Flask, db: psycopg.Connection[Any], body: dict[str, Any], headers: dict[str, str], differs: list[str]
+    policy_app: Flask,
+    db: psycopg.Connection[Any],
+    body: dict[str, Any],
+    headers: dict[str, str],
+    differs: list[str],
 ) -> None:
     """The 422 says which counted part differs (by name, never by value) and writes nothing."""
     key = uuid.uuid4()
     assert (
-        post(app, "/volatile", key, {"amount": 5, "client_ts": 1}, **{"X-Currency": "EUR"}).status_code == 201
+        post(policy_app, "/volatile", key, {"amount": 5, "client_ts": 1}, **{"X-Currency": "EUR"}).status_code
+        == 201
     )
-    answer = post(app, "/volatile", key, body, **headers)
+    answer = post(policy_app, "/volatile", key, body, **headers)
     assert answer.status_code == 422
     assert answer.json is not None
     assert answer.json["differs"] == differs
@@ -94,28 +109,32 @@ def test_a_real_change_is_a_422_that_names_the_part(
     assert count(db, "notes") == 1
 
 
-def test_only_included_members_count(app: Flask) -> None:
+def test_only_included_members_count(policy_app: Flask) -> None:
     """include=["/amount", "/currency"]: a changed note is the same request, a changed amount is not."""
     key = uuid.uuid4()
-    assert post(app, "/picked", key, {"amount": 5, "currency": "EUR", "note": "a"}).status_code == 201
-    assert post(app, "/picked", key, {"amount": 5, "currency": "EUR", "note": "b"}).status_code == 200
-    refused = post(app, "/picked", key, {"amount": 7, "currency": "EUR"})
+    assert post(policy_app, "/picked", key, {"amount": 5, "currency": "EUR", "note": "a"}).status_code == 201
+    assert post(policy_app, "/picked", key, {"amount": 5, "currency": "EUR", "note": "b"}).status_code == 200
+    refused = post(policy_app, "/picked", key, {"amount": 7, "currency": "EUR"})
     assert refused.status_code == 422 and refused.json is not None
     assert refused.json["differs"] == ["body /amount"]
 
 
-def test_a_custom_function_decides(app: Flask) -> None:
+def test_a_custom_function_decides(policy_app: Flask) -> None:
     """custom= counts what it returns (here the 'ref' query argument), and the body not at all."""
     key = uuid.uuid4()
-    assert post(app, "/custom", key, {"any": 1}, query="?ref=a").status_code == 201
-    assert post(app, "/custom", key, {"any": 2}, query="?ref=a").status_code == 200
-    assert post(app, "/custom", key, {"any": 1}, query="?ref=b").status_code == 422  # the query counts too
+    assert post(policy_app, "/custom", key, {"any": 1}, query="?ref=a").status_code == 201
+    assert post(policy_app, "/custom", key, {"any": 2}, query="?ref=a").status_code == 200
+    assert (
+        post(policy_app, "/custom", key, {"any": 1}, query="?ref=b").status_code == 422
+    )  # the query counts too
 
 
-def test_the_stored_response_keeps_part_digests_not_values(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_the_stored_response_keeps_part_digests_not_values(
+    policy_app: Flask, db: psycopg.Connection[Any]
+) -> None:
     """What is stored of the request: the policy's id and an 8-byte digest per part; no header value."""
     key = uuid.uuid4()
-    post(app, "/volatile", key, {"amount": 5, "client_ts": 1}, **{"X-Currency": "EUR"})
+    post(policy_app, "/volatile", key, {"amount": 5, "client_ts": 1}, **{"X-Currency": "EUR"})
     request = stored(db, key)["request"]
     assert set(request) == {"policy", "parts"}
     assert set(request["parts"]) == {
@@ -130,10 +149,10 @@ def test_the_stored_response_keeps_part_digests_not_values(app: Flask, db: psyco
     assert "EUR" not in json.dumps(request)
 
 
-def test_the_default_policy_stores_nothing_more(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_the_default_policy_stores_nothing_more(policy_app: Flask, db: psycopg.Connection[Any]) -> None:
     """A route without a policy keeps the stored document it always had (no 'request' member)."""
     key = uuid.uuid4()
-    post(app, "/deploy", key, {"a": 1})
+    post(policy_app, "/deploy", key, {"a": 1})
     assert "request" not in stored(db, key)
 
 
@@ -183,9 +202,9 @@ def test_a_route_given_its_first_policy(
     assert count(db, "notes") == 1
 
 
-def test_a_policy_with_a_bad_body_is_a_400(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_a_policy_with_a_bad_body_is_a_400(policy_app: Flask, db: psycopg.Connection[Any]) -> None:
     """A malformed JSON body under a policy is refused as under the default: 400, no key row."""
-    answer = app.test_client().post(
+    answer = policy_app.test_client().post(
         "/volatile",
         data=b'{"a": 1, "a": 2}',
         content_type="application/json",
@@ -210,12 +229,14 @@ def test_the_decorator_refuses_what_is_not_a_policy() -> None:
 # -- what a stored response may hold: secrets ------------------------------------------------------------
 
 
-def test_a_secret_is_replayed_as_a_303_to_its_location(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_a_secret_is_replayed_as_a_303_to_its_location(
+    policy_app: Flask, db: psycopg.Connection[Any]
+) -> None:
     """store_response="location": the first caller gets the secret, the stored row and a retry do not."""
     key = uuid.uuid4()
-    first = post(app, "/tokens", key, {})
+    first = post(policy_app, "/tokens", key, {})
     assert first.status_code == 201 and first.json is not None and first.json["token"].startswith("secret-")
-    again = post(app, "/tokens", key, {})
+    again = post(policy_app, "/tokens", key, {})
     assert again.status_code == 303
     assert again.headers["Location"] == first.headers["Location"]
     assert again.headers["Idempotent-Replayed"] == "true"
@@ -225,21 +246,21 @@ def test_a_secret_is_replayed_as_a_303_to_its_location(app: Flask, db: psycopg.C
 
 
 def test_a_secret_without_a_location_is_refused_and_rolled_back(
-    app: Flask, db: psycopg.Connection[Any]
+    policy_app: Flask, db: psycopg.Connection[Any]
 ) -> None:
     """A 2xx with no Location cannot be kept as a 303: 500 problem, nothing committed, nothing stored."""
     key = uuid.uuid4()
-    answer = post(app, "/tokens/nowhere", key, {})
+    answer = post(policy_app, "/tokens/nowhere", key, {})
     assert answer.status_code == 500
     assert answer.json is not None and answer.json["type"] == "urn:flask-idem:problem:response-not-stored"
     assert count(db, "notes") == 0 and count(db, "idempotency_keys") == 0
 
 
-def test_an_error_of_a_secret_route_is_kept_in_full(app: Flask) -> None:
+def test_an_error_of_a_secret_route_is_kept_in_full(policy_app: Flask) -> None:
     """Only 2xx answers are cut to their Location: a 403 is replayed as it was."""
     key = uuid.uuid4()
-    first = post(app, "/tokens/refused", key, {})
-    again = post(app, "/tokens/refused", key, {})
+    first = post(policy_app, "/tokens/refused", key, {})
+    again = post(policy_app, "/tokens/refused", key, {})
     assert (first.status_code, again.status_code) == (403, 403)
     assert again.data == first.data
 
@@ -253,15 +274,15 @@ def test_an_encrypted_body_is_replayed_and_unreadable_at_rest(
     make: Callable[..., Flask], db: psycopg.Connection[Any], keys: list[str]
 ) -> None:
     """store_response="encrypted": the row holds a Fernet token, the retry gets the body byte for byte."""
-    app = make(IDEM_RESPONSE_KEYS=keys[:1])
+    policy_app = make(IDEM_RESPONSE_KEYS=keys[:1])
     key = uuid.uuid4()
-    first = post(app, "/secrets", key, {})
+    first = post(policy_app, "/secrets", key, {})
     assert first.status_code == 201 and first.json is not None
     document = stored(db, key)
     assert "body" not in document and "body_b64" not in document
     assert first.json["secret"] not in json.dumps(document)
     assert Fernet(keys[0]).decrypt(document["body_enc"].encode()) == first.data
-    again = post(app, "/secrets", key, {})
+    again = post(policy_app, "/secrets", key, {})
     assert again.status_code == 200 and again.data == first.data
 
 
@@ -283,11 +304,11 @@ def test_keys_rotate(make: Callable[..., Flask], db: psycopg.Connection[Any], ke
 
 
 def test_an_encrypted_route_without_keys_fails_before_running(
-    app: Flask, db: psycopg.Connection[Any]
+    policy_app: Flask, db: psycopg.Connection[Any]
 ) -> None:
     """Without IDEM_RESPONSE_KEYS the route fails at once, naming the setting; nothing is written."""
-    app.config["PROPAGATE_EXCEPTIONS"] = False
-    answer = post(app, "/secrets", uuid.uuid4(), {})
+    policy_app.config["PROPAGATE_EXCEPTIONS"] = False
+    answer = post(policy_app, "/secrets", uuid.uuid4(), {})
     assert answer.status_code == 500
     assert count(db, "notes") == 0 and count(db, "idempotency_keys") == 0
 
@@ -326,15 +347,15 @@ def test_within_the_limit_a_body_is_stored_whole(
 ) -> None:
     """A plain, streamed or file body up to IDEM_MAX_RESPONSE_BYTES is stored whole and replayed byte for
     byte (never empty)."""
-    app = make(IDEM_MAX_RESPONSE_BYTES=5000)
+    policy_app = make(IDEM_MAX_RESPONSE_BYTES=5000)
     key = uuid.uuid4()
-    first = post(app, path, key, {"size": 5000})
-    again = post(app, path, key, {"size": 5000})
+    first = post(policy_app, path, key, {"size": 5000})
+    again = post(policy_app, path, key, {"size": 5000})
     assert first.status_code == 201 if path != "/files" else first.status_code == 200
     assert len(first.data) == 5000
     assert again.data == first.data and again.headers["Idempotent-Replayed"] == "true"
     if path == "/files":
-        assert app.config["OPENED"].closed
+        assert policy_app.config["OPENED"].closed
 
 
 @pytest.mark.parametrize("path", ["/sized", "/streamed", "/files"])
@@ -343,24 +364,24 @@ def test_over_the_limit_a_request_is_refused_and_rolled_back(
 ) -> None:
     """One byte over: 500 response-not-stored, the view's write rolled back, no key row, the file closed;
     the retry meets the same limit (never a truncated or an empty replay)."""
-    app = make(IDEM_MAX_RESPONSE_BYTES=5000)
+    policy_app = make(IDEM_MAX_RESPONSE_BYTES=5000)
     key = uuid.uuid4()
     for _ in range(2):
-        answer = post(app, path, key, {"size": 5001})
+        answer = post(policy_app, path, key, {"size": 5001})
         assert answer.status_code == 500
         assert answer.json is not None and answer.json["type"] == "urn:flask-idem:problem:response-not-stored"
         assert count(db, "notes") == 0 and count(db, "idempotency_keys") == 0
     if path == "/files":
-        assert app.config["OPENED"].closed
+        assert policy_app.config["OPENED"].closed
 
 
-def test_a_stream_read_from_the_views_connection(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_a_stream_read_from_the_views_connection(policy_app: Flask, db: psycopg.Connection[Any]) -> None:
     """A generator that reads idem.connection lazily still has it: it is read before COMMIT."""
     key = uuid.uuid4()
-    first = post(app, "/streamed/rows", key, {})
+    first = post(policy_app, "/streamed/rows", key, {})
     assert first.status_code == 201
     assert first.data == f"rows {key}\n".encode()
-    assert post(app, "/streamed/rows", key, {}).data == first.data
+    assert post(policy_app, "/streamed/rows", key, {}).data == first.data
 
 
 def test_the_limit_setting() -> None:
@@ -379,8 +400,8 @@ def test_new_response_key_makes_a_working_key(
     printed = make().test_cli_runner().invoke(args=["idem", "new-response-key"])
     assert printed.exit_code == 0, printed.output
     key = printed.output.strip()
-    app = make(IDEM_RESPONSE_KEYS=key)
-    first = post(app, "/secrets", uuid.uuid4(), {})
+    policy_app = make(IDEM_RESPONSE_KEYS=key)
+    first = post(policy_app, "/secrets", uuid.uuid4(), {})
     assert first.status_code == 201
     (document,) = db.execute("SELECT response FROM idempotency_keys").fetchone() or (None,)
     assert Fernet(key).decrypt(document["body_enc"].encode()) == first.data

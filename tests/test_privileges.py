@@ -22,8 +22,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from example_app import create_app
 from example_app.cli import create_org
 
-from .helpers import app_factory, close_pool, headers
-from .shop_actions import charges, pay, payment_statuses, place_order, stranded_payment
+from .support.helpers import app_factory, close_pool, headers
+from .support.shop_actions import charges, pay, payment_statuses, place_order, stranded_payment
 
 pytestmark = pytest.mark.slow
 

@@ -43,8 +43,8 @@ from flask.testing import FlaskClient
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from . import citus
-from .servers import ROOT
+from .support import citus
+from .support.servers import ROOT
 
 # The quickstart documents one PostgreSQL server and creates its database with createdb; on Citus the
 # layout differs (docs/scaling.rst, tests/test_citus.py).

@@ -14,9 +14,9 @@ from flask import Flask
 from flask_idem import Idempotency
 from flask_idem.flow import OutcomeUnknown
 
-from .flow_app import Ledger, row
-from .helpers import close_pool, wait_for
-from .notes_app import post
+from .support.flow_app import Ledger, row
+from .support.helpers import close_pool, wait_for
+from .support.notes_app import post
 
 
 def test_backoff_is_full_jitter_within_the_cap() -> None:

@@ -23,9 +23,9 @@ import psycopg
 import pytest
 import requests
 
-from .helpers import gunicorn, wait_for
+from .support.helpers import gunicorn, wait_for
+from .support.testkit_app import HOLD_LOCK, SCHEMA
 from .test_concurrency import fire
-from .testkit_app import HOLD_LOCK, SCHEMA
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,14 @@ ORG = {"X-Org": "7"}
 def served(
     database_url: str, direct_database_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Any]]:
-    """tests/testkit_app.py under gunicorn, two workers of four threads: its base URL and master."""
+    """tests/support/testkit_app.py under gunicorn, two workers of four threads: its base URL and master."""
     with psycopg.connect(direct_database_url, autocommit=True) as conn:
         conn.execute(SCHEMA)
     log = Path(tmp_path_factory.mktemp("served")) / "gunicorn.log"
     env = {"KIT_DATABASE_URL": database_url, "FLASK_IDEM_POOL_MAX_SIZE": "4"}
-    with gunicorn(log, env=env, workers=2, threads=4, app="tests.testkit_app:served()", probe="/") as running:
+    with gunicorn(
+        log, env=env, workers=2, threads=4, app="tests.support.testkit_app:served()", probe="/"
+    ) as running:
         yield running
 
 

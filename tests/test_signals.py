@@ -20,9 +20,9 @@ from flask import Flask
 from flask_idem import OutcomeUnknown, signals
 from flask_idem.recovery import recover
 
-from .flow_app import Ledger, build_flow_app
-from .helpers import ROOT, age, close_pool
-from .notes_app import build_app, post
+from .support.flow_app import Ledger, build_flow_app
+from .support.helpers import ROOT, age, close_pool
+from .support.notes_app import build_app, post
 
 Event = tuple[str, dict[str, Any]]
 

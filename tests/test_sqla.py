@@ -26,9 +26,9 @@ from flask_idem._state import get_state
 from flask_idem.errors import PROBLEM_JSON
 from flask_idem.sqla import SessionCommitRefused
 
-from . import sqla_app
-from .faultproxy import running_proxy
-from .helpers import count, gunicorn, headers
+from .support import sqla_app
+from .support.faultproxy import running_proxy
+from .support.helpers import count, gunicorn, headers
 from .test_concurrency import fire
 
 ORDER = {"amount": 1250, "currency": "EUR"}
@@ -311,10 +311,14 @@ def test_plain_scoped_session(database_url: str, db: psycopg.Connection[Any]) ->
 
 @pytest.fixture
 def sqla_server(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> Iterator[str]:
-    """tests.sqla_app under gunicorn, two workers of four threads; its base URL."""
+    """tests.support.sqla_app under gunicorn, two workers of four threads; its base URL."""
     env = {"FLASK_DATABASE_URL": database_url}
     with gunicorn(
-        tmp_path / "gunicorn.log", env=env, workers=2, app="tests.sqla_app:create_app()", probe="/orders"
+        tmp_path / "gunicorn.log",
+        env=env,
+        workers=2,
+        app="tests.support.sqla_app:create_app()",
+        probe="/orders",
     ) as (base, _):
         yield base
 

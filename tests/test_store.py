@@ -17,8 +17,8 @@ from flask_idem._pool import PooledConnection, ProcessPool
 from flask_idem._records import KeyedRequest, KeyRef, Lease, lock_id
 from flask_idem._store import Store
 
-from . import citus
-from .helpers import PREPARE_THRESHOLD
+from .support import citus
+from .support.helpers import PREPARE_THRESHOLD
 
 SHA = b"\x01" * 32
 

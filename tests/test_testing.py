@@ -21,8 +21,8 @@ from flask_idem.testing import (
     unprotected_routes,
 )
 
-from .helpers import close_pool
-from .testkit_app import SCHEMA, create_app
+from .support.helpers import close_pool
+from .support.testkit_app import SCHEMA, create_app
 
 ORG_1, ORG_2 = {"X-Org": "1"}, {"X-Org": "2"}
 ORDER = {"amount": 1250}
@@ -37,11 +37,11 @@ def kit_database(database_url: str, direct_database_url: str) -> str:
 
 
 @pytest.fixture
-def app(kit_database: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
+def kit_app(kit_database: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
     """The sample application of tests/testkit_app.py."""
-    app = create_app(kit_database)
-    yield app
-    close_pool(app)
+    kit_app = create_app(kit_database)
+    yield kit_app
+    close_pool(kit_app)
 
 
 @pytest.fixture
@@ -60,98 +60,104 @@ def paid(db: psycopg.Connection[Any]) -> Rows:
 
 
 @pytest.mark.parametrize("path", ["/orders", "/async/orders"], ids=["sync", "async"])
-def test_a_retry_safe_route_passes_every_check(app: Flask, orders: Rows, path: str) -> None:
+def test_a_retry_safe_route_passes_every_check(kit_app: Flask, orders: Rows, path: str) -> None:
     """The sample's POST /orders, and its async def twin, pass replay, mismatch, in-flight, scope and
     hammer checks."""
-    first, again = check_replay(app, "POST", path, json=ORDER, headers=ORG_1, effect=orders)
+    first, again = check_replay(kit_app, "POST", path, json=ORDER, headers=ORG_1, effect=orders)
     assert (first.status_code, again.status_code) == (201, 200)
     assert (
         check_mismatch(
-            app, "POST", path, json=ORDER, changed={"amount": 1}, headers=ORG_1, effect=orders
+            kit_app, "POST", path, json=ORDER, changed={"amount": 1}, headers=ORG_1, effect=orders
         ).status_code
         == 422
     )
-    held, duplicate = check_in_flight(app, "POST", path, json=ORDER, headers=ORG_1, effect=orders)
+    held, duplicate = check_in_flight(kit_app, "POST", path, json=ORDER, headers=ORG_1, effect=orders)
     assert (held.status_code, duplicate.status_code) == (201, 409)
-    check_scope(app, "POST", path, json=ORDER, headers=ORG_1, other_headers=ORG_2, effect=orders)
-    statuses = {r.status_code for r in hammer(app, "POST", path, json=ORDER, headers=ORG_1, effect=orders)}
+    check_scope(kit_app, "POST", path, json=ORDER, headers=ORG_1, other_headers=ORG_2, effect=orders)
+    statuses = {
+        r.status_code for r in hammer(kit_app, "POST", path, json=ORDER, headers=ORG_1, effect=orders)
+    }
     assert statuses <= {201, 200, 409} and 201 in statuses
     assert orders() == 1 + 1 + 1 + 2 + 1  # one per check, two for the scope check
 
 
 @pytest.mark.parametrize("path", ["/payments", "/async/payments"], ids=["sync", "async"])
 def test_a_retry_safe_flow_survives_a_crash_after_each_step(
-    app: Flask, charges: Rows, paid: Rows, path: str
+    kit_app: Flask, charges: Rows, paid: Rows, path: str
 ) -> None:
     """POST /payments, killed in its view and after each step (database, call, finish), charges once; so
     does its twin whose view and steps are all async def."""
-    points = crash_between_steps(app, "POST", path, json=ORDER, headers=ORG_1, outside=charges, effect=paid)
+    points = crash_between_steps(
+        kit_app, "POST", path, json=ORDER, headers=ORG_1, outside=charges, effect=paid
+    )
     assert points == ["view", "authorise", "charge", "finish"]
     assert charges() == paid() == 5  # the run without a crash, then one per point
 
 
-def test_planted_bug_1_a_view_writing_on_a_second_connection(app: Flask, orders: Rows) -> None:
+def test_planted_bug_1_a_view_writing_on_a_second_connection(kit_app: Flask, orders: Rows) -> None:
     """A view that inserts on its own autocommit connection is caught: the killed attempt left a row."""
     with pytest.raises(NotRetrySafe, match="does the view write outside idem.connection") as caught:
-        check_replay(app, "POST", "/bad/side-connection", json=ORDER, headers=ORG_1, effect=orders)
+        check_replay(kit_app, "POST", "/bad/side-connection", json=ORDER, headers=ORG_1, effect=orders)
     assert "killed before its COMMIT, yet the rows in kit_orders changed from 0 to 1" in str(caught.value)
 
 
-def test_planted_bug_2_a_flow_calling_outside_in_its_view(app: Flask, charges: Rows, paid: Rows) -> None:
+def test_planted_bug_2_a_flow_calling_outside_in_its_view(kit_app: Flask, charges: Rows, paid: Rows) -> None:
     """A flow whose view calls the ledger is caught when the view's transaction is rolled back."""
     with pytest.raises(NotRetrySafe, match="the view is the flow's first, transactional step") as caught:
         crash_between_steps(
-            app, "POST", "/bad/charge-in-view", json=ORDER, headers=ORG_1, outside=charges, effect=paid
+            kit_app, "POST", "/bad/charge-in-view", json=ORDER, headers=ORG_1, outside=charges, effect=paid
         )
     assert "the outside party saw 1 call(s)" in str(caught.value)
 
 
-def test_planted_bug_3_an_outside_call_without_a_derived_key(app: Flask, charges: Rows, paid: Rows) -> None:
+def test_planted_bug_3_an_outside_call_without_a_derived_key(
+    kit_app: Flask, charges: Rows, paid: Rows
+) -> None:
     """A call step that gives the ledger a new key per attempt is caught: two charges after a crash."""
     with pytest.raises(
         NotRetrySafe, match=r"must give the outside party a key from run\.derived_key\(\)"
     ) as e:
         crash_between_steps(
-            app, "POST", "/bad/random-key", json=ORDER, headers=ORG_1, outside=charges, effect=paid
+            kit_app, "POST", "/bad/random-key", json=ORDER, headers=ORG_1, outside=charges, effect=paid
         )
     assert "killed after 'charge_with_a_new_key' and then finished made 2 call(s)" in str(e.value)
 
 
-def test_planted_bug_4_a_scope_from_the_request_body(app: Flask, orders: Rows) -> None:
+def test_planted_bug_4_a_scope_from_the_request_body(kit_app: Flask, orders: Rows) -> None:
     """A scope read from the body lets a second organisation get the first one's stored answer."""
     body = {**ORDER, "org_id": 1}
     with pytest.raises(NotRetrySafe, match="got the first organisation's stored answer"):
         check_scope(
-            app, "POST", "/bad/body-scope", json=body, headers=ORG_1, other_headers=ORG_2, effect=orders
+            kit_app, "POST", "/bad/body-scope", json=body, headers=ORG_1, other_headers=ORG_2, effect=orders
         )
     assert orders() == 1
 
 
-def test_the_lint_lists_unsafe_routes_without_the_decorator(app: Flask) -> None:
+def test_the_lint_lists_unsafe_routes_without_the_decorator(kit_app: Flask) -> None:
     """POST /refunds and the class-based view's DELETE are listed; the decorated routes and POST are not."""
-    assert unprotected_routes(app) == ["DELETE /notes (notes)", "POST /refunds (refund)"]
+    assert unprotected_routes(kit_app) == ["DELETE /notes (notes)", "POST /refunds (refund)"]
 
 
-def test_an_undecorated_route_fails_the_checks(app: Flask, orders: Rows) -> None:
+def test_an_undecorated_route_fails_the_checks(kit_app: Flask, orders: Rows) -> None:
     """check_replay, check_in_flight and hammer on a route without @idem.idempotent() say so."""
     with pytest.raises(NotRetrySafe, match=r"never reached flask-idem's transaction: is the view decorated"):
-        check_replay(app, "POST", "/refunds", json=ORDER, headers=ORG_1, effect=orders)
+        check_replay(kit_app, "POST", "/refunds", json=ORDER, headers=ORG_1, effect=orders)
     with pytest.raises(NotRetrySafe, match="is the view decorated"):
-        check_in_flight(app, "POST", "/refunds", json=ORDER, headers=ORG_1, effect=orders)
+        check_in_flight(kit_app, "POST", "/refunds", json=ORDER, headers=ORG_1, effect=orders)
     with pytest.raises(NotRetrySafe, match="8 of 8 concurrent requests .* answered as first requests"):
-        hammer(app, "POST", "/refunds", json=ORDER, headers=ORG_1, effect=orders)
+        hammer(kit_app, "POST", "/refunds", json=ORDER, headers=ORG_1, effect=orders)
 
 
-def test_an_effect_that_counts_nothing_is_refused(app: Flask, charges: Rows) -> None:
+def test_an_effect_that_counts_nothing_is_refused(kit_app: Flask, charges: Rows) -> None:
     """A check whose effect does not move on a 201 fails instead of passing vacuously."""
     with pytest.raises(NotRetrySafe, match=r"changed by 0 \(expected 1\): the effect must count"):
-        check_replay(app, "POST", "/orders", json=ORDER, headers=ORG_1, effect=charges)
+        check_replay(kit_app, "POST", "/orders", json=ORDER, headers=ORG_1, effect=charges)
 
 
-def test_an_atomic_route_is_not_a_flow(app: Flask, charges: Rows) -> None:
+def test_an_atomic_route_is_not_a_flow(kit_app: Flask, charges: Rows) -> None:
     """crash_between_steps on an atomic route says to use check_replay."""
     with pytest.raises(NotRetrySafe, match="is not a multi-step route"):
-        crash_between_steps(app, "POST", "/orders", json=ORDER, headers=ORG_1, outside=charges)
+        crash_between_steps(kit_app, "POST", "/orders", json=ORDER, headers=ORG_1, outside=charges)
 
 
 def test_the_failure_is_an_assertion_error() -> None:

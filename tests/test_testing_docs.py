@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from .servers import ROOT
+from .support.servers import ROOT
 
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.slow

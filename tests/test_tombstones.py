@@ -18,8 +18,8 @@ from flask import Flask
 from flask_idem._state import get_state
 from flask_idem.errors import PROBLEM_JSON
 
-from .helpers import age, count
-from .notes_app import post
+from .support.helpers import age, count
+from .support.notes_app import post
 
 DAY = 24 * 3600
 

@@ -19,9 +19,9 @@ from flask_idem import OutcomeUnknown
 from flask_idem.recovery import recover
 from flask_idem.tracing import Tracing
 
-from .flow_app import Ledger, build_flow_app
-from .helpers import close_pool
-from .notes_app import post
+from .support.flow_app import Ledger, build_flow_app
+from .support.helpers import close_pool
+from .support.notes_app import post
 
 
 @pytest.fixture

@@ -20,20 +20,20 @@ from flask_idem import Idempotency, _wire
 from flask_idem._pool import PooledConnection
 from flask_idem._state import get_state
 
-from .helpers import close_pool, count
-from .notes_app import ORG, build_app, post
+from .support.helpers import close_pool, count
+from .support.notes_app import ORG, build_app, post
 
 
 @pytest.fixture
-def app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
-    """The notes app with one pooled connection, so every request borrows the same one, and two
+def wire_app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
+    """The notes wire_app with one pooled connection, so every request borrows the same one, and two
     routes of this module."""
-    app, idem = build_app(database_url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
+    wire_app, idem = build_app(database_url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
 
     def insert(body: str) -> None:
         idem.connection.execute("INSERT INTO notes (org_id, body) VALUES (1, %s)", (body,))
 
-    @app.post("/wire/savepoint", endpoint="wire_savepoint")
+    @wire_app.post("/wire/savepoint", endpoint="wire_savepoint")
     @idem.idempotent()
     def savepoint() -> Any:
         """Writes a note, and rolls a savepoint back: psycopg then deallocates its prepared statements,
@@ -50,15 +50,15 @@ def app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
             pass
         return {"prepared": [before, prepared(conn)]}, 201
 
-    @app.post("/wire/commit", endpoint="wire_commit")
+    @wire_app.post("/wire/commit", endpoint="wire_commit")
     @idem.idempotent()
     def commit() -> Any:
         insert(request.get_json()["body"])
         idem.connection.commit()
         return {}, 201
 
-    yield app
-    close_pool(app)
+    yield wire_app
+    close_pool(wire_app)
 
 
 def prepared(conn: psycopg.Connection[Any]) -> int:
@@ -68,16 +68,16 @@ def prepared(conn: psycopg.Connection[Any]) -> int:
     return int(row[0])
 
 
-def pooled(app: Flask) -> PooledConnection:
-    """The one connection of the app's pool."""
-    with app.app_context(), get_state(app).source.connection() as conn:
+def pooled(wire_app: Flask) -> PooledConnection:
+    """The one connection of the wire_app's pool."""
+    with wire_app.app_context(), get_state(wire_app).source.connection() as conn:
         assert isinstance(conn, PooledConnection)
         return conn
 
 
-def traced(app: Flask, call: Callable[[], Any], tmp_path: Path) -> list[str]:
+def traced(wire_app: Flask, call: Callable[[], Any], tmp_path: Path) -> list[str]:
     """The protocol messages ``call`` sent and received on the pool's connection (libpq's trace)."""
-    pgconn = pooled(app).pgconn
+    pgconn = pooled(wire_app).pgconn
     path = tmp_path / f"trace-{uuid.uuid4()}"
     with path.open("w") as trace:
         pgconn.trace(trace.fileno())
@@ -89,26 +89,31 @@ def traced(app: Flask, call: Callable[[], Any], tmp_path: Path) -> list[str]:
     return [line.split("\t")[2].split(" ")[0] for line in path.read_text().splitlines() if "\t" in line]
 
 
-def test_a_fresh_key_takes_the_round_trips_of_the_bare_transaction(app: Flask, tmp_path: Path) -> None:
+def test_a_fresh_key_takes_the_round_trips_of_the_bare_transaction(wire_app: Flask, tmp_path: Path) -> None:
     """BEGIN goes with the reservation and the completion with COMMIT: three waits, as BEGIN, INSERT,
     COMMIT take without the extension; a replay takes two."""
     for _ in range(6):  # past psycopg's prepare threshold: no Parse of its own in the counted request
-        assert post(app, "/notes", uuid.uuid4(), {"body": str(uuid.uuid4())}).status_code == 201
+        assert post(wire_app, "/notes", uuid.uuid4(), {"body": str(uuid.uuid4())}).status_code == 201
     key = uuid.uuid4()
-    fresh = traced(app, lambda: post(app, "/notes", key, {"body": "counted"}), tmp_path)
+    fresh = traced(wire_app, lambda: post(wire_app, "/notes", key, {"body": "counted"}), tmp_path)
     assert fresh.count("ReadyForQuery") == 3, fresh
     assert fresh.count("Execute") == 5  # BEGIN, the reservation, the view's INSERT, completion, COMMIT
     assert "Query" not in fresh  # no simple-protocol statement: every value travels in a Bind
-    replay = traced(app, lambda: post(app, "/notes", key, {"body": "counted"}), tmp_path)
+    replay = traced(wire_app, lambda: post(wire_app, "/notes", key, {"body": "counted"}), tmp_path)
     assert replay.count("ReadyForQuery") == 2, replay
 
 
-def test_the_connection_goes_back_idle_and_in_autocommit(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_the_connection_goes_back_idle_and_in_autocommit(
+    wire_app: Flask, db: psycopg.Connection[Any]
+) -> None:
     """After a commit, a replay, a 5xx and an exception, the pool lends the connection as it was."""
     key = uuid.uuid4()
     for path, status in [("/notes", 201), ("/notes", 200), ("/notes/500", 500), ("/notes/raise", 500)]:
-        assert post(app, path, key if path == "/notes" else uuid.uuid4(), {"body": "x"}).status_code == status
-        conn = pooled(app)
+        assert (
+            post(wire_app, path, key if path == "/notes" else uuid.uuid4(), {"body": "x"}).status_code
+            == status
+        )
+        conn = pooled(wire_app)
         assert conn.autocommit
         assert conn.info.transaction_status == pq.TransactionStatus.IDLE
         assert conn._idem_batched is None
@@ -116,14 +121,14 @@ def test_the_connection_goes_back_idle_and_in_autocommit(app: Flask, db: psycopg
 
 
 def test_savepoints_rolled_back_in_the_view_do_not_break_later_requests(
-    app: Flask, db: psycopg.Connection[Any]
+    wire_app: Flask, db: psycopg.Connection[Any]
 ) -> None:
     """A savepoint rolled back makes psycopg deallocate every prepared statement, the batches' too:
     the batches prepare theirs again, and every request commits."""
-    responses = [post(app, "/wire/savepoint", uuid.uuid4(), {"body": f"note {i}"}) for i in range(12)]
+    responses = [post(wire_app, "/wire/savepoint", uuid.uuid4(), {"body": f"note {i}"}) for i in range(12)]
     assert [response.status_code for response in responses] == [201] * 12
     if pooled(
-        app
+        wire_app
     )._idem_batch_names:  # the batches prepare (not behind PgBouncer without prepared statements)
         # Every request saw its statements (psycopg's and the batches') deallocated by the rollback.
         assert all(response.json["prepared"][0] > 0 for response in responses)
@@ -132,28 +137,30 @@ def test_savepoints_rolled_back_in_the_view_do_not_break_later_requests(
     assert db.execute("SELECT count(*) FROM idempotency_keys WHERE status = 'completed'").fetchone() == (12,)
 
 
-def test_statements_deallocated_unseen_are_prepared_again(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_statements_deallocated_unseen_are_prepared_again(
+    wire_app: Flask, db: psycopg.Connection[Any]
+) -> None:
     """DEALLOCATE ALL that psycopg never saw (sent below it): the next reservation meets SQLSTATE 26000,
     prepares again and goes on; nothing is lost."""
     for i in range(3):
-        assert post(app, "/notes", uuid.uuid4(), {"body": f"before {i}"}).status_code == 201
-    conn = pooled(app)
+        assert post(wire_app, "/notes", uuid.uuid4(), {"body": f"before {i}"}).status_code == 201
+    conn = pooled(wire_app)
     if not conn._idem_batch_names:
         pytest.skip("batches prepare nothing here (IDEM_PREPARE_THRESHOLD is off)")
     result = conn.pgconn.exec_(b"DEALLOCATE ALL")
     assert result.status == pq.ExecStatus.COMMAND_OK
-    assert post(app, "/notes", uuid.uuid4(), {"body": "after"}).status_code == 201
+    assert post(wire_app, "/notes", uuid.uuid4(), {"body": "after"}).status_code == 201
     assert count(db, "notes") == 4
 
 
-def test_commit_inside_the_view_is_refused(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_commit_inside_the_view_is_refused(wire_app: Flask, db: psycopg.Connection[Any]) -> None:
     """conn.commit() inside an idempotent view raises, as inside psycopg's transaction block, and
     nothing of the request is written."""
-    response = post(app, "/wire/commit", uuid.uuid4(), {"body": "committed early"})
+    response = post(wire_app, "/wire/commit", uuid.uuid4(), {"body": "committed early"})
     assert response.status_code == 500
     assert count(db, "notes") == 0
     assert count(db, "idempotency_keys") == 0
-    assert post(app, "/notes", uuid.uuid4(), {"body": "next"}).status_code == 201
+    assert post(wire_app, "/notes", uuid.uuid4(), {"body": "next"}).status_code == 201
 
 
 # -- batches on their own ------------------------------------------------------------------------------
@@ -229,21 +236,21 @@ def logged_server() -> Iterator[tuple[str, Path]]:
 
 @pytest.fixture
 def refusing_app(logged_server: tuple[str, Path]) -> Iterator[Flask]:
-    """An app on ``logged_server`` whose key table refuses, by trigger, a reservation or a completion
+    """An wire_app on ``logged_server`` whose key table refuses, by trigger, a reservation or a completion
     that carries :data:`MARKER`."""
     url, _ = logged_server
-    app = Flask(__name__)
-    app.config.update(IDEM_DATABASE_URL=url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
-    idem = Idempotency(app, scope=lambda: 1)
+    wire_app = Flask(__name__)
+    wire_app.config.update(IDEM_DATABASE_URL=url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
+    idem = Idempotency(wire_app, scope=lambda: 1)
 
-    @app.post("/people/<email>/<kind>")
+    @wire_app.post("/people/<email>/<kind>")
     @idem.idempotent()
     def create(email: str, kind: str) -> Any:
         body = request.get_json()["body"]
         idem.connection.execute("INSERT INTO notes (org_id, body) VALUES (1, %s)", (body,))
         return {"email": email, "body": body}, 201
 
-    with app.app_context():
+    with wire_app.app_context():
         idem.create_table()
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS notes")
@@ -261,8 +268,8 @@ def refusing_app(logged_server: tuple[str, Path]) -> Iterator[Flask]:
             "CREATE OR REPLACE TRIGGER refuse_completion BEFORE UPDATE ON idempotency_keys"
             " FOR EACH ROW WHEN (NEW.response::text LIKE '%refuse-completion%') EXECUTE FUNCTION refuse()"
         )
-    yield app
-    close_pool(app)
+    yield wire_app
+    close_pool(wire_app)
 
 
 @pytest.mark.parametrize("failing", ["refuse-reservation", "refuse-completion"])
@@ -335,16 +342,18 @@ def test_without_psycopg_internals_every_statement_goes_alone(
 ) -> None:
     """A psycopg without the internals batches use: the extension says so once, and sends each statement
     on its round trip through psycopg's public API, with the same answers (a fresh key, its replay)."""
-    app, _ = build_app(database_url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
+    wire_app, _ = build_app(database_url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
     try:
-        assert post(app, "/notes", uuid.uuid4(), {"body": "first"}).status_code == 201  # the layout check
+        assert (
+            post(wire_app, "/notes", uuid.uuid4(), {"body": "first"}).status_code == 201
+        )  # the layout check
         key = uuid.uuid4()
-        fresh = traced(app, lambda: post(app, "/notes", key, {"body": "alone"}), tmp_path)
+        fresh = traced(wire_app, lambda: post(wire_app, "/notes", key, {"body": "alone"}), tmp_path)
         assert fresh.count("ReadyForQuery") == 5, fresh  # BEGIN, reservation, INSERT, completion, COMMIT
-        replay = post(app, "/notes", key, {"body": "alone"})
+        replay = post(wire_app, "/notes", key, {"body": "alone"})
         assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
     finally:
-        close_pool(app)
+        close_pool(wire_app)
     warnings = [r.getMessage() for r in caplog.records if "cannot send BEGIN and COMMIT" in r.getMessage()]
     assert len(warnings) == 1 and "fetch_many" in warnings[0], warnings
 
@@ -363,12 +372,12 @@ def test_psycopg_behaving_otherwise_is_found_by_the_trial(
     )
     _wire._internals.cache_clear()
     try:
-        app, _ = build_app(database_url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
+        wire_app, _ = build_app(database_url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
         try:
-            assert post(app, "/notes", uuid.uuid4(), {"body": "trial"}).status_code == 201
-            assert not pooled(app)._idem_transformer  # no batch ever ran on it
+            assert post(wire_app, "/notes", uuid.uuid4(), {"body": "trial"}).status_code == 201
+            assert not pooled(wire_app)._idem_transformer  # no batch ever ran on it
         finally:
-            close_pool(app)
+            close_pool(wire_app)
     finally:
         _wire._internals.cache_clear()
     assert any("a trial batch raised Error" in r.getMessage() for r in caplog.records)

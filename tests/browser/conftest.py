@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, sync_playwright
 
-from ..servers import ROOT
+from ..support.servers import ROOT
 
 #: Where each browser test leaves a screenshot of the page's final state.
 SCREENSHOTS = ROOT / "build" / "screenshots"

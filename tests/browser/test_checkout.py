@@ -24,7 +24,7 @@ from playwright.sync_api import Browser, Page, Request, Route, expect
 from playwright.sync_api import Error as PlaywrightError
 
 from ..example_app.test_payments import add_fault, charges, payment_statuses
-from ..helpers import count
+from ..support.helpers import count
 from .conftest import SCREENSHOTS
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """The shop's fixtures: the shop paying through the test gateway (``shop``), and ``make_shop`` for a shop
-with other settings. What tests do to the shop is in :mod:`tests.shop_actions`."""
+with other settings. What tests do to the shop is in :mod:`tests.support.shop_actions`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from flask import Flask
 from example_app import create_app
 from example_app.cli import create_org
 
-from ..helpers import app_factory
+from ..support.helpers import app_factory
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import psutil
 import psycopg
 import pytest
 
-from ..helpers import ROOT, count
-from ..shop_actions import add_fault, charges, payment_statuses
+from ..support.helpers import ROOT, count
+from ..support.shop_actions import add_fault, charges, payment_statuses
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ import pytest
 import requests
 from flask import Flask
 
-from ..helpers import headers, wait_for_http
-from ..shop_actions import add_fault, charges, lease_expired, payment_statuses, wait_for
+from ..support.helpers import headers, wait_for_http
+from ..support.shop_actions import add_fault, charges, lease_expired, payment_statuses, wait_for
 
 pytestmark = pytest.mark.slow
 

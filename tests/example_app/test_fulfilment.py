@@ -3,7 +3,7 @@
 Paid orders are fulfilled exactly once: a relay SIGKILLed between publish and mark publishes again, a
 worker SIGKILLed after mailing a receipt leaves the task to the next worker, and in the end every paid
 order has one fulfilment and one receipt, a declined one none, and nothing is left running or unsent.
-Skipped, saying why, where no broker answers (tests/celery_workers.py).
+Skipped, saying why, where no broker answers (tests/support/celery_workers.py).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from flask import Flask
 from example_app.fulfilment import receipts
 from flask_idem.relay import relay
 
-from ..celery_workers import BROKER_URL, broker_marks, delete_queue, kill, new_queue, running, worker
-from ..servers import ROOT
-from ..shop_actions import pay, place_order, wait_for
+from ..support.celery_workers import BROKER_URL, broker_marks, delete_queue, kill, new_queue, running, worker
+from ..support.servers import ROOT
+from ..support.shop_actions import pay, place_order, wait_for
 
 pytestmark = broker_marks()
 

@@ -25,8 +25,8 @@ from psycopg.conninfo import make_conninfo
 from example_app.gateway import create_app
 from example_app.gateway.store import Store
 
-from ..servers import in_thread
-from ..shop_actions import add_fault
+from ..support.servers import in_thread
+from ..support.shop_actions import add_fault
 
 ROOT = Path(__file__).resolve().parents[2]
 CHARGE = {"amount": 1250, "currency": "EUR", "source": "tok_visa"}

@@ -13,7 +13,7 @@ from flask.testing import FlaskClient
 
 from flask_idem.errors import PROBLEM_JSON
 
-from ..helpers import close_pool, count, headers
+from ..support.helpers import close_pool, count, headers
 
 ORDER = {"amount": 1250, "currency": "EUR"}
 

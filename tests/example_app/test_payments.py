@@ -15,8 +15,8 @@ from flask import Flask
 from example_app.cli import create_org
 from flask_idem.errors import PROBLEM_JSON
 
-from ..helpers import count, headers
-from ..shop_actions import (
+from ..support.helpers import count, headers
+from ..support.shop_actions import (
     add_fault,
     charges,
     lease_expired,

@@ -12,7 +12,7 @@ from flask.testing import FlaskClient
 
 from flask_idem.testing import Rows, check_replay
 
-from ..helpers import headers
+from ..support.helpers import headers
 
 
 def new_order(client: FlaskClient, api_key: str) -> int:

@@ -15,8 +15,8 @@ import psycopg
 import pytest
 from flask import Flask
 
-from ..helpers import ROOT, close_pool
-from ..shop_actions import add_fault, charges, pay, payment_statuses, place_order, stranded_payment
+from ..support.helpers import ROOT, close_pool
+from ..support.shop_actions import add_fault, charges, pay, payment_statuses, place_order, stranded_payment
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from schemathesis import GenerationMode
 
 from example_app.cli import create_org
 
-from ..shop_actions import place_order
+from ..support.shop_actions import place_order
 
 OPERATIONS = [
     ("POST", "/orders"),

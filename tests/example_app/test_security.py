@@ -19,9 +19,9 @@ from example_app.auth import new_api_key
 from example_app.cli import create_org
 from flask_idem._fingerprint import fingerprint
 
-from ..helpers import count, headers
-from ..notes_app import post
-from ..shop_actions import ORDER, add_fault, charges, pay, place_order, queued_faults, wait_for
+from ..support.helpers import count, headers
+from ..support.notes_app import post
+from ..support.shop_actions import ORDER, add_fault, charges, pay, place_order, queued_faults, wait_for
 
 #: Twelve or more digits, maybe grouped by spaces or dashes: what a card number looks like.
 CARD_NUMBER = re.compile(r"\d(?:[ -]?\d){11}")

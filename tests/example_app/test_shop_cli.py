@@ -7,7 +7,7 @@ from typing import Any
 import psycopg
 from flask import Flask
 
-from ..helpers import headers
+from ..support.helpers import headers
 
 
 def test_init_db_is_idempotent(app: Flask) -> None:

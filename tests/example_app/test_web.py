@@ -20,8 +20,8 @@ from werkzeug.test import TestResponse
 from example_app.web import SECURITY_HEADERS, _instance_secret
 from flask_idem.errors import PROBLEM_JSON
 
-from ..helpers import count
-from ..shop_actions import add_fault, charges, payment_statuses
+from ..support.helpers import count
+from ..support.shop_actions import add_fault, charges, payment_statuses
 
 HTML = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}
 

@@ -23,7 +23,7 @@ from flask_idem.testing import (
     unprotected_routes,
 )
 
-from ..helpers import close_pool, headers
+from ..support.helpers import close_pool, headers
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,7 @@ from flask_idem.client import IdempotentClient, RequestsTransport, RetryPolicy
 from flask_idem.flow import Run
 from flask_idem.recovery import recover
 
-from ..helpers import close_pool
+from ..support.helpers import close_pool
 from .cluster import LEASE_TIMEOUT, Cluster, wait_until_postgres_answers
 from .workload import EXPECTED, Op, perform
 

@@ -1,11 +1,11 @@
 """The system under test, all real processes on loopback: a PostgreSQL of its own, the gateway, the shop.
 
-The PostgreSQL is a dedicated embedded server (not the suite's shared one), so that restarting it hurts
-nobody else; with ``citus=True`` it is a Citus cluster of its own instead (:mod:`tests.citus`, a
-coordinator and two workers, the shop's and the key tables distributed), and a "restart" restarts one
-of its worker nodes. The gateway and the shop run under gunicorn; the shop's workers can be SIGKILLed.
-The shop reaches PostgreSQL through the fault proxy (:mod:`tests.faultproxy`), which resets connections,
-loses COMMIT answers, holds traffic, and silences connections for good.
+The PostgreSQL is a dedicated embedded server (not the suite's shared one), so that restarting it hurts nobody
+else; with ``citus=True`` it is a Citus cluster of its own instead (:mod:`tests.support.citus`, a coordinator
+and two workers, the shop's and the key tables distributed), and a "restart" restarts one of its worker nodes.
+The gateway and the shop run under gunicorn; the shop's workers can be SIGKILLed. The shop reaches PostgreSQL
+through the fault proxy (:mod:`tests.support.faultproxy`), which resets connections, loses COMMIT answers,
+holds traffic, and silences connections for good.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from example_app import create_app
 from example_app.cli import create_org
 from example_app.db import init_db
 
-from .. import citus as citus_cluster
-from ..faultproxy import FaultProxy, can_drop_packets, running_proxy
-from ..helpers import close_pool
-from ..servers import gunicorn
-from ..shop_actions import add_fault
+from ..support import citus as citus_cluster
+from ..support.faultproxy import FaultProxy, can_drop_packets, running_proxy
+from ..support.helpers import close_pool
+from ..support.servers import gunicorn
+from ..support.shop_actions import add_fault
 
 #: Lease and gateway timeout of the shop under test: short, so crashes are resolved within a run.
 LEASE_TIMEOUT = 2.0
@@ -91,9 +91,10 @@ class Cluster:
         self._count(f"gateway {mode}" + (" (late)" if delay else ""))
 
     def network_fault(self, kind: str) -> None:
-        """One fault of the path between the shop and PostgreSQL (:class:`~tests.faultproxy.FaultProxy`):
-        ``reset``, ``commit`` (the next COMMIT's answer lost), ``hold`` (2 s), ``hung`` or ``dead``
-        (every open connection silent for good; ``dead`` needs iptables and is skipped without)."""
+        """One fault of the path between the shop and PostgreSQL
+        (:class:`~tests.support.faultproxy.FaultProxy`): ``reset``, ``commit`` (the next COMMIT's answer
+        lost), ``hold`` (2 s), ``hung`` or ``dead`` (every open connection silent for good; ``dead`` needs
+        iptables and is skipped without)."""
         proxy = self.proxy
         if proxy is None or (kind == "dead" and can_drop_packets()):
             return

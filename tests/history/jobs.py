@@ -28,8 +28,8 @@ import psycopg
 
 from example_app.fulfilment import receipts
 
-from ..celery_workers import BROKER_URL, broker_missing, delete_queue, kill, new_queue, running, stop
-from ..servers import ROOT
+from ..support.celery_workers import BROKER_URL, broker_missing, delete_queue, kill, new_queue, running, stop
+from ..support.servers import ROOT
 from .cluster import LEASE_TIMEOUT, Cluster
 
 __all__ = ["Jobs", "broker_missing", "check_fulfilment", "jobs_nemesis", "running_jobs", "settle_jobs"]

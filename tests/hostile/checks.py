@@ -15,8 +15,8 @@ from flask import Flask
 
 from flask_idem.errors import PROBLEM_JSON
 
-from ..helpers import count
-from ..servers import in_thread
+from ..support.helpers import count
+from ..support.servers import in_thread
 
 #: Control characters, C0 and C1, but not LF (a traceback in a log message has line breaks of its own).
 CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")

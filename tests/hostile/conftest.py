@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from flask import Flask
 
-from ..helpers import gunicorn
+from ..support.helpers import gunicorn
 from .checks import Reached, serve
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from ..shop_actions import ORDER
+from ..support.shop_actions import ORDER
 
 SETTINGS = settings(
     max_examples=100,

@@ -11,8 +11,8 @@ from flask import Flask
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ..helpers import count
-from ..notes_app import ORG
+from ..support.helpers import count
+from ..support.notes_app import ORG
 from .checks import (
     assert_not_echoed,
     assert_sound,

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from flask_idem.errors import PROBLEM_JSON
 
-from ..helpers import count
-from ..shop_actions import ORDER
+from ..support.helpers import count
+from ..support.shop_actions import ORDER
 from .checks import (
     CONTROL,
     Reached,

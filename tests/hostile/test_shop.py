@@ -12,8 +12,8 @@ from flask.testing import FlaskClient
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ..helpers import count, headers
-from ..shop_actions import ORDER
+from ..support.helpers import count, headers
+from ..support.shop_actions import ORDER
 from .checks import (
     EXTENSION_PROBLEM,
     assert_not_echoed,

@@ -1,8 +1,9 @@
 """The first release's layout of the key table, kept as a fixture, and a look at a table's catalog.
 
-``tests/first_release/`` holds, verbatim, the ``schema.sql`` and ``distributed.sql`` of the first release
-(its ``distributed.sql`` with the reserve function's columns written out, as that release composed them).
-:func:`create_first_release` runs them as that release's ``flask idem init-db`` did, for any table name.
+``tests/support/first_release/`` holds, verbatim, the ``schema.sql`` and ``distributed.sql`` of the first
+release (its ``distributed.sql`` with the reserve function's columns written out, as that release composed
+them). :func:`create_first_release` runs them as that release's ``flask idem init-db`` did, for any table
+name.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ same hammers run against it as against the raw-psycopg shop. A few more routes s
 does with ``db.session.commit()`` and ``db.session.rollback()`` inside an idempotent view, and a
 multi-step flow whose steps write through ``db.session`` too.
 
-``gunicorn 'tests.sqla_app:create_app()'`` serves it with ``FLASK_DATABASE_URL`` set.
+``gunicorn 'tests.support.sqla_app:create_app()'`` serves it with ``FLASK_DATABASE_URL`` set.
 """
 
 from __future__ import annotations

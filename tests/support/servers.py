@@ -15,7 +15,7 @@ from typing import Any
 
 from werkzeug.serving import make_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ Two tasks: ``jobs.add`` (atomic: one row in ``job_effects`` per run, so a second
 finish step). Every run of a task's function appends a line to the trace file first, so a test counts how
 often a function started, and can hold it (``hold`` seconds) to kill its worker meanwhile.
 
-A worker process loads it from the environment: ``celery -A tests.jobs_app worker`` with
+A worker process loads it from the environment: ``celery -A tests.support.jobs_app worker`` with
 ``JOBS_DATABASE_URL``, ``JOBS_BROKER_URL``, ``JOBS_QUEUE``, ``JOBS_TRACE`` and ``JOBS_MAILDIR`` set.
 """
 
@@ -131,7 +131,7 @@ def build_jobs_app(
         }
     )
     idem.init_app(app)
-    celery_app = Celery("tests.jobs_app", set_as_current=False)
+    celery_app = Celery("tests.support.jobs_app", set_as_current=False)
     celery_app.conf.update(
         broker_url=broker_url,
         task_default_queue=queue,
@@ -182,5 +182,5 @@ def relay_killed_after(count: int) -> None:
     relay(_flask_app, after_publish=after)
 
 
-#: The Celery application of a worker process (``celery -A tests.jobs_app worker``).
+#: The Celery application of a worker process (``celery -A tests.support.jobs_app worker``).
 celery = _from_environment()

@@ -28,9 +28,9 @@ from pathlib import Path
 import psutil
 import requests
 
-from .history.checker import Report, check, settle
-from .history.cluster import Cluster, running_cluster
-from .history.workload import Op, client_loop
+from ..history.checker import Report, check, settle
+from ..history.cluster import Cluster, running_cluster
+from ..history.workload import Op, client_loop
 from .replication import Pair, running_pair
 
 #: What gunicorn's access log says of each request: "<pid> status probe-number".
