@@ -44,8 +44,14 @@ def test_layers_contract_is_kept() -> None:
         ("store.py", "from .extension import Idempotency"),
         ("_view.py", "if TYPE_CHECKING:\n    from .extension import Idempotency"),
         ("settings.py", "from .state import get_state"),
+        ("_retry.py", "from .client import IdempotentClient"),
     ],
-    ids=["store-imports-extension", "view-imports-extension-for-typing", "settings-imports-state"],
+    ids=[
+        "store-imports-extension",
+        "view-imports-extension-for-typing",
+        "settings-imports-state",
+        "retry-engine-imports-client",
+    ],
 )
 def test_layers_contract_catches_an_upward_import(tmp_path: Path, module: str, line: str) -> None:
     """The same contract fails on a copy of the package where a lower module imports a higher one."""
