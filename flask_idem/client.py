@@ -15,26 +15,35 @@ gives up at the first of a number of attempts and a total deadline::
 Importing this module needs neither ``requests`` nor Flask's test client; each has a small adapter,
 and any callable shaped like a :class:`Transport` works. :class:`RequestsTransport` needs ``requests``,
 which flask-idem does not install by itself: install ``flask-idem[client]`` (or ``requests``).
+
+This module is the idempotency client: the key, the transports, which outcomes are worth a retry,
+and the errors it ends with. The retry policy it runs (:class:`RetryPolicy`, :class:`RetryBudget`,
+:func:`set_testing`, :func:`parse_retry_after`) is a separate concept in the private module
+``flask_idem._retry`` and is imported from here.
 """
 
 from __future__ import annotations
 
-import datetime
-import email.utils
 import random
-import re
 import sys
-import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._keys import HEADER
+from ._retry import (
+    DEFAULT_RETRY_STATUSES,
+    Attempts,
+    GiveUp,
+    RetryBudget,
+    RetryPolicy,
+    StopReason,
+    is_testing,
+    parse_retry_after,
+    set_testing,
+)
 
 if TYPE_CHECKING:
     import requests
@@ -59,15 +68,6 @@ __all__ = [
     "parse_retry_after",
     "set_testing",
 ]
-
-#: Answers worth another attempt with the same key: 409 (the first attempt is still in flight), 429,
-#: and the gateway and availability errors 502, 503 and 504. Every other 4xx and 5xx is final.
-DEFAULT_RETRY_STATUSES = frozenset({409, 429, 502, 503, 504})
-
-# Answers that say the request itself is wrong: the same request with the same key gets them again.
-_NEVER_RETRIED = frozenset({400, 401, 403, 404, 422})
-
-_DELTA_SECONDS = re.compile(r"[0-9]+")
 
 
 class HeadersLike(Protocol):
@@ -156,54 +156,6 @@ class FlaskTransport:
         return self.client.open(url, method=method, headers=headers, json=json)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RetryPolicy:
-    """When to retry and how long to wait; durations are in seconds.
-
-    The wait before retry *n* (the first retry is 1) is drawn uniformly from
-    ``[0, min(cap, base * 2 ** (n - 1))]``, "full jitter". A ``Retry-After`` header raises the wait
-    to the delay it asks for, but never above *cap*.
-
-    :param attempts: the most attempts of one operation, the first one included.
-    :param deadline: the most time one operation may take from its first attempt, waits included. No
-        wait ends and no attempt starts after it.
-    :param base: the ceiling of the first wait; it doubles with each retry.
-    :param cap: the longest single wait, ``Retry-After`` included.
-    :param attempt_timeout: the longest single attempt, handed to the transport and lowered to the
-        time left before the deadline; ``None`` leaves only the deadline.
-    :param retry_statuses: the status codes worth another attempt. 400, 401, 403, 404 and 422 are
-        refused: the same request with the same key gets the same answer again.
-    :raises ValueError: when a value is out of range.
-    """
-
-    attempts: int = 5
-    deadline: float = 30.0
-    base: float = 0.25
-    cap: float = 5.0
-    attempt_timeout: float | None = 10.0
-    retry_statuses: frozenset[int] = DEFAULT_RETRY_STATUSES
-
-    def __post_init__(self) -> None:
-        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int):
-            raise ValueError(f"attempts must be a positive integer, not {self.attempts!r}.")
-        if self.attempts < 1:
-            raise ValueError(f"attempts must be a positive integer, not {self.attempts!r}.")
-        for name in ("deadline", "base", "cap", "attempt_timeout"):
-            value = getattr(self, name)
-            if value is None and name == "attempt_timeout":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}.")
-        if self.cap < self.base:
-            raise ValueError(f"cap ({self.cap!r}) must not be less than base ({self.base!r}).")
-        wrong = sorted(s for s in self.retry_statuses if not 400 <= s <= 599 or s in _NEVER_RETRIED)
-        if wrong:
-            raise ValueError(
-                f"retry_statuses may hold 4xx and 5xx codes other than 400, 401, 403, 404 and 422, "
-                f"not {wrong}."
-            )
-
-
 @dataclass(frozen=True, slots=True)
 class AttemptInfo:
     """One finished attempt, as :class:`IdempotentClient` reports it to ``on_attempt``."""
@@ -275,127 +227,10 @@ class RetriesExhausted(CallFailed):
         attempts: int,
         response: ResponseLike | None,
         error: BaseException | None,
-        reason: Literal["attempts", "deadline", "budget"],
+        reason: StopReason,
     ) -> None:
         super().__init__(message, key=key, attempts=attempts, response=response, error=error)
         self.reason = reason
-
-
-class RetryBudget:
-    """Allows retries only as a share of recent operations, so that a fleet of clients whose calls
-    all fail does not multiply the load on a struggling server (after Finagle's ``RetryBudget``).
-
-    A retry is allowed while the retries of the last *window* seconds stay below
-    ``ratio * operations + min_per_second * window``. Share one budget among the clients of a
-    process that call the same service; it is thread-safe.
-
-    :param ratio: the retries allowed per operation started, on average.
-    :param min_per_second: a reserve of retries per second, so that a quiet client can still retry.
-    :param window: the seconds over which operations and retries are counted.
-    :param clock: a monotonic clock in seconds.
-    """
-
-    def __init__(
-        self,
-        *,
-        ratio: float = 0.2,
-        min_per_second: float = 1.0,
-        window: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if ratio < 0 or min_per_second < 0 or window <= 0:
-            raise ValueError("ratio and min_per_second must be >= 0, and window must be > 0.")
-        self.ratio = ratio
-        self.min_per_second = min_per_second
-        self.window = window
-        self._clock = clock
-        self._operations: deque[float] = deque()
-        self._retries: deque[float] = deque()
-        self._lock = threading.Lock()
-
-    def _forget(self, now: float) -> None:
-        for times in (self._operations, self._retries):
-            while times and times[0] <= now - self.window:
-                times.popleft()
-
-    def record_operation(self) -> None:
-        """Count the first attempt of an operation."""
-        with self._lock:
-            now = self._clock()
-            self._forget(now)
-            self._operations.append(now)
-
-    def try_retry(self) -> bool:
-        """Count a retry and return ``True`` if the budget allows it; otherwise return ``False``."""
-        with self._lock:
-            now = self._clock()
-            self._forget(now)
-            allowed = self.ratio * len(self._operations) + self.min_per_second * self.window
-            if len(self._retries) >= allowed:
-                return False
-            self._retries.append(now)
-            return True
-
-
-_testing = False
-
-
-class _RestoreTesting:
-    def __init__(self, previous: bool) -> None:
-        self._previous = previous
-
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        set_testing(self._previous)
-
-
-def set_testing(testing: bool) -> AbstractContextManager[None]:
-    """Turn test mode on or off for the whole process.
-
-    In test mode every wait is 0 and nothing sleeps; attempts, deadline and budget still apply. Call
-    it plainly, or as a context manager that restores the previous mode on exit::
-
-        with flask_idem.client.set_testing(True):
-            ...
-    """
-    global _testing
-    previous, _testing = _testing, bool(testing)
-    return _RestoreTesting(previous)
-
-
-def is_testing() -> bool:
-    """Return whether test mode is on (see :func:`set_testing`)."""
-    return _testing
-
-
-def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """Return the delay a ``Retry-After`` header asks for, in seconds from *now*.
-
-    :param value: the header value: delta-seconds (``"120"``) or an HTTP date
-        (``"Wed, 21 Oct 2015 07:28:00 GMT"``).
-    :param now: the current wall-clock time as a Unix timestamp; ``time.time()`` when omitted.
-    :return: the delay (0 for a past date), or ``None`` when the header is absent or malformed.
-    """
-    if value is None:
-        return None
-    value = value.strip()
-    if _DELTA_SECONDS.fullmatch(value):
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        # An HTTP date is always GMT; parsedate_to_datetime leaves "-0000" naive.
-        when = when.replace(tzinfo=datetime.UTC)
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def _is_transient(error: BaseException, extra: tuple[type[BaseException], ...]) -> bool:
@@ -485,20 +320,15 @@ class IdempotentClient(Generic[R]):
         if headers and any(name.lower() == HEADER.lower() for name in headers):
             raise ValueError(f"Pass the key as key=..., not as an {HEADER} header.")
         headers = {**(headers or {}), HEADER: key}
-        policy = self.policy
-        deadline = self.clock() + policy.deadline
-        if self.budget is not None:
-            self.budget.record_operation()
-        number = 0
+        attempts = Attempts(self.policy, budget=self.budget, rng=self.rng, clock=self.clock, sleep=self.sleep)
         response: R | None = None
         error: Exception | None = None
         while True:
-            left = deadline - self.clock()
-            if number and left <= 0:
-                # The sleep overran the deadline: no attempt starts after it.
-                raise self._exhausted(method, key, number, response, error, "deadline") from error
-            number += 1
-            timeout = left if policy.attempt_timeout is None else min(policy.attempt_timeout, left)
+            try:
+                timeout = attempts.start()
+            except GiveUp as stop:
+                raise self._exhausted(method, key, attempts.number, response, error, stop.reason) from error
+            number = attempts.number
             response, error = None, None
             try:
                 response = self.transport(method, url, headers=headers, json=json, timeout=timeout)
@@ -510,7 +340,7 @@ class IdempotentClient(Generic[R]):
             if response is not None and 200 <= response.status_code < 300:
                 self._report(AttemptInfo(key, number, status, None, None))
                 return response
-            if status is not None and status not in policy.retry_statuses:
+            if status is not None and status not in self.policy.retry_statuses:
                 self._report(AttemptInfo(key, number, status, None, None))
                 raise Rejected(
                     f"{method} was answered {status}, which no retry would change; {HEADER}: {key}",
@@ -519,20 +349,14 @@ class IdempotentClient(Generic[R]):
                     response=response,
                     error=None,
                 )
-            wait = self._wait(number, response)
-            reason: Literal["attempts", "deadline", "budget"] | None = None
-            if number >= policy.attempts:
-                reason = "attempts"
-            elif self.clock() + wait >= deadline:
-                reason = "deadline"
-            elif self.budget is not None and not self.budget.try_retry():
-                reason = "budget"
-            if reason is not None:
+            asked = None if response is None else parse_retry_after(response.headers.get("Retry-After"))
+            try:
+                wait = attempts.backoff(asked)
+            except GiveUp as stop:
                 self._report(AttemptInfo(key, number, status, error, None))
-                raise self._exhausted(method, key, number, response, error, reason) from error
+                raise self._exhausted(method, key, number, response, error, stop.reason) from error
             self._report(AttemptInfo(key, number, status, error, wait))
-            if wait > 0:
-                self.sleep(wait)
+            attempts.wait(wait)
 
     @staticmethod
     def _exhausted(
@@ -541,7 +365,7 @@ class IdempotentClient(Generic[R]):
         number: int,
         response: ResponseLike | None,
         error: Exception | None,
-        reason: Literal["attempts", "deadline", "budget"],
+        reason: StopReason,
     ) -> RetriesExhausted:
         last = type(error).__name__ if response is None else str(response.status_code)
         return RetriesExhausted(
@@ -553,21 +377,6 @@ class IdempotentClient(Generic[R]):
             error=error,
             reason=reason,
         )
-
-    def _wait(self, number: int, response: ResponseLike | None) -> float:
-        """The seconds to wait after failed attempt *number*: full jitter, raised to Retry-After."""
-        policy = self.policy
-        try:
-            ceiling = min(policy.cap, policy.base * 2.0 ** (number - 1))
-        except OverflowError:
-            ceiling = policy.cap
-        # Drawn even when Retry-After wins, so one seed gives one sequence whatever the answers.
-        wait = self.rng.uniform(0.0, ceiling)
-        if response is not None:
-            asked = parse_retry_after(response.headers.get("Retry-After"))
-            if asked is not None:
-                wait = min(policy.cap, max(wait, asked))
-        return 0.0 if _testing else wait
 
     def _report(self, info: AttemptInfo) -> None:
         if self.on_attempt is not None:

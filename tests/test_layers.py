@@ -45,8 +45,14 @@ def test_layers_contract_is_kept() -> None:
         ("_store.py", "from ._extension import Idempotency"),
         ("_view.py", "if TYPE_CHECKING:\n    from ._extension import Idempotency"),
         ("_settings.py", "from ._state import get_state"),
+        ("_retry.py", "from .client import IdempotentClient"),
     ],
-    ids=["store-imports-extension", "view-imports-extension-for-typing", "settings-imports-state"],
+    ids=[
+        "store-imports-extension",
+        "view-imports-extension-for-typing",
+        "settings-imports-state",
+        "retry-engine-imports-client",
+    ],
 )
 def test_layers_contract_catches_an_upward_import(tmp_path: Path, module: str, line: str) -> None:
     """The same contract fails on a copy of the package where a lower module imports a higher one."""
