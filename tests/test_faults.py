@@ -176,7 +176,10 @@ def test_silent_for_good(
     for sample in samples:
         assert sample.status is not None, sample  # every request was answered...
         assert sample.seconds <= 10 + SLACK, sample  # ...within the default deadline
-        assert sample.status in (200, 201, 503), sample
+        # A 409 is the in-flight answer: a request whose connection died after its reservation reached
+        # the server, retried at once on a new connection, finds its own first attempt still holding the
+        # key until the server (or, behind PgBouncer, the pooler) ends that transaction.
+        assert sample.status in (200, 201, 409, 503), sample
     orders = after(samples, load.since_fault, "order", 20)
     assert orders, "no order was sent 20 s after the fault"
     assert sum(s.status == 201 for s in orders) >= 0.95 * len(orders), {s.status for s in orders}
