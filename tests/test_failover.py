@@ -76,7 +76,14 @@ def test_a_synchronous_standby_keeps_every_acknowledged_order(
     """Killed under load and failed over, the shop lost nothing acknowledged, duplicated nothing, and every
     worker acknowledges orders again within 10 s of the promotion."""
     pair, cluster, workdir = system
-    outcome = fail_over_under_load(pair, cluster, workdir, synchronous_commit=synchronous_commit, gap=gap)
+    outcome = fail_over_under_load(
+        pair,
+        cluster,
+        workdir,
+        synchronous_commit=synchronous_commit,
+        gap=gap,
+        every_worker_within=ANSWERS_WITHIN,
+    )
     timeline = outcome.timeline
     print(f"synchronous_commit = {synchronous_commit}:", timeline.summary(), outcome.report.summary())
     assert timeline.last_acknowledged_before_kill is not None, "nothing was acknowledged before the kill"
