@@ -49,10 +49,10 @@ from psycopg.rows import dict_row  # noqa: E402
 from psycopg.types.json import Jsonb  # noqa: E402
 
 from bench.harness import DEFAULT_SERVER_URL, scratch_database  # noqa: E402
-from flask_idem import _layout, wire  # noqa: E402
+from flask_idem import _layout, _wire  # noqa: E402
 from flask_idem._pool import Batched, PooledConnection  # noqa: E402
-from flask_idem._records import KeyedRequest
-from flask_idem._store import Store, lock_id  # noqa: E402
+from flask_idem._records import KeyedRequest, lock_id  # noqa: E402
+from flask_idem._store import Store  # noqa: E402
 
 INSERT = "INSERT INTO orders (org_id, k, amount, currency) VALUES (%s, %s, %s, %s) RETURNING id, created_at"
 RESPONSE = {
@@ -99,11 +99,11 @@ def _ways(conn: PooledConnection) -> dict[str, Callable[[], None]]:
         " UPDATE idempotency_keys SET status = 'completed', response = p_response"
         " WHERE org_id = p_org_id AND idem_key = p_key; RETURN FOUND; END $$"
     )
-    reserve_call = wire.Statement.from_query(
+    reserve_call = _wire.Statement.from_query(
         b"SELECT * FROM idempotency_keys_reserve(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)s,"
         b" %(path)s, %(ttl)s, %(lock)s, NULL, NULL, NULL, %(tomb)s)"
     )
-    complete_call = wire.Statement.from_query(
+    complete_call = _wire.Statement.from_query(
         b"SELECT idempotency_keys_complete(%(org_id)s, %(key)s, %(response)s)"
     )
     cursor = conn.cursor(row_factory=dict_row)

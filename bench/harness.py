@@ -101,7 +101,7 @@ def scratch_database(server_url: str, name: str) -> Iterator[str]:
 def citus_database(name: str = "flask_idem_bench") -> Iterator[str]:
     """Start a local Citus cluster (coordinator + 2 workers), yield the URL of database ``name`` on its
     coordinator, with Citus on every node, and stop the cluster at the end."""
-    from tests import citus
+    from tests.support import citus
 
     cluster = citus.start(Path(tempfile.mkdtemp(prefix="flask-idem-bench-citus-")))
     try:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 
-import stamina
+import stamina  # type: ignore[import-not-found]  # not a dependency: `uv run --with stamina`
 
 
 class Boom(Exception):

@@ -223,7 +223,8 @@ class Side:
 def _throughput(
     url: str, api_key: str, replay_file: Path, big_file: Path, plan: Plan, tmp: Path, notes: list[str]
 ) -> list[Result]:
-    """Scenarios (a), (b), (c), (f), (g) and (h), each measured at the same moments as what it is compared to.
+    """Scenarios (a), (b), (c), (f), (g), (h) and (i), each measured at the same moments as what it is
+    compared to.
 
     Each comparison is a pair of wrk runs at once, against two gunicorns that split the usual setup
     between them (half the workers each, so the machine runs as many threads as in the other
@@ -247,6 +248,10 @@ def _throughput(
         "(h) floor, batched: (g) sent with BEGIN, COMMIT": (
             baseline,
             Side("twin", "/bench/floor-batched"),
+        ),
+        "(i) hand-written baseline: POST /bench/orders-plain": (
+            baseline,
+            Side("twin", "/bench/orders-plain"),
         ),
     }
     labels = list(pairs)
@@ -285,8 +290,11 @@ def _throughput(
     def ratio(label: str, value: Callable[[WrkRun], float]) -> report.Paired:
         return report.paired([x for x, _ in runs[label]], measured(label), value)
 
+    def cpu_ms(label: str, group: str) -> float:
+        return report.cpu_per_request(measured(label), group)
+
     results = [report.summary(label, measured(label)) for label in labels]
-    (a, b, c, f, g, h), goal = results, "bounds (b)"
+    (a, b, c, f, g, h, i), goal = results, "bounds (b)"
     a.ratio, a.goal = f"req/s {ratio(labels[0], report.rps)} × (a)", "near 1.00: the method's own error"
     report.judge(b, ratio(labels[1], report.rps), "req/s", ">= 0.90 × (a)", 0.90)
     report.judge(c, ratio(labels[2], report.rps), "req/s", ">= 1.0 × (a)", 1.0)
@@ -298,9 +306,10 @@ def _throughput(
     )
     g.ratio, g.goal = f"req/s {ratio(labels[4], report.rps)} × (a)", goal
     h.ratio, h.goal = f"req/s {ratio(labels[5], report.rps)} × (a)", goal
+    i.ratio, i.goal = f"req/s {ratio(labels[6], report.rps)} × (a)", "what the shop's framework costs"
     notes.append(
-        f"(a),(b),(c),(f),(g),(h) side by side: each scenario runs at the same time as what it is compared"
-        f" to ((f) with (c), the others with (a)), each on its own gunicorn of {half}"
+        f"(a),(b),(c),(f),(g),(h),(i) side by side: each scenario runs at the same time as what it is"
+        f" compared to ((f) with (c), the others with (a)), each on its own gunicorn of {half}"
         f" worker(s) × {plan.threads} threads driven by wrk -t1 -c{max(1, plan.connections // 2)};"
         f" {plan.rounds} rounds of {plan.seconds:g} s per pair, order rotated per round, after a"
         f" {plan.warmup:g} s warm-up of each; a ratio is the median of the rounds' ratios, with its"
@@ -325,6 +334,11 @@ def _throughput(
                     for group in ("app", "db", "wrk")) for label in labels)
         + f" ({os.cpu_count()} CPUs = {os.cpu_count()}000 CPU ms per second)"
     )  # fmt: skip
+    notes.append(
+        "what a fresh key costs, CPU ms per request, (b) − (a) measured at the same moments, app /"
+        " PostgreSQL: "
+        + " / ".join(f"{cpu_ms(labels[1], group) - cpu_ms(labels[0], group):+.3f}" for group in ("app", "db"))
+    )
     notes.append(
         "CPU used by other processes on the machine, per round, in % of all CPUs: "
         + "; ".join(f"{label[:3]} {report.others_share(measured(label))}" for label in labels)
