@@ -53,7 +53,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Mapping, MutableSet, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -70,7 +70,6 @@ COMMIT = b"COMMIT"
 ROLLBACK = b"ROLLBACK"
 
 _PLACEHOLDER = re.compile(rb"%\((\w+)\)s|%%")
-_OK = frozenset({pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK})
 
 
 @dataclass(frozen=True)
@@ -179,6 +178,10 @@ class Statement:
     params: tuple[str, ...]
     #: Stem of the names it is prepared under: a digest of the text.
     stem: bytes
+    #: How each parameter is adapted (psycopg's choice, by value), for ``dump_sequence``.
+    formats: tuple[PyFormat, ...] = ()
+    #: The names it is prepared under, by parameter types (see :func:`_prepared_name`).
+    names: dict[tuple[int, ...], bytes] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
     def from_query(cls, query: bytes) -> Statement:
@@ -195,7 +198,7 @@ class Statement:
 
         text = _PLACEHOLDER.sub(number, query)
         stem = b"flask_idem_" + hashlib.blake2b(text, digest_size=8).hexdigest().encode("ascii")
-        return cls(text, tuple(names), stem)
+        return cls(text, tuple(names), stem, (PyFormat.AUTO,) * len(names))
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +212,9 @@ class Result:
 
 #: A batch's item: a command without parameters (``BEGIN``), or a statement and its parameter values.
 Item = bytes | tuple[Statement, Mapping[str, Any]]
+
+#: What a command without parameters answers.
+_COMMAND = Result([], -1)
 
 
 def run(
@@ -231,18 +237,19 @@ def run(
     internals = _checked()
     pgconn = conn.pgconn
     with conn.lock:
-        if pgconn.status != pq.ConnStatus.OK:
+        if pgconn.status != _CONN_OK:
             raise psycopg.OperationalError("the connection is closed")
-        if pgconn.pipeline_status != pq.PipelineStatus.OFF:
+        if pgconn.pipeline_status != _PIPELINE_OFF:
             raise psycopg.ProgrammingError("A batch cannot be sent inside a psycopg pipeline.")
         # Parameters are adapted before anything is sent: a value that cannot be leaves nothing half sent.
         messages = [_adapt(item, transformer, prepared) for item in items]
+        answers = sum(3 if message.prepare else 1 for message in messages)
         pgconn.enter_pipeline_mode()
         try:
             for message in messages:
                 message.send(pgconn)
             pgconn.pipeline_sync()
-            answers = conn.wait(_receive(internals, pgconn, sum(message.answers for message in messages)))
+            results = conn.wait(_receive(internals, pgconn, answers))
         except BaseException:
             # Interrupted with results still unread (or the connection lost): the connection cannot
             # leave pipeline mode in a known state, so it is closed, and the pool replaces it.
@@ -252,12 +259,12 @@ def run(
                 conn.close()
             raise
         pgconn.exit_pipeline_mode()
-    return _results(conn, answers, messages, transformer, prepared, internals)
+    return _results(conn, results, messages, transformer, prepared, internals)
 
 
 @dataclass(frozen=True, slots=True)
 class _Message:
-    """One item of a batch, adapted: what to send, and how many results it answers with."""
+    """One item of a batch, adapted: what to send, and how to read what it answers."""
 
     text: bytes
     params: Sequence[Any] | None = None
@@ -268,41 +275,37 @@ class _Message:
     name: bytes | None = None
     prepare: bool = False
 
-    @property
-    def answers(self) -> int:
-        return 3 if self.prepare else 1
-
     def send(self, pgconn: pq.abc.PGconn) -> None:
-        binary = pq.Format.BINARY
         if self.name is None:
             pgconn.send_query_params(
                 self.text,
                 self.params,
                 param_types=self.types,
                 param_formats=self.formats,
-                result_format=binary,
+                result_format=_BINARY,
             )
             return
         if self.prepare:
             pgconn.send_close_prepared(self.name)
             pgconn.send_prepare(self.name, self.text, param_types=self.types)
-        pgconn.send_query_prepared(self.name, self.params, param_formats=self.formats, result_format=binary)
+        pgconn.send_query_prepared(self.name, self.params, param_formats=self.formats, result_format=_BINARY)
 
 
 def _adapt(item: Item, transformer: Transformer, prepared: MutableSet[bytes] | None) -> _Message:
     if isinstance(item, bytes):
         return _Message(item)
     statement, values = item
-    formats = [PyFormat.AUTO] * len(statement.params)
-    params = transformer.dump_sequence([values[name] for name in statement.params], formats)
+    params = transformer.dump_sequence([values[name] for name in statement.params], statement.formats)
     types, param_formats = transformer.types or (), transformer.formats
     if prepared is None:
         return _Message(statement.text, params, types, param_formats)
-    name = _prepared_name(statement, tuple(types))
+    key = tuple(types)  # the same tuple, with psycopg's adapters
+    name = statement.names.get(key)
+    if name is None:
+        name = statement.names[key] = _prepared_name(statement, key)
     return _Message(statement.text, params, types, param_formats, name=name, prepare=name not in prepared)
 
 
-@functools.cache
 def _prepared_name(statement: Statement, types: tuple[int, ...]) -> bytes:
     """The name ``statement`` is prepared under with these parameter types.
 
@@ -316,18 +319,17 @@ def _prepared_name(statement: Statement, types: tuple[int, ...]) -> bytes:
 def _receive(internals: _Internals, pgconn: pq.abc.PGconn, count: int) -> Any:
     """Flush the batch, then read ``count`` results and the Sync's."""
     yield from internals.send(pgconn)
+    fetch_many = internals.fetch_many
     answers: list[pq.abc.PGresult] = []
     for _ in range(count):
-        results = yield from internals.fetch_many(pgconn)
-        answers.append(results[-1] if results else _missing())
-    sync = yield from internals.fetch_many(pgconn)
-    if not sync or sync[0].status != pq.ExecStatus.PIPELINE_SYNC:
+        results = yield from fetch_many(pgconn)
+        if not results:
+            raise psycopg.InternalError("A statement of a batch went unanswered.")
+        answers.append(results[-1])
+    sync = yield from fetch_many(pgconn)
+    if not sync or sync[0].status != _PIPELINE_SYNC:
         raise psycopg.InternalError("A batch's Sync went unanswered.")
     return answers
-
-
-def _missing() -> Any:
-    raise psycopg.InternalError("A statement of a batch went unanswered.")
 
 
 def _results(
@@ -341,29 +343,56 @@ def _results(
     results: list[Result] = []
     position = 0
     for message in messages:
-        parts = answers[position : position + message.answers]
-        position += message.answers
+        if message.prepare:  # the Close and the Parse answer too
+            parts = answers[position : position + 3]
+            position += 3
+        else:
+            parts = answers[position : position + 1]
+            position += 1
         for part in parts:
-            if part.status == pq.ExecStatus.FATAL_ERROR:
+            status = part.status
+            if status == _TUPLES_OK or status == _COMMAND_OK:
+                continue
+            if status == _FATAL_ERROR:
                 error = internals.error_from_result(part, encoding=conn.info.encoding)
                 if error.sqlstate == "26000" and prepared is not None:
                     prepared.clear()  # deallocated behind our back: prepare everything anew
                 raise error
-            if part.status not in _OK:
-                # PIPELINE_ABORTED: an earlier statement failed, and its error was raised above.
-                raise psycopg.InternalError(f"unexpected result {pq.ExecStatus(part.status).name} in a batch")
+            # PIPELINE_ABORTED: an earlier statement failed, and its error was raised above.
+            raise psycopg.InternalError(f"unexpected result {pq.ExecStatus(status).name} in a batch")
         if message.prepare and prepared is not None and message.name is not None:
             prepared.add(message.name)
-        results.append(_result(parts[-1], transformer))
+        if message.params is None:
+            results.append(_COMMAND)
+        else:
+            results.append(_result(parts[-1], transformer, message.name or message.text))
     return results
 
 
-def _result(answer: pq.abc.PGresult, transformer: Transformer) -> Result:
-    if answer.status != pq.ExecStatus.TUPLES_OK:
+#: The column names of the rows a statement answers, by the name (or text) it was sent under.
+_columns: dict[bytes, list[str]] = {}
+
+
+def _result(answer: pq.abc.PGresult, transformer: Transformer, sent_as: bytes) -> Result:
+    if answer.status != _TUPLES_OK:
         status = answer.command_status or b""
         tail = status.rsplit(b" ", 1)[-1]
         return Result([], int(tail) if tail.isdigit() else -1)
+    count = answer.nfields
+    names = _columns.get(sent_as)
+    if names is None or len(names) != count:
+        names = [(answer.fname(i) or b"").decode("utf-8") for i in range(count)]
+        if len(_columns) < 1000:  # the store's few statements; a bound all the same
+            _columns[sent_as] = names
     transformer.set_pgresult(answer)
-    names = [(answer.fname(i) or b"").decode("utf-8") for i in range(answer.nfields)]
-    values = transformer.load_rows(0, answer.ntuples, tuple)
-    return Result([dict(zip(names, row, strict=True)) for row in values], answer.ntuples)
+    rows = transformer.load_rows(0, answer.ntuples, tuple)
+    return Result([dict(zip(names, row, strict=True)) for row in rows], answer.ntuples)
+
+
+_CONN_OK = pq.ConnStatus.OK
+_PIPELINE_OFF = pq.PipelineStatus.OFF
+_BINARY = pq.Format.BINARY
+_TUPLES_OK = pq.ExecStatus.TUPLES_OK
+_COMMAND_OK = pq.ExecStatus.COMMAND_OK
+_FATAL_ERROR = pq.ExecStatus.FATAL_ERROR
+_PIPELINE_SYNC = pq.ExecStatus.PIPELINE_SYNC
