@@ -23,6 +23,8 @@ from . import _deadline, _wire
 
 __all__ = ["OWNER", "Batched", "PooledConnection", "batched"]
 
+_IDLE = pq.TransactionStatus.IDLE
+
 #: The key of a pool's connection options under which a new connection learns which pool asked for it.
 OWNER = "_flask_idem_owner"
 
@@ -120,6 +122,8 @@ class Batched:
         self.conn = conn
         self._prepare = prepare
         self._deferred: list[_wire.Item] = []
+        #: What the key store keeps for the end of the transaction (the row it writes with COMMIT).
+        self.pending: Any = None
 
     def __enter__(self) -> Batched:
         conn = self.conn
@@ -148,21 +152,25 @@ class Batched:
     @property
     def begun(self) -> bool:
         """Whether the transaction has begun on the server."""
-        return self.conn.pgconn.transaction_status != pq.TransactionStatus.IDLE
+        return self.conn.pgconn.transaction_status != _IDLE
 
     def begin(self, statement: _wire.Statement, params: Mapping[str, Any]) -> _wire.Result:
-        """Send ``BEGIN`` and the transaction's first statement in one round trip; return its result.
+        """Send ``BEGIN`` and the transaction's first statement in one round trip; return its result."""
+        return self.begin_all([(statement, params)])[0]
+
+    def begin_all(self, statements: list[tuple[_wire.Statement, Mapping[str, Any]]]) -> list[_wire.Result]:
+        """Send ``BEGIN`` and the transaction's first statements in one round trip; return their results.
 
         A prepared statement found deallocated (SQLSTATE 26000, after a ``DEALLOCATE ALL`` the batch did
-        not see) is prepared again, and the two sent once more: nothing had run.
+        not see) is prepared again, and the batch sent once more: nothing had run.
         """
         if self.begun:
             raise RuntimeError("The batched transaction has begun already.")
         try:
-            return self._run([_wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
+            return self._run([_wire.BEGIN, *statements], prepare=self._prepare)[1:]
         except psycopg.errors.InvalidSqlStatementName:
             self._run([_wire.ROLLBACK], prepare=False)
-            return self._run([_wire.BEGIN, (statement, params)], prepare=self._prepare)[1]
+            return self._run([_wire.BEGIN, *statements], prepare=self._prepare)[1:]
 
     def defer(self, statement: _wire.Statement, params: Mapping[str, Any]) -> None:
         """Run ``statement`` with ``COMMIT``, in its round trip, after every statement sent before it.
@@ -185,7 +193,7 @@ class Batched:
         if conn.closed or conn.broken:
             return
         try:
-            if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+            if conn.pgconn.transaction_status != _IDLE:
                 conn.rollback()  # through psycopg, which deallocates its prepared statements (and ours)
             conn.autocommit = True
         except psycopg.Error:

@@ -31,6 +31,7 @@ from psycopg.rows import DictRow, class_row, dict_row
 from psycopg.types.json import Jsonb
 
 from . import _wire
+from ._connection import Batched
 from ._pool import ConnectionSource, PooledConnection, batched
 from ._records import (
     RECORD_FIELDS,
@@ -61,6 +62,10 @@ def _cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[DictRow]:
     if cursor is None or cursor.closed:
         cursor = conn._idem_store_cursor = conn.cursor(row_factory=dict_row)
     return cursor
+
+
+_RESERVED = Reservation(reserved=True)
+_IN_FLIGHT = Reservation(reserved=False)
 
 
 def _lease_params(lease: Lease) -> dict[str, Any]:
@@ -128,6 +133,8 @@ class Store:
             statement = self._sql.reserve_leased
         cursor = _cursor(conn)
         opening = batched(conn)
+        if flow is None and opening is not None and not opening.begun and not self._sql.distributed:
+            return self._reserve_once(conn, opening, params)
         for _ in range(2):
             if opening is not None and not opening.begun:  # BEGIN goes with it, in one round trip
                 row: dict[str, Any] | None = opening.begin(self._sql.batches[statement], params).rows[0]
@@ -135,7 +142,7 @@ class Store:
                 row = cursor.execute(statement, params).fetchone()
             assert row is not None  # the statement always answers one row
             if row["fresh"]:
-                return Reservation(reserved=True)
+                return _RESERVED
             if row["request_sha"] is None:  # no committed row for the key in this statement's snapshot
                 if not row["taken"]:  # and another transaction holds the key: it is in flight
                     return Reservation(reserved=False)
@@ -150,6 +157,33 @@ class Store:
                 return Reservation(reserved=False)
             cursor.execute(self._sql.delete_expired, params)
         return Reservation(reserved=False)
+
+    def _reserve_once(
+        self, conn: psycopg.Connection[Any], opening: Batched, params: dict[str, Any]
+    ) -> Reservation:
+        """An atomic reservation in a batched transaction: the key's lock and its row, read with BEGIN.
+
+        Nothing is written yet: the row is written once, completed, with ``COMMIT``
+        (:meth:`complete`), while the lock keeps every other attempt out (409). It saves the row's
+        second version (the completion's ``UPDATE``) that the reservation's ``INSERT`` otherwise needs.
+        """
+        batches = self._sql.batches
+        lock, found = opening.begin_all(
+            [(batches[self._sql.lock], params), (batches[self._sql.lookup], params)]
+        )
+        taken = lock.rows[0]["taken"]
+        if found.rows:
+            row = found.rows[0]
+            record = KeyRecord(**{name: row[name] for name in RECORD_FIELDS})
+            if not record.expired:
+                return Reservation(reserved=False, record=record)
+            if not taken:  # another request is renewing the expired key right now
+                return _IN_FLIGHT
+            _cursor(conn).execute(self._sql.delete_expired, params)
+        elif not taken:
+            return _IN_FLIGHT
+        opening.pending = params
+        return _RESERVED
 
     @timed("complete")
     def complete(
@@ -170,8 +204,15 @@ class Store:
         if not isinstance(owner, Lease):
             if failed is not None:
                 raise TypeError("Only a leased (multi-step) request can be marked failed.")
-            params = {"org_id": owner.org_id, "key": owner.key, "response": Jsonb(response)}
             closing = batched(conn)
+            pending = None if closing is None else closing.pending
+            if pending is not None and pending["key"] == owner.key and pending["org_id"] == owner.org_id:
+                closing.pending = None  # type: ignore[union-attr]
+                # Written once, completed, with COMMIT, in one round trip (see _reserve_once).
+                statement = self._sql.batches[self._sql.insert_completed]
+                closing.defer(statement, {**pending, "response": Jsonb(response)})  # type: ignore[union-attr]
+                return True
+            params = {"org_id": owner.org_id, "key": owner.key, "response": Jsonb(response)}
             if closing is not None and closing.begun:
                 # Sent with COMMIT, in one round trip. It updates the transaction's own row, which
                 # nothing else can see, let alone change: it always matches that one row.
@@ -370,12 +411,21 @@ class _Statements:
         #: distributed_sql answers the same; a test compares them).
         self.record = names["record"].as_bytes(None)
         self.lookup = q("lookup")
+        self.lock = q("lock")
+        self.insert_completed = q("insert_completed")
         self.delete_expired = q("delete_expired")
         self.complete = q("complete")
         # The statements a batched transaction sends with BEGIN or COMMIT (flask_idem._pool.Batched).
         self.batches = {
             text: _wire.Statement.from_query(text)
-            for text in (self.reserve, self.reserve_leased, self.complete)
+            for text in (
+                self.reserve,
+                self.reserve_leased,
+                self.complete,
+                self.lock,
+                self.lookup,
+                self.insert_completed,
+            )
         }
         self.take_over = q("take_over")
         self.hold = q("hold")

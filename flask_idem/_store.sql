@@ -65,6 +65,21 @@ FROM lock LEFT JOIN {table} AS k ON k.org_id = %(org_id)s AND k.idem_key = %(key
 SELECT * FROM {reserve_function}(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)s, %(path)s,
                                  %(ttl)s, %(lock)s, {lease}, %(tomb)s)
 
+-- name: lock
+-- An atomic request's reservation in a batched transaction, with the lookup after it (the key's row is
+-- written once, completed, with COMMIT: insert_completed). The lock is taken without waiting: a key
+-- whose lock is held is in flight. The lookup is a statement of its own, so that its snapshot is taken
+-- once the lock is held, and sees the row of an attempt that committed and let the lock go.
+SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken
+
+-- name: insert_completed
+-- The key's row of an atomic request, written once, with its response, under the key's lock. No ON
+-- CONFLICT: should a row have been committed meanwhile (possible only under REPEATABLE READ, whose
+-- snapshot predates the lock), the unique index refuses this one, and the request's writes with it.
+INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, response, expires_at)
+VALUES (%(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, 'completed', %(response)s,
+        now() + make_interval(secs => %(ttl)s))
+
 -- name: lookup
 -- The row of a key committed after the reservation's snapshot was taken (a new statement sees it).
 SELECT false AS fresh, true AS taken, {record} FROM {table} AS k

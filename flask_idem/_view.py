@@ -282,7 +282,14 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
         state.fire("view", conn)
         return response
 
-    answer = in_transaction(state.source, body, batched=True)
+    try:
+        answer = in_transaction(state.source, body, batched=True)
+    except psycopg.errors.UniqueViolation as e:
+        if e.diag.table_name != settings.table.rpartition(".")[2]:
+            raise
+        # The key's row, written with COMMIT, met one committed meanwhile (under REPEATABLE READ, whose
+        # snapshot predates the key's lock): nothing of this attempt was kept, and the next finds it.
+        raise _in_flight(settings, keyed, _retention(options, settings)) from None
     if stored and isinstance(answer, Response):
         _steps.sent_stored(keyed.org_id, keyed.key, None, answer)
     return _raise_errors(answer)
@@ -423,12 +430,7 @@ def _answer_existing(
     ROLLBACK would make psycopg forget the connection's prepared statements, and nothing was written.
     """
     settings, keyed = state.settings, attempt.request
-    retention = {
-        "retention": {
-            "response_seconds": options.key_ttl(settings),
-            "tombstone_seconds": settings.tombstone_ttl,
-        }
-    }
+    retention = _retention(options, settings)
     replayed = signals.response_replayed
     if record is None:
         return _in_flight(settings, keyed, retention)
@@ -447,6 +449,16 @@ def _answer_existing(
         return answer
     signals.send(replayed, org_id=keyed.org_id, key=keyed.key, status=record.response["status"])
     return replay_response(record.response, state.codec)
+
+
+def _retention(options: ViewOptions, settings: Settings) -> dict[str, Any]:
+    """The retention policy a 409, 410 or 422 carries."""
+    return {
+        "retention": {
+            "response_seconds": options.key_ttl(settings),
+            "tombstone_seconds": settings.tombstone_ttl,
+        }
+    }
 
 
 def _mismatch(printed: _Printed | None, record: KeyRecord, retention: dict[str, Any]) -> KeyMismatch:

@@ -34,7 +34,7 @@ def test_the_coroutine_runs_on_another_thread_inside_the_keys_transaction(
     async_app: Flask, db: psycopg.Connection[Any]
 ) -> None:
     """asgiref runs the coroutine on a thread of its own; there idem.connection is the connection of the
-    key's transaction (it sees the uncommitted reservation), idem.key is the key, and what the coroutine
+    key's transaction (it holds the key's lock), idem.key is the key, and what the coroutine
     puts on g is seen by after_request on the request's thread."""
     key = uuid.uuid4()
     first = post(async_app, "/async/notes", key, {"body": "async one"})

@@ -90,14 +90,15 @@ def traced(wire_app: Flask, call: Callable[[], Any], tmp_path: Path) -> list[str
 
 
 def test_a_fresh_key_takes_the_round_trips_of_the_bare_transaction(wire_app: Flask, tmp_path: Path) -> None:
-    """BEGIN goes with the reservation and the completion with COMMIT: three waits, as BEGIN, INSERT,
-    COMMIT take without the extension; a replay takes two."""
+    """BEGIN goes with the reservation (the key's lock and its lookup) and the key's row with COMMIT:
+    three waits, as BEGIN, INSERT, COMMIT take without the extension; a replay takes two."""
     for _ in range(6):  # past psycopg's prepare threshold: no Parse of its own in the counted request
         assert post(wire_app, "/notes", uuid.uuid4(), {"body": str(uuid.uuid4())}).status_code == 201
     key = uuid.uuid4()
     fresh = traced(wire_app, lambda: post(wire_app, "/notes", key, {"body": "counted"}), tmp_path)
     assert fresh.count("ReadyForQuery") == 3, fresh
-    assert fresh.count("Execute") == 5  # BEGIN, the reservation, the view's INSERT, completion, COMMIT
+    # BEGIN, the lock, the lookup, the view's INSERT, the key's row (written once), COMMIT
+    assert fresh.count("Execute") == 6
     assert "Query" not in fresh  # no simple-protocol statement: every value travels in a Bind
     replay = traced(wire_app, lambda: post(wire_app, "/notes", key, {"body": "counted"}), tmp_path)
     assert replay.count("ReadyForQuery") == 2, replay
@@ -265,7 +266,7 @@ def refusing_app(logged_server: tuple[str, Path]) -> Iterator[Flask]:
             " FOR EACH ROW WHEN (NEW.path LIKE '%refuse-reservation%') EXECUTE FUNCTION refuse()"
         )
         conn.execute(
-            "CREATE OR REPLACE TRIGGER refuse_completion BEFORE UPDATE ON idempotency_keys"
+            "CREATE OR REPLACE TRIGGER refuse_completion BEFORE INSERT OR UPDATE ON idempotency_keys"
             " FOR EACH ROW WHEN (NEW.response::text LIKE '%refuse-completion%') EXECUTE FUNCTION refuse()"
         )
     yield wire_app
@@ -276,8 +277,8 @@ def refusing_app(logged_server: tuple[str, Path]) -> Iterator[Flask]:
 def test_no_request_value_reaches_the_server_log(
     refusing_app: Flask, logged_server: tuple[str, Path], failing: str
 ) -> None:
-    """When the reservation or the completion fails, PostgreSQL logs the statement with $n
-    placeholders: neither the path nor the body of the request is in its log."""
+    """When the key's row is refused for its path or for its stored response, PostgreSQL logs the
+    statement with $n placeholders: neither the path nor the body of the request is in its log."""
     url, log = logged_server
     client: FlaskClient = refusing_app.test_client()
     # The trigger refusing the reservation looks at the path, the one refusing the completion at the
@@ -293,8 +294,8 @@ def test_no_request_value_reaches_the_server_log(
         assert count(conn, "notes") == 0
         assert count(conn, "idempotency_keys") == 0
     assert "refused by the test" in written  # the failure was logged, with its statement
-    statement = "WITH lock AS" if failing == "refuse-reservation" else 'UPDATE "idempotency_keys"'
-    assert f"STATEMENT:  {statement}" in written
+    # The row is written once, completed, with COMMIT: both are refused there.
+    assert 'STATEMENT:  INSERT INTO "idempotency_keys"' in written
     assert "$1" in written
     assert MARKER not in written
 

@@ -139,9 +139,10 @@ def build_policy_app(database_url: str, *, deploy: Fingerprint | None = None, **
         await asyncio.sleep(0)
         note_id = insert(request.get_json()["body"])
         await asyncio.sleep(0.01)
-        # The reservation is visible: this runs in the transaction that holds it, uncommitted.
+        # The reservation is held: this runs in the transaction that holds the key's lock (an atomic
+        # request's row is written with its COMMIT).
         (mine,) = idem.connection.execute(
-            "SELECT count(*) FROM idempotency_keys WHERE idem_key = %s AND status = 'processing'", (idem.key,)
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted"
         ).fetchone() or (0,)
         g.view_thread = threading.get_ident()
         return {
