@@ -249,7 +249,7 @@ class ProcessPool:
         self._batches = False
         #: Connections lent out now, under a deadline; the prober asks the server about the slow ones.
         self.lent: set[PooledConnection] = set()
-        self._prober = Prober(self._conninfo, lambda: list(self.lent), self.connect_failed)
+        self._prober = Prober(conninfo, connect_options or {}, lambda: list(self.lent), self.connect_failed)
         atexit.register(self.close)
 
     @property

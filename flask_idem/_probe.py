@@ -31,7 +31,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,6 +40,7 @@ from psycopg import pq
 
 from . import _deadline
 from ._connection import PooledConnection
+from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
 
 __all__ = ["PROBE_AFTER", "PROBE_INTERVAL", "Prober"]
 
@@ -49,7 +50,10 @@ logger = logging.getLogger("flask_idem")
 PROBE_AFTER = 2.0
 #: Seconds between two rounds of questions.
 PROBE_INTERVAL = 1.0
-#: Seconds the prober's own connection may take, to open and to answer.
+#: Seconds the prober's own connection may take to answer, and to open unless the URL or
+#: ``IDEM_CONNECT_OPTIONS`` set a ``connect_timeout``: shorter than the pool's default (5 s), so that a
+#: database that cannot be reached is known as such sooner, but never shorter than what the user asked
+#: for, since a connection that takes longer to open would then make the pool believe the database gone.
 _PROBE_TIMEOUT = 2
 
 _STATES = "SELECT pid, state FROM pg_stat_activity WHERE pid = ANY(%s)"
@@ -59,15 +63,24 @@ _TERMINATE = "SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid"
 class Prober:
     """The prober of one pool in one process (its thread is started on first use and after a fork).
 
-    :param conninfo: where to open the prober's own connections (the pool's).
+    :param conninfo: where to open the prober's own connections (the pool's URL, as given).
+    :param connect_options: the pool's connection options over :data:`DEFAULT_CONNECT_OPTIONS`
+        (``IDEM_CONNECT_OPTIONS``). The URL's parameters win over both, as on the pool's connections;
+        the connect timeout is :data:`_PROBE_TIMEOUT` where neither sets one.
     :param lent: the pool's connections lent out now.
     :param unreachable: called when the prober cannot connect.
     """
 
     def __init__(
-        self, conninfo: str, lent: Callable[[], Collection[PooledConnection]], unreachable: Callable[[], None]
+        self,
+        conninfo: str,
+        connect_options: Mapping[str, str | int | None],
+        lent: Callable[[], Collection[PooledConnection]],
+        unreachable: Callable[[], None],
     ) -> None:
-        self._conninfo = conninfo
+        options = {**DEFAULT_CONNECT_OPTIONS, **connect_options}
+        options["connect_timeout"] = connect_options.get("connect_timeout") or _PROBE_TIMEOUT
+        self._conninfo = with_connect_options(conninfo, options)
         self._lent = lent
         self._unreachable = unreachable
         self._pid = 0
@@ -139,11 +152,11 @@ class Prober:
 
     @contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A connection of the prober's own, itself under a deadline: the path to the server may be hung
-        for new connections too."""
-        started = time.monotonic()
-        with psycopg.connect(self._conninfo, connect_timeout=_PROBE_TIMEOUT, autocommit=True) as conn:
-            armed = _deadline.arm(conn, _PROBE_TIMEOUT, started=started, on_cut=_nothing)
+        """A connection of the prober's own, opened within its connect timeout and then under a deadline
+        of :data:`_PROBE_TIMEOUT` for its answers: the path to the server may be hung for new connections
+        too."""
+        with psycopg.connect(self._conninfo, autocommit=True) as conn:
+            armed = _deadline.arm(conn, _PROBE_TIMEOUT, started=time.monotonic(), on_cut=_nothing)
             try:
                 yield conn
             finally:

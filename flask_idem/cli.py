@@ -18,7 +18,9 @@ from . import _jobs, _layout, _migrate, relay
 from ._codec import new_key
 from ._outbox import outbox_table
 from ._pool import ProcessPool
+from ._settings import Settings
 from ._state import get_state
+from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
 from .errors import ConfigurationError, missing_table_hint
 from .jobs import TASK_METHOD
 from .recovery import RecoveryReport, recover, run_forever
@@ -26,9 +28,6 @@ from .recovery import RecoveryReport, recover, run_forever
 __all__ = ["idem_cli"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: Seconds the first connection of a command may take, unless the URL sets connect_timeout.
-_CONNECT_TIMEOUT = 5
 
 idem_cli = AppGroup("idem", help="Manage the idempotency key table of flask-idem.")
 
@@ -62,12 +61,10 @@ def _check_connection() -> None:
     connection, with its own connection arguments (its pool does not retry).
     """
     state = get_state()
-    url = state.settings.database_url
-    params = conninfo_to_dict(url)
-    timeout = int(params.get("connect_timeout") or _CONNECT_TIMEOUT)
+    params = conninfo_to_dict(state.settings.database_url)
     try:
         if isinstance(state.source, ProcessPool):
-            psycopg.connect(url, connect_timeout=timeout).close()
+            psycopg.connect(_check_conninfo(state.settings)).close()
         else:
             with state.source.connection():
                 pass
@@ -77,6 +74,13 @@ def _check_connection() -> None:
         if password:
             reason = reason.replace(str(password), "***")
         raise click.ClickException(f"cannot connect to the database: {reason}") from None
+
+
+def _check_conninfo(settings: Settings) -> str:
+    """Where :func:`_check_connection` connects: the URL with the connection options of every connection
+    of the extension (:data:`DEFAULT_CONNECT_OPTIONS` under ``IDEM_CONNECT_OPTIONS``; the URL's own win)."""
+    options = {**DEFAULT_CONNECT_OPTIONS, **settings.connect_options}
+    return with_connect_options(settings.database_url, options)
 
 
 def _ready() -> None:

@@ -87,7 +87,9 @@ def test_a_synchronous_standby_keeps_every_acknowledged_order(
     timeline = outcome.timeline
     print(f"synchronous_commit = {synchronous_commit}:", timeline.summary(), outcome.report.summary())
     assert timeline.last_acknowledged_before_kill is not None, "nothing was acknowledged before the kill"
-    for pid, first in timeline.first_answers().items():
+    answers = timeline.first_answers()
+    assert outcome.workers and outcome.workers <= answers.keys(), (outcome.workers, answers)
+    for pid, first in answers.items():
         assert first is not None and first.done - timeline.promoted <= ANSWERS_WITHIN, (pid, first)
     assert outcome.report.ok, outcome.report.summary()
 

@@ -21,8 +21,11 @@ import pytest
 import requests
 from flask.testing import FlaskCliRunner
 
+from example_app import create_app
+from example_app.health import READY_DEADLINE
+
 from .support.faultproxy import FaultProxy, can_drop_packets, running_proxy
-from .support.helpers import count, headers
+from .support.helpers import close_pool, count, headers, wait_for
 from .support.outage import ORDER, Sample, check_orders, retry_unsettled, running_load
 from .support.servers import gunicorn
 
@@ -85,6 +88,21 @@ def after(samples: list[Sample], since: Callable[[Sample], float], kind: str, se
     return [s for s in samples if s.kind == kind and since(s) >= seconds]
 
 
+def retry_later(sample: Sample) -> None:
+    """A 503 says when to retry."""
+    if sample.status == 503:
+        assert sample.retry_after is not None and int(sample.retry_after) >= 1, sample
+
+
+def place(base: str, api_key: str, key: uuid.UUID) -> tuple[requests.Response, Sample]:
+    """Place the order of ``key``, with one attempt; the answer and its sample."""
+    sent = time.monotonic()
+    response = requests.post(base + "/orders", json=ORDER, headers=headers(api_key, key), timeout=30)
+    retry_after = response.headers.get("Retry-After")
+    sample = Sample("order", sent, time.monotonic(), response.status_code, key, response.content, retry_after)
+    return response, sample
+
+
 def test_reset_every_connection(
     shop: str, proxy: FaultProxy, api_key: str, db: psycopg.Connection[Any], runner: FlaskCliRunner
 ) -> None:
@@ -106,16 +124,38 @@ def test_commit_answer_lost(
     order that COMMIT made, instead of making a second one."""
     key = uuid.uuid4()
     proxy.lose_commit_answers(1)
-    first = requests.post(shop + "/orders", json=ORDER, headers=headers(api_key, key), timeout=30)
+    first, first_sample = place(shop, api_key, key)
     assert first.status_code == 503, first.text
     assert int(first.headers["Retry-After"]) >= 1
     assert proxy.counts["commit answer lost"] == 1
     (order_id,) = db.execute("SELECT id FROM orders WHERE idempotency_key = %s", (key,)).fetchone() or (None,)
     assert order_id is not None, "the COMMIT whose answer was lost did not take effect"
-    retry = requests.post(shop + "/orders", json=ORDER, headers=headers(api_key, key), timeout=30)
+    retry, retry_sample = place(shop, api_key, key)
     assert retry.status_code == 200 and retry.headers["Idempotent-Replayed"] == "true", retry.text
     assert retry.json()["id"] == order_id
     assert count(db, "orders") == 1
+    nothing_left(db, runner, shop, api_key, [first_sample, retry_sample])
+
+
+def test_commit_answer_never_comes(
+    shop: str, proxy: FaultProxy, api_key: str, db: psycopg.Connection[Any], runner: FlaskCliRunner
+) -> None:
+    """The COMMIT reaches the server, then the connection goes silent for good: the shop answers 503 with
+    Retry-After within the deadline, and the retry with the same key replays the order that COMMIT made."""
+    key = uuid.uuid4()
+    proxy.lose_commit_answers(1, then="silence")
+    first, first_sample = place(shop, api_key, key)
+    assert first.status_code == 503, first.text
+    assert int(first.headers["Retry-After"]) >= 1
+    assert first_sample.seconds <= 10 + SLACK, first_sample
+    assert proxy.counts["commit answer lost (then silent)"] == 1
+    (order_id,) = db.execute("SELECT id FROM orders WHERE idempotency_key = %s", (key,)).fetchone() or (None,)
+    assert order_id is not None, "the COMMIT whose answer never came did not take effect"
+    retry, retry_sample = place(shop, api_key, key)
+    assert retry.status_code == 200 and retry.headers["Idempotent-Replayed"] == "true", retry.text
+    assert retry.json()["id"] == order_id
+    assert count(db, "orders") == 1
+    nothing_left(db, runner, shop, api_key, [first_sample, retry_sample])
 
 
 def test_hold_answers_503_within_the_deadline(
@@ -145,6 +185,7 @@ def test_hold_answers_503_within_the_deadline(
             assert sample.status == 200, sample
         elif not sample.ok:
             assert sample.status == 503, sample
+            retry_later(sample)
     assert any(s.status == 503 for s in during if s.kind != "health")
     later = after(load.samples, load.since_fault, "order", 10 + SLACK)
     assert later and all(s.status == 201 for s in later), {s.status for s in later}
@@ -180,6 +221,7 @@ def test_silent_for_good(
         # the server, retried at once on a new connection, finds its own first attempt still holding the
         # key until the server (or, behind PgBouncer, the pooler) ends that transaction.
         assert sample.status in (200, 201, 409, 503), sample
+        retry_later(sample)
     orders = after(samples, load.since_fault, "order", 20)
     assert orders, "no order was sent 20 s after the fault"
     assert sum(s.status == 201 for s in orders) >= 0.95 * len(orders), {s.status for s in orders}
@@ -187,3 +229,50 @@ def test_silent_for_good(
         later = after(samples, load.since_fault, kind_, 20)
         assert later and all(s.status == 200 for s in later), kind_
     nothing_left(db, runner, shop, api_key, samples)
+
+
+def test_readiness_answers_503_within_a_second_while_the_database_is_silent(
+    proxy: FaultProxy, database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """GET /health/ready answers 200 while the database answers, and 503 with Retry-After within about a
+    second (not the request deadline, nor the prober's few seconds) while its connection is silent."""
+    app = create_app({"TESTING": True, "DATABASE_URL": proxy.conninfo(database_url)})
+    client = app.test_client()
+    try:
+        assert client.get("/health/ready").status_code == 200
+        assert proxy.silence("hung") > 0
+        started = time.monotonic()
+        silent = client.get("/health/ready")
+        waited = time.monotonic() - started
+        assert silent.status_code == 503, silent.text
+        assert int(silent.headers["Retry-After"]) >= 1
+        assert waited <= READY_DEADLINE + 1.5, waited
+        wait_for(lambda: client.get("/health/ready").status_code == 200)  # new connections answer
+    finally:
+        close_pool(app)
+
+
+def test_recovery_gives_up_on_a_silent_database(
+    proxy: FaultProxy, database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """``flask idem recover`` whose connection went silent ends within its deadline (each connection it
+    borrows has one) instead of hanging."""
+    deadline = 4.0
+    config = {
+        "TESTING": True,
+        "DATABASE_URL": proxy.conninfo(database_url),
+        "IDEM_DATABASE_DEADLINE": deadline,
+    }
+    app = create_app(config)
+    runner = app.test_cli_runner()
+    try:
+        warm = runner.invoke(args=["idem", "recover"])
+        assert warm.exit_code == 0, warm.output
+        assert proxy.silence("hung") > 0
+        started = time.monotonic()
+        result = runner.invoke(args=["idem", "recover"])
+        waited = time.monotonic() - started
+        assert waited <= deadline + SLACK, (waited, result.output)
+        assert result.exit_code == 1 and "DeadlineExceeded" in result.output, result.output
+    finally:
+        close_pool(app)

@@ -11,6 +11,11 @@ Configuration, from ``FLASK_*`` environment variables or ``test_config``:
     the PostgreSQL database of the gateway's tables (``gateway_charges``, ``gateway_faults``),
     which it creates when it starts. Without it, the embedded PostgreSQL of the instance folder,
     as for the shop.
+``CONNECT_OPTIONS``
+    libpq connection parameters over flask-idem's defaults for the gateway's connections
+    (:data:`flask_idem.DEFAULT_CONNECT_OPTIONS`), as ``IDEM_CONNECT_OPTIONS`` is for the shop's: a
+    dict, e.g. ``FLASK_CONNECT_OPTIONS='{"connect_timeout": 10}'``; ``null`` removes a default, and the
+    URL's own parameters win over both. Default ``{}``.
 ``FAULTS_ENABLED``
     ``true`` enables fault injection at ``/_faults`` (see :mod:`example_app.gateway.faults`).
     Default false.
@@ -43,7 +48,9 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     from .store import Store
 
     app = Flask(__name__, instance_relative_config=True)
-    app.config.from_mapping(FAULTS_ENABLED=False, MAX_CONTENT_LENGTH=64 * 1024, PREPARE_THRESHOLD=5)
+    app.config.from_mapping(
+        CONNECT_OPTIONS={}, FAULTS_ENABLED=False, MAX_CONTENT_LENGTH=64 * 1024, PREPARE_THRESHOLD=5
+    )
     app.config.from_prefixed_env()
     if test_config is not None:
         app.config.update(test_config)
@@ -51,7 +58,10 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
         app.config["DATABASE_URL"] = embedded_url(Path(app.instance_path) / "pgdata")
 
     pool = ProcessPool(
-        app.config["DATABASE_URL"], name="gateway", prepare_threshold=app.config["PREPARE_THRESHOLD"]
+        app.config["DATABASE_URL"],
+        name="gateway",
+        prepare_threshold=app.config["PREPARE_THRESHOLD"],
+        connect_options=app.config["CONNECT_OPTIONS"],
     )
     store = app.extensions["gateway"] = Store(pool)
     store.init_schema()

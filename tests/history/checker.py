@@ -96,6 +96,8 @@ def settle(cluster: Cluster, history: list[Op], report: Report) -> None:
 def check(cluster: Cluster, history: list[Op], report: Report) -> None:
     """Compare the history with the database, the gateway, and fresh replays."""
     report.faults = dict(cluster.faults)
+    if cluster.proxy is not None and (lost := cluster.proxy.counts["commit answer lost"]):
+        report.faults["network commit answer lost (at the proxy)"] = lost
     for op in history:
         report.operations[f"{op.kind} {op.outcome}"] += 1
         for status in op.statuses:

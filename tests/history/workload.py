@@ -8,10 +8,12 @@ while the outcome was open: timeouts, dropped connections, 409s, 503s).
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,9 +107,16 @@ def _json(body: bytes | None) -> Any:
     return json.loads(body)
 
 
+#: The faults of the path between the shop and PostgreSQL (:meth:`.Cluster.network_fault`).
+NETWORK_FAULTS = ("reset", "commit", "hold", "hung", "dead")
+
+
 def nemesis(cluster: Cluster, stop_at: float, interval: float, max_faults: int) -> None:
-    """Inject a random fault every ``interval`` seconds, at most ``max_faults`` times, until ``stop_at``."""
+    """Inject a fault every ``interval`` seconds, at most ``max_faults`` times, until ``stop_at``: first
+    each of the :data:`NETWORK_FAULTS` once, in random order (when the shop is behind the fault proxy), so
+    that even a short run has them all, then faults chosen at random (``interval`` apart on average)."""
     rng = cluster.rng
+    first = rng.sample(NETWORK_FAULTS, len(NETWORK_FAULTS)) if cluster.proxy is not None else []
     actions = [
         lambda: cluster.kill_worker(),
         lambda: cluster.restart_postgres("fast"),
@@ -124,9 +133,15 @@ def nemesis(cluster: Cluster, stop_at: float, interval: float, max_faults: int) 
     ]
     injected = 0
     while injected < max_faults and time.monotonic() + interval < stop_at:
-        time.sleep(rng.uniform(0.5, 1.5) * interval)
+        action: Callable[[], None]
+        if injected < len(first):
+            time.sleep(interval)
+            action = functools.partial(cluster.network_fault, first[injected])
+        else:
+            time.sleep(rng.uniform(0.5, 1.5) * interval)
+            action = rng.choice(actions)
         try:
-            rng.choice(actions)()
+            action()
         except Exception as e:  # e.g. queueing a gateway fault while PostgreSQL restarts
             name = f"injection failed ({type(e).__name__})"
             cluster.faults[name] = cluster.faults.get(name, 0) + 1

@@ -323,6 +323,8 @@ class Outcome:
     timeline: Timeline
     report: Report
     history: list[Op]
+    #: The shop's worker processes after the failover.
+    workers: set[int]
 
 
 def fail_over_under_load(
@@ -378,4 +380,4 @@ def fail_over_under_load(
     report = Report()
     settle(cluster, history, report)
     check(cluster, history, report)
-    return Outcome(timeline, report, history)
+    return Outcome(timeline, report, history, workers)

@@ -6,7 +6,9 @@ connection to the server for each one and copies bytes both ways until told to m
 - :meth:`~FaultProxy.reset`: every open connection is reset (an RST on both sides), as when a server or
   a load balancer restarts. The application hears about it at once.
 - :meth:`~FaultProxy.lose_commit_answers`: the next COMMITs reach the server and take effect, but their
-  answers never reach the client, whose connection is reset instead: the outcome is unknown to it.
+  answers never reach the client, whose connection is reset instead: the outcome is unknown to it. With
+  ``then="silence"`` the connection goes silent for good instead, as a hung peer's (below): nothing tells
+  the client that the answer will never come.
 - :meth:`~FaultProxy.hold`: all traffic, on open and on new connections, stops for some seconds and then
   resumes with nothing lost (a network partition that heals, a stop-the-world pause).
 - :meth:`~FaultProxy.silence` ``("hung")``: every open connection goes silent for good, as behind a hung
@@ -32,7 +34,7 @@ import socket
 import struct
 import subprocess
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, Literal, TypeVar
@@ -70,8 +72,8 @@ class _Link:
         self.client_port: int = self.client_writer.get_extra_info("peername")[1]
         #: Silent for good: nothing is forwarded either way any more.
         self.silent = False
-        #: A COMMIT went up whose answer is to be lost.
-        self.losing_answer = False
+        #: A COMMIT went up whose answer is to be lost, and what then becomes of the link.
+        self.losing_answer: Literal["reset", "silence"] | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
     def reset(self) -> None:
@@ -109,7 +111,8 @@ class FaultProxy:
         self._links: set[_Link] = set()
         self._dropped_ports: set[int] = set()
         self._chain: str | None = None
-        self._commits_to_lose = 0
+        #: What becomes of the links of the next COMMITs whose answers are lost, in order.
+        self._commits_to_lose: deque[Literal["reset", "silence"]] = deque()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
         self._thread.start()
         self._flowing = self._call(self._make_event())
@@ -126,9 +129,10 @@ class FaultProxy:
         """Reset every open connection (RST on both sides); return how many there were."""
         return self._call(self._reset())
 
-    def lose_commit_answers(self, count: int = 1) -> None:
-        """Let the next ``count`` COMMITs through, but reset the client instead of answering it."""
-        self._call(self._lose(count))
+    def lose_commit_answers(self, count: int = 1, *, then: Literal["reset", "silence"] = "reset") -> None:
+        """Let the next ``count`` COMMITs through, but never forward their answers: reset the client
+        instead, or (``then="silence"``) make its connection silent for good."""
+        self._call(self._lose(count, then))
 
     def hold(self, seconds: float) -> None:
         """Stop all traffic for ``seconds``, then let it flow again; returns at once."""
@@ -194,9 +198,11 @@ class FaultProxy:
                 if link.silent:
                     continue  # read (and so ACKed by the kernel), never forwarded
                 if up and self._commits_to_lose and _COMMIT in data:
-                    self._commits_to_lose -= 1
-                    link.losing_answer = True
-                    self.counts["commit answer lost"] += 1
+                    link.losing_answer = then = self._commits_to_lose.popleft()
+                    self.counts["commit answer lost" + (" (then silent)" if then == "silence" else "")] += 1
+                elif not up and link.losing_answer == "silence":
+                    self._make_silent(link)  # the COMMIT's answer: dropped, and the link silent from now
+                    continue
                 elif not up and link.losing_answer:
                     link.reset()  # the COMMIT's answer: dropped, and the client reset instead
                     break
@@ -220,8 +226,8 @@ class FaultProxy:
         self.counts["reset"] += 1
         return len(links)
 
-    async def _lose(self, count: int) -> None:
-        self._commits_to_lose += count
+    async def _lose(self, count: int, then: Literal["reset", "silence"]) -> None:
+        self._commits_to_lose.extend([then] * count)
 
     async def _hold(self, seconds: float) -> None:
         self._flowing.clear()
@@ -231,9 +237,12 @@ class FaultProxy:
     async def _silence(self) -> list[_Link]:
         links = [link for link in self._links if not link.silent]
         for link in links:
-            link.silent = True
-            self._loop.call_later(self.release_after, self._release, link)
+            self._make_silent(link)
         return links
+
+    def _make_silent(self, link: _Link) -> None:
+        link.silent = True
+        self._loop.call_later(self.release_after, self._release, link)
 
     async def _close(self) -> None:
         self._server.close()

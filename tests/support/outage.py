@@ -40,6 +40,8 @@ class Sample:
     status: int | None
     key: uuid.UUID | None = None
     body: bytes | None = None
+    #: Its ``Retry-After`` header, if it had one.
+    retry_after: str | None = None
 
     @property
     def seconds(self) -> float:
@@ -103,10 +105,12 @@ class Load:
         sent = time.monotonic()
         try:
             response = send()
-            status, body = response.status_code, response.content
         except requests.RequestException:
-            status, body = None, None
-        sample = Sample(kind, sent, time.monotonic(), status, key, body if kind == "order" else None)
+            sample = Sample(kind, sent, time.monotonic(), None, key)
+        else:
+            body = response.content if kind == "order" else None
+            retry_after = response.headers.get("Retry-After")
+            sample = Sample(kind, sent, time.monotonic(), response.status_code, key, body, retry_after)
         with self._lock:
             self.samples.append(sample)
 
