@@ -19,8 +19,8 @@ from ._codec import new_key
 from ._outbox import outbox_table
 from ._pool import ProcessPool
 from ._state import get_state
+from ._task import TASK_METHOD
 from .errors import ConfigurationError, missing_table_hint
-from .jobs import TASK_METHOD
 from .recovery import RecoveryReport, recover, run_forever
 
 __all__ = ["idem_cli"]
