@@ -1,8 +1,8 @@
 """Idempotent Celery tasks on real workers and the real RabbitMQ: redelivery, kills, the relay's duplicates.
 
 Every test runs ``celery worker`` processes (prefork) of tests/support/jobs_app.py on a queue of its own, fed
-by the outbox through the relay, and SIGKILLs what a crash would kill. Skipped, saying why, where no broker
-answers (tests/support/celery_workers.py); CI has one.
+by the outbox through the relay, and SIGKILLs what a crash would kill, or counts what the retries carry.
+Skipped, saying why, where no broker answers (tests/support/celery_workers.py); CI has one.
 """
 
 from __future__ import annotations
