@@ -1,9 +1,10 @@
 """Running one delivery of an idempotent task, whatever the runner: reserve, run, store, or put off.
 
-The runner (:mod:`flask_idem.celery`) hands over a delivery (its envelope and arguments) and gets an
-outcome back: :class:`Done` (return the result), :class:`Defer` (deliver it again in ``countdown``
-seconds), :class:`Dropped` (end quietly: the key is another delivery's, or its result has expired), or an
-exception of :mod:`flask_idem.jobs` that ends the task for good. The key table does what it does for a
+The runner (through :meth:`flask_idem.jobs.Jobs.deliver`) hands over a delivery (its envelope and
+arguments) and gets an outcome back: :class:`Done` (return the result), :class:`Defer` (deliver it again
+in ``countdown`` seconds, with the envelope it gives), :class:`Dropped` (end quietly: the key is another
+delivery's, or its result has expired), or a :class:`~flask_idem.jobs.JobError` that ends the task for
+good. The key table does what it does for a
 request: an atomic task's writes commit with its key; a task with a :class:`~flask_idem.Flow` records its
 intent under a lease, then the engine advances it step by step (:mod:`._steps`), and a redelivery (or
 ``flask idem recover``) resumes it after its last finished step.
@@ -18,8 +19,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -32,10 +33,10 @@ from ._outbox import Outbox
 from ._records import KeyedRequest, KeyRecord, Lease
 from ._settings import parse_seconds
 from ._state import IdemState, get_state
+from ._task import TASK_METHOD, Envelope, Job, JobGivenUp, JobMismatch, JobPolicy, Publisher, task_path
 from ._transactions import entering_app_code, in_transaction
 from .errors import ConfigurationError, KeyInUse, OperationFailed, OutcomePending
 from .flow import INTENT, Flow, Run, run_from_record
-from .jobs import TASK_METHOD, Job, JobGivenUp, JobMismatch, JobPolicy, Publisher, task_path
 from .recovery import backoff
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "Done",
     "Dropped",
     "JobsState",
+    "Outcome",
     "TaskSpec",
     "get_jobs",
     "run_delivery",
@@ -58,7 +60,8 @@ EXTENSION_NAME = "idem_jobs"
 
 @dataclass(frozen=True, slots=True)
 class JobsState:
-    """What a runner's ``init_app`` keeps for one application: the policy, the outbox, the publisher."""
+    """What :meth:`Jobs.init_app <flask_idem.jobs.Jobs.init_app>` keeps for one application
+    (``app.extensions["idem_jobs"]``): the policy, the outbox, the relay's publisher."""
 
     policy: JobPolicy
     outbox: Outbox
@@ -104,14 +107,15 @@ def get_jobs(app: Flask) -> JobsState:
     if found is None:
         raise ConfigurationError(
             "Background jobs are not set up on this application: call jobs.init_app(app, celery_app)"
-            " (flask_idem.celery.CeleryJobs) after idem.init_app(app)."
+            " (flask_idem.celery.CeleryJobs, or another runner's init_app) after idem.init_app(app)."
         )
     return found
 
 
 @dataclass(frozen=True, slots=True)
 class TaskSpec:
-    """One idempotent task: its name, its function, and its options (``None``: the application's)."""
+    """One idempotent task as :meth:`Jobs.task <flask_idem.jobs.Jobs.task>` registered it: its name, its
+    function, and its options (``None``: the application's)."""
 
     name: str
     func: Callable[..., Any]
@@ -123,7 +127,8 @@ class TaskSpec:
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """One delivery of a task's message: who, which key, what arguments, how many failures before."""
+    """One delivery of a task's message: who, which key, what arguments, how many failures and
+    deferrals before (the counts of its :class:`~flask_idem.jobs.Envelope`)."""
 
     org_id: int
     key: uuid.UUID
@@ -131,6 +136,25 @@ class Delivery:
     kwargs: Mapping[str, Any]
     enqueued_at: float
     failures: int = 0
+    deferrals: int = 0
+
+    @classmethod
+    def of(cls, envelope: Envelope, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Delivery:
+        """The delivery of a message that carries ``envelope`` and these arguments."""
+        return cls(
+            envelope.org_id,
+            envelope.key,
+            tuple(args),
+            kwargs,
+            envelope.enqueued_at,
+            envelope.failures,
+            envelope.deferrals,
+        )
+
+    @property
+    def envelope(self) -> Envelope:
+        """The envelope this delivery's message carried."""
+        return Envelope(self.org_id, self.key, self.enqueued_at, self.failures, self.deferrals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +167,13 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Defer:
-    """Deliver the message again in ``countdown`` seconds; ``failed`` when this attempt failed."""
+    """Deliver the message again in ``countdown`` seconds, carrying ``envelope`` (one failure more when
+    this attempt ``failed``, one deferral more when another delivery held the key)."""
 
     countdown: float
     reason: str
     failed: bool
+    envelope: Envelope
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,16 +239,18 @@ class _Delivery:
         if failures >= self.policy.attempts or self.overdue:
             return self.give_up(f"{reason}; gave up after {failures} failed attempt(s)")
         countdown = backoff(failures, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng)
-        return self._deferred(Defer(countdown, reason, failed=True))
+        envelope = replace(self.delivery.envelope, failures=failures)
+        return self._deferred(Defer(countdown, reason, failed=True, envelope=envelope))
 
     def busy(self, reason: str) -> Outcome:
-        """Another delivery holds the key: try again later, until the deadline."""
+        """Another delivery holds the key: try again later, each time after a longer backoff (with full
+        jitter, up to the cap), until the deadline; past it, give up as a failure does."""
         if self.overdue:
-            return Dropped(f"{reason} past the deadline; that delivery, or flask idem recover, finishes it")
-        countdown = backoff(
-            self.delivery.failures + 1, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng
-        )
-        return self._deferred(Defer(countdown, reason, failed=False))
+            return self.give_up(f"{reason}; still waiting at the deadline")
+        deferrals = self.delivery.deferrals + 1
+        countdown = backoff(deferrals, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng)
+        envelope = replace(self.delivery.envelope, deferrals=deferrals)
+        return self._deferred(Defer(countdown, reason, failed=False, envelope=envelope))
 
     def _deferred(self, defer: Defer) -> Defer:
         signals.send(
@@ -240,7 +268,8 @@ class _Delivery:
 
         The row is reserved anew (an atomic task's attempts left none) or taken over (a flow's whose
         lease lapsed). When another delivery holds or finished the key meanwhile, nothing is written and
-        the outcome is that of any delivery finding the key taken.
+        the outcome is that of any delivery finding the key taken; one that holds it decides (this
+        delivery is dropped, with a warning).
         """
         flow = self.spec.flow
         flow_name = flow.name if flow else self.spec.name
@@ -265,6 +294,14 @@ class _Delivery:
         marked = in_transaction(self.state.source, mark, batched=True)
         if isinstance(marked, _Existing):
             if marked.record is None or marked.record.response is None:
+                logger.warning(
+                    "Task %s (org %s, key %s): %s; this delivery stops, the one holding the key (or flask"
+                    " idem recover) finishes it.",
+                    self.spec.name,
+                    self.keyed.org_id,
+                    self.keyed.key,
+                    reason,
+                )
                 return Dropped(f"{reason}; another delivery holds the key and decides")
             return self._existing(marked.record)
         if marked:

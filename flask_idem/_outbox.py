@@ -22,7 +22,7 @@ from psycopg.types.json import Jsonb
 
 from ._pool import ConnectionSource
 from ._settings import Settings
-from .jobs import Envelope, Message
+from ._task import Envelope, Message
 
 __all__ = ["Outbox", "OutboxState", "outbox_table"]
 

@@ -20,9 +20,9 @@ from ._outbox import outbox_table
 from ._pool import ProcessPool
 from ._settings import Settings
 from ._state import get_state
+from ._task import TASK_METHOD
 from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
 from .errors import ConfigurationError, missing_table_hint
-from .jobs import TASK_METHOD
 from .recovery import RecoveryReport, recover, run_forever
 
 __all__ = ["idem_cli"]

@@ -1,4 +1,4 @@
-"""Idempotent background jobs, whatever runs them: what a task sees, its retry policy, its errors.
+"""Idempotent background jobs, whatever runs them: the tasks, the outbox, and one delivery at a time.
 
 A message broker retries like an HTTP client: a worker killed mid-task, a lost acknowledgement, a
 message published twice, and the task runs again. An idempotent task reserves its key in the key table,
@@ -7,219 +7,269 @@ in the same transaction as its own writes, exactly as an idempotent route does (
 - the key is the request's own key, derived for the task (:func:`task_key`), or one the caller names;
   it belongs to the organisation, like a request's;
 - a delivery whose work committed does nothing again and returns the stored result;
-- a duplicate delivered while the first runs is deferred (the runner retries it later), never run at the
-  same time;
+- a duplicate delivered while the first runs is deferred (the runner retries it later, each time after
+  a longer backoff), never run at the same time;
 - the same key with other arguments is refused (:class:`JobMismatch`), as a route answers 422;
 - failures are retried with capped, jittered backoff until :class:`JobPolicy` says stop: then the task
   is flagged for a person (``flask idem stuck``) and :class:`JobGivenUp` ends it.
 
-This module has no runner in it: :mod:`flask_idem.celery` adapts it to Celery, and another runner needs
-only to carry an :class:`Envelope` with each message and to retry a delivery later when told.
+This module has no runner in it. :class:`Jobs` keeps the tasks and writes their messages into the
+outbox; a runner builds on it (:class:`flask_idem.celery.CeleryJobs` for Celery): it gives the relay a
+:class:`Publisher`, carries each message's :class:`Envelope`, hands every delivery to
+:meth:`Jobs.deliver`, and acts on the outcome (:class:`Done`, :class:`Defer`, :class:`Dropped`).
 """
 
 from __future__ import annotations
 
-import math
+import logging
+import random
+import threading
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-import psycopg
-from psycopg.rows import TupleRow
+from flask import Flask, current_app
 
+from ._jobs import (
+    EXTENSION_NAME,
+    Defer,
+    Delivery,
+    Done,
+    Dropped,
+    JobsState,
+    Outcome,
+    TaskSpec,
+    get_jobs,
+    run_delivery,
+)
 from ._settings import parse_seconds
+from ._state import get_state
+from ._task import (
+    TASK_METHOD,
+    Envelope,
+    Job,
+    JobError,
+    JobGivenUp,
+    JobMismatch,
+    JobPolicy,
+    Message,
+    Publisher,
+    task_key,
+    task_path,
+)
+from ._view import current
 from .errors import ConfigurationError
-from .flow import Run
+from .flow import Flow
+from .recovery import backoff
+
+if TYPE_CHECKING:
+    from ._extension import Idempotency
 
 __all__ = [
+    "EXTENSION_NAME",
     "TASK_METHOD",
+    "Defer",
+    "Delivery",
+    "Done",
+    "Dropped",
     "Envelope",
     "Job",
     "JobError",
     "JobGivenUp",
     "JobMismatch",
     "JobPolicy",
+    "Jobs",
+    "JobsState",
     "Message",
+    "Outcome",
     "Publisher",
+    "TaskSpec",
+    "get_jobs",
+    "run_delivery",
     "task_key",
     "task_path",
 ]
 
-#: The ``method`` of a task's row in the key table (a request's is its HTTP method).
-TASK_METHOD = "TASK"
-
-_HEADERS = ("idem_org", "idem_key", "idem_enqueued_at")
+logger = logging.getLogger("flask_idem")
 
 
-def task_path(name: str) -> str:
-    """The ``path`` of a task's row in the key table: its name under ``/_tasks/``."""
-    return "/_tasks/" + name
+class Jobs:
+    """Idempotent tasks of the applications ``idem`` is initialised on, whatever runner carries them.
 
+    It keeps the tasks (:meth:`task`, :attr:`tasks`), writes their messages into the outbox
+    (:meth:`enqueue`) and runs one delivery at a time (:meth:`deliver`). A runner subclasses it:
+    its ``init_app`` calls this one's with the relay's :class:`Publisher`, it may override
+    :meth:`make_task` to turn each task into one of its own, and its workers call :meth:`deliver`.
 
-def task_key(org_id: int, key: uuid.UUID, task: str, *, flow: str | None = None) -> uuid.UUID:
-    """The key of task ``task`` enqueued by the request of key ``key``: the same for every attempt of it.
-
-    It is :meth:`Run.derived_key <flask_idem.Run.derived_key>` with the task's name as the step, so a
-    flow step may equally pass ``run.derived_key("task name")``; two organisations never share one.
-    """
-    return uuid.UUID(Run(flow=flow or "", org_id=org_id, key=key).derived_key(task))
-
-
-class JobError(Exception):
-    """A delivery of an idempotent task that must not run, and will not run again (the runner gives up)."""
-
-
-class JobMismatch(JobError):
-    """The task's key was used before with other arguments: refused, as a route answers 422."""
-
-
-class JobGivenUp(JobError):
-    """The task failed past its :class:`JobPolicy` (attempts or deadline), or was given up before.
-
-    Its key row is ``failed`` and flagged for a person (``flask idem stuck``); no delivery runs it again.
+    :param idem: the extension whose key table the tasks reserve their keys in; flows of tasks are made
+        known to its recovery job.
+    :param policy: the retry policy of every task, unless a task names its own. Default: the
+        application's ``IDEM_JOB_*`` configuration (:class:`JobPolicy`).
     """
 
+    def __init__(self, idem: Idempotency, *, policy: JobPolicy | None = None) -> None:
+        self.idem = idem
+        self.policy = policy
+        #: Every task, by name.
+        self.tasks: dict[str, TaskSpec] = {}
+        self._local = threading.local()
 
-@dataclass(frozen=True, slots=True)
-class Envelope:
-    """What every message of an idempotent task carries besides its arguments (as message headers).
+    def init_app(self, app: Flask, publisher: Publisher) -> None:
+        """Set up background jobs on ``app``: its policy and outbox, and ``publisher`` for its relay.
 
-    :param org_id: the organisation the task works for; its key belongs to it.
-    :param key: the task's idempotency key.
-    :param enqueued_at: when the message was first written (epoch seconds, the database's clock); the
-        deadline of :class:`JobPolicy` counts from here, across retries and redeliveries.
-    :param failures: attempts that failed so far (deferrals of a duplicate are not failures).
-    """
+        Call it after ``idem.init_app(app)``.
 
-    org_id: int
-    key: uuid.UUID
-    enqueued_at: float
-    failures: int = 0
-
-    def headers(self) -> dict[str, Any]:
-        """The envelope as message headers."""
-        return {
-            "idem_org": self.org_id,
-            "idem_key": str(self.key),
-            "idem_enqueued_at": self.enqueued_at,
-            "idem_failures": self.failures,
-        }
-
-    @classmethod
-    def from_headers(cls, headers: Mapping[str, Any] | None) -> Envelope:
-        """Read the envelope of a delivered message.
-
-        :raises JobError: the message has none (the task was called directly, not through
-            :meth:`CeleryJobs.enqueue <flask_idem.celery.CeleryJobs.enqueue>` or the outbox), or a
-            malformed one.
+        :raises ConfigurationError: when flask-idem is not initialised on ``app``, an ``IDEM_JOB_*`` or
+            ``IDEM_OUTBOX_*`` value is invalid, or ``app`` already has background jobs.
         """
-        found = headers or {}
-        if not all(name in found for name in _HEADERS):
-            raise JobError(
-                "This message carries no idempotency envelope (organisation and key): an idempotent task"
-                " must be enqueued through the outbox (jobs.enqueue) or jobs.send, not with .delay()."
-            )
         try:
-            org_id, enqueued_at = found["idem_org"], float(found["idem_enqueued_at"])
-            failures = found.get("idem_failures", 0)
-            if type(org_id) is not int or type(failures) is not int or not math.isfinite(enqueued_at):
-                raise ValueError
-            return cls(org_id, uuid.UUID(str(found["idem_key"])), enqueued_at, failures)
-        except (TypeError, ValueError):
-            raise JobError("This message's idempotency envelope is malformed.") from None
+            get_state(app)
+        except RuntimeError as e:
+            raise ConfigurationError(f"{e} Call it before jobs.init_app(app, ...).") from None
+        if EXTENSION_NAME in app.extensions:
+            raise ConfigurationError("This application already has background jobs; call init_app once.")
+        app.extensions[EXTENSION_NAME] = JobsState.create(app, publisher, policy=self.policy)
 
+    def task(
+        self,
+        *,
+        name: str | None = None,
+        flow: Flow | None = None,
+        ttl: float | None = None,
+        policy: JobPolicy | None = None,
+        **options: Any,
+    ) -> Callable[[Callable[..., Any]], Any]:
+        """Decorate a function to make it an idempotent task; the decorator returns :meth:`make_task`'s
+        answer (the runner's task).
 
-@dataclass(frozen=True, slots=True)
-class Message:
-    """A message of the outbox, as the relay hands it to a :class:`Publisher`."""
+        The function takes a :class:`Job` first, then the task's arguments (JSON values); what it
+        returns (JSON too) is stored with its key and returned again to every later delivery of the
+        key. It runs in one transaction on :attr:`Job.connection`, with the key's reservation.
 
-    #: The message's own id (one enqueue); not the task's key.
-    id: uuid.UUID
-    task: str
-    args: list[Any]
-    kwargs: dict[str, Any]
-    envelope: Envelope
+        With ``flow``, the function is the flow's first step: it records the intent (and returns it, a
+        ``dict``), and the flow's steps do the rest, as for a multi-step route (:doc:`/flows`); a
+        worker killed between steps leaves the task to its redelivery or ``flask idem recover``,
+        which continue after the last finished step.
 
-
-class Publisher(Protocol):
-    """What the relay publishes through: one runner's way of sending a message to its broker."""
-
-    def publish(self, message: Message) -> None:
-        """Send ``message``; return only once the broker holds it (a publisher confirm), raise otherwise.
-
-        The relay marks the message sent after this returns. A message published but not marked (the
-        relay died in between) is published again later; the task's key absorbs the duplicate.
+        :param name: the task's name; stable, since messages and key rows carry it. Default: the
+            function's module and name.
+        :param flow: makes the task multi-step.
+        :param ttl: how long the key is kept, in seconds. Default: ``IDEM_KEY_TTL``.
+        :param policy: the task's retry policy. Default: the one of this object, or the application's.
+        :param options: the runner's own options for the task, passed to :meth:`make_task`.
+        :raises ConfigurationError: for a bad option, or a name taken by another task.
         """
-        ...
+        seconds = None if ttl is None else parse_seconds("ttl", ttl)
 
+        def decorator(func: Callable[..., Any]) -> Any:
+            spec = TaskSpec(
+                name=name or f"{func.__module__}.{func.__qualname__}",
+                func=func,
+                flow=flow,
+                ttl=seconds,
+                policy=policy,
+            )
+            if spec.name in self.tasks:
+                raise ConfigurationError(
+                    f"Two idempotent tasks are named {spec.name!r}; names must be unique."
+                )
+            made = self.make_task(spec, **options)
+            self.tasks[spec.name] = spec
+            if flow is not None:
+                self.idem.add_flow(flow)
+            return made
 
-@dataclass
-class Job:
-    """What an idempotent task's function sees as its first argument: who, which key, which attempt."""
+        return decorator
 
-    #: The task's name.
-    name: str
-    org_id: int
-    key: uuid.UUID
-    #: Failed attempts before this one.
-    failures: int = 0
-    _connection: psycopg.Connection[TupleRow] | None = field(default=None, repr=False)
+    def make_task(self, spec: TaskSpec, **options: Any) -> Any:
+        """What :meth:`task` returns for ``spec``: here ``spec`` itself. A runner returns its own task
+        (it must have the task's name as ``name``, which :meth:`enqueue` reads).
 
-    @property
-    def connection(self) -> psycopg.Connection[TupleRow]:
-        """The connection of the task's transaction: its writes commit with its key, or not at all.
-
-        :raises RuntimeError: once the function has returned.
+        :raises ConfigurationError: for any option (this class takes none).
         """
-        if self._connection is None:
-            raise RuntimeError("Job.connection is only available while the task's function runs.")
-        return self._connection
+        if options:
+            raise ConfigurationError(f"This runner takes no task options: {', '.join(sorted(options))}.")
+        return spec
 
-    def derived_key(self, name: str) -> uuid.UUID:
-        """A key for a task this task enqueues in its turn (:func:`task_key` of this task's key)."""
-        return task_key(self.org_id, self.key, name, flow=self.name)
+    def enqueue(
+        self,
+        task: Any,
+        *args: Any,
+        conn: Any = None,
+        org_id: int | None = None,
+        key: uuid.UUID | str | None = None,
+        **kwargs: Any,
+    ) -> uuid.UUID:
+        """Write a message for ``task`` into the outbox, in the current transaction; return the task's key.
 
+        Inside an idempotent view, the defaults are the view's own: its connection (the message commits
+        with the key and the view's writes), its organisation, and a key derived from the request's key
+        and the task's name (:func:`task_key`). Elsewhere, such as in a flow's step, pass them:
+        ``conn=run.connection, org_id=run.org_id, key=run.derived_key("fulfil")``.
+        The relay (``flask idem relay``) publishes the message once the transaction has committed.
 
-@dataclass(frozen=True, slots=True)
-class JobPolicy:
-    """How often and how long a failing task is retried before it is flagged for a person.
-
-    A failed attempt (the function raised, the database was unreachable, a flow's outside call ended
-    without a known outcome) is retried after ``uniform(0, min(backoff_cap, backoff * 2**failures))``
-    seconds (full jitter), until ``attempts`` attempts failed or ``deadline`` seconds passed since the
-    message was enqueued. A duplicate deferred while another delivery runs the task is not a failure,
-    but stops waiting at the deadline too. Nothing is retried forever.
-
-    Defaults: ``IDEM_JOB_ATTEMPTS`` (10), ``IDEM_JOB_DEADLINE`` (3600 s), ``IDEM_JOB_BACKOFF`` (2 s),
-    ``IDEM_JOB_BACKOFF_CAP`` (300 s).
-    """
-
-    attempts: int = 10
-    deadline: float = 3600.0
-    backoff: float = 2.0
-    backoff_cap: float = 300.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
-            raise ConfigurationError(f"A job's attempts must be a positive integer, not {self.attempts!r}.")
-        for name in ("deadline", "backoff", "backoff_cap"):
-            object.__setattr__(self, name, parse_seconds(name, getattr(self, name)))
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> JobPolicy:
-        """The policy of an application's ``IDEM_JOB_*`` configuration.
-
-        :raises ConfigurationError: for a value out of range, naming the key.
+        :param task: the task (or its name); its arguments follow, as JSON values.
+        :raises ConfigurationError: outside an idempotent view without ``conn``, ``org_id`` and ``key``.
         """
-        default = cls()
-        attempts = config.get("IDEM_JOB_ATTEMPTS", default.attempts)
-        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-            raise ConfigurationError(f"IDEM_JOB_ATTEMPTS must be a positive integer, not {attempts!r}.")
-        seconds: dict[str, float] = {}
-        for name in ("deadline", "backoff", "backoff_cap"):
-            setting = f"IDEM_JOB_{name.upper()}"
-            value: float | timedelta = config.get(setting, getattr(default, name))
-            seconds[name] = parse_seconds(setting, value)
-        return cls(attempts=attempts, **seconds)
+        name = task if isinstance(task, str) else task.name
+        if conn is None or org_id is None or key is None:
+            try:
+                view = current()
+            except RuntimeError:
+                raise ConfigurationError(
+                    "jobs.enqueue() outside an idempotent view needs conn=, org_id= and key= (in a flow's"
+                    " step: conn=run.connection, org_id=run.org_id, key=run.derived_key(...))."
+                ) from None
+            conn = view.connection if conn is None else conn
+            org_id = view.org_id if org_id is None else org_id
+            if key is None and view.key is not None and org_id is not None:
+                key = task_key(org_id, view.key, name)
+        if org_id is None or key is None:
+            raise ConfigurationError(
+                "An idempotent task needs an organisation and a key: pass org_id= and key=."
+            )
+        task_uuid = key if isinstance(key, uuid.UUID) else uuid.UUID(key)
+        app = current_app._get_current_object()  # type: ignore[attr-defined]
+        jobs = get_jobs(app)
+        jobs.check_outbox(conn, get_state(app).settings.table)
+        jobs.outbox.write(conn, org_id=org_id, task=name, key=task_uuid, args=list(args), kwargs=kwargs)
+        return task_uuid
+
+    def deliver(
+        self,
+        app: Flask,
+        spec: TaskSpec,
+        envelope: Envelope,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> Outcome:
+        """Run one delivery of ``spec`` in ``app``: the message's ``envelope`` and arguments.
+
+        The runner acts on the outcome: :class:`Done`, the task's result; :class:`Defer`, deliver the
+        message again in ``countdown`` seconds carrying the outcome's ``envelope``; :class:`Dropped`,
+        end quietly. Any other failure of the delivery (the key table away while giving up, say) is
+        a :class:`Defer` too, counted as a failure.
+
+        :raises JobError: the task must not run, and will not run again: :class:`JobMismatch`,
+            :class:`JobGivenUp`.
+        """
+        delivery = Delivery.of(envelope, args, kwargs)
+        try:
+            return run_delivery(app, spec, delivery, rng=self._rng())
+        except JobError:
+            raise
+        except Exception as e:
+            logger.warning(
+                "Delivery of task %s failed: %s; delivered again later.", spec.name, type(e).__name__
+            )
+            policy = spec.policy or self.policy or JobPolicy()
+            failures = envelope.failures + 1
+            countdown = backoff(failures, base=policy.backoff, cap=policy.backoff_cap, rng=self._rng())
+            return Defer(countdown, type(e).__name__, True, replace(envelope, failures=failures))
+
+    def _rng(self) -> random.Random:
+        rng: random.Random | None = getattr(self._local, "rng", None)
+        if rng is None:
+            rng = self._local.rng = random.Random()
+        return rng

@@ -24,7 +24,7 @@ from flask import Flask
 from . import signals
 from ._jobs import get_jobs
 from ._state import get_state
-from .jobs import Message
+from ._task import Message
 from .recovery import backoff
 
 __all__ = ["RelayReport", "relay", "relay_forever"]

@@ -1,8 +1,8 @@
 """Idempotent Celery tasks on real workers and the real RabbitMQ: redelivery, kills, the relay's duplicates.
 
 Every test runs ``celery worker`` processes (prefork) of tests/support/jobs_app.py on a queue of its own, fed
-by the outbox through the relay, and SIGKILLs what a crash would kill. Skipped, saying why, where no broker
-answers (tests/support/celery_workers.py); CI has one.
+by the outbox through the relay, and SIGKILLs what a crash would kill, or counts what the retries carry.
+Skipped, saying why, where no broker answers (tests/support/celery_workers.py); CI has one.
 """
 
 from __future__ import annotations
@@ -145,3 +145,48 @@ def jobs_key_send(key: uuid.UUID) -> str:
     from flask_idem.flow import Run
 
     return Run(flow="jobs.mail", org_id=1, key=key).derived_key("send")
+
+
+def test_a_task_that_always_fails_is_given_up_after_its_attempts(
+    setup: tuple[Flask, dict[str, str]], db: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    """With IDEM_JOB_ATTEMPTS=3, a task that fails every time starts exactly three times on a real worker
+    (its failures travel in the retries' idem_failures header), and is left failed and flagged for a
+    person, as `flask idem stuck` lists it."""
+    app, env = setup
+    key = enqueue(app, "jobs.add", 13, fail=1000)
+    relay(app)
+
+    def status() -> Any:
+        row = db.execute("SELECT status FROM idempotency_keys").fetchone()
+        return row[0] if row else None
+
+    with worker("tests.support.jobs_app", {**env, "FLASK_IDEM_JOB_ATTEMPTS": "3"}, tmp_path / "worker.log"):
+        wait_for(lambda: status() == "failed", timeout=60, interval=0.2)
+        time.sleep(1.5)  # a fourth start would come within the 1 s backoff cap
+    assert [line[0] for line in trace(env)] == ["add"] * 3
+    assert db.execute("SELECT count(*) FROM job_effects").fetchone() == (0,)
+    out = app.test_cli_runner().invoke(args=["idem", "stuck"]).output
+    assert f"NEEDS ATTENTION org=1 key={key} task=jobs.add status=failed" in out
+    assert "gave up after 3 failed attempt(s)" in out
+
+
+def test_two_copies_at_once_run_the_task_once(
+    setup: tuple[Flask, dict[str, str]], db: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    """Two copies of one message taken by two pool processes at once: one runs the task; the other is
+    deferred (a Celery retry) while it runs, then returns the stored result."""
+    app, env = setup
+    enqueue(app, "jobs.add", 5, hold=3.0)
+    relay(app)
+    db.execute("UPDATE idempotency_keys_outbox SET sent_at = NULL, claimed_until = now()")
+    assert relay(app).published == 1  # the second copy
+    log = tmp_path / "worker.log"
+    with worker("tests.support.jobs_app", env, log, concurrency=2):
+        wait_for(lambda: log.read_text().count(" succeeded in ") == 2, timeout=60, interval=0.2)
+    text = log.read_text()
+    assert len(trace(env)) == 1
+    assert " retry: Retry in " in text
+    results = [line.rsplit("s: ", 1)[1] for line in text.splitlines() if " succeeded in " in line]
+    assert results == ["{'value': 5, 'doubled': 10}"] * 2
+    assert db.execute("SELECT task, value FROM job_effects").fetchall() == [("add", 5)]

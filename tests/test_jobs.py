@@ -1,12 +1,18 @@
-"""Idempotent background jobs (flask_idem.jobs, _jobs): one delivery at a time, in this process.
+"""Idempotent background jobs (flask_idem.jobs): one delivery at a time, in this process.
 
-Each test hands deliveries of the tasks of tests/support/jobs_app.py to the runner-neutral core, as a worker
-would, against the real key table. The Celery workers themselves, on RabbitMQ, are in test_celery.py.
+Most tests hand deliveries of the tasks of tests/support/jobs_app.py to the runner-neutral core, as a worker
+would, against the real key table; others run tasks with a second runner, tests/support/inline_jobs.py,
+which delivers what the relay published synchronously. The Celery workers themselves, on RabbitMQ, are in
+test_celery.py.
 """
 
 from __future__ import annotations
 
+import logging
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -20,12 +26,26 @@ from flask import Flask
 from psycopg import sql
 
 from flask_idem import _jobs
-from flask_idem.jobs import Envelope, JobGivenUp, JobMismatch, Message, task_key
+from flask_idem.jobs import (
+    Defer,
+    Delivery,
+    Done,
+    Dropped,
+    Envelope,
+    JobGivenUp,
+    JobMismatch,
+    Message,
+    run_delivery,
+    task_key,
+)
 from flask_idem.relay import relay
 
+from .support import inline_jobs
 from .support.celery_workers import BROKER_URL
-from .support.helpers import close_pool
+from .support.helpers import close_pool, wait_for
+from .support.inline_jobs import build_inline_app, inline
 from .support.jobs_app import SCHEMA, build_jobs_app, jobs, receipts
+from .support.servers import ROOT
 
 
 @pytest.fixture
@@ -40,6 +60,16 @@ def jobs_app(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> 
         maildir=str(tmp_path / "maildir"),
         IDEM_JOB_ATTEMPTS=3,
     )
+    yield app
+    close_pool(app)
+
+
+@pytest.fixture
+def inline_app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
+    """The application of the second runner (tests/support/inline_jobs.py), its queue empty."""
+    db.execute(inline_jobs.SCHEMA)
+    inline.queue.clear()
+    app = build_inline_app(database_url)
     yield app
     close_pool(app)
 
@@ -234,8 +264,12 @@ def test_the_envelope_round_trips_and_refuses_what_is_not_one() -> None:
     """Headers carry org, key, enqueue time and failures; a message without them is refused."""
     from flask_idem.jobs import JobError
 
-    envelope = Envelope(3, uuid.uuid4(), 1700000000.5, failures=2)
+    envelope = Envelope(3, uuid.uuid4(), 1700000000.5, failures=2, deferrals=5)
     assert Envelope.from_headers(envelope.headers()) == envelope
+    older = {name: value for name, value in envelope.headers().items() if name != "idem_deferrals"}
+    assert Envelope.from_headers(older).deferrals == 0  # a message written before deferrals were counted
+    with pytest.raises(JobError, match="malformed"):
+        Envelope.from_headers({**envelope.headers(), "idem_deferrals": -1})
     with pytest.raises(JobError, match="no idempotency envelope"):
         Envelope.from_headers({})
     with pytest.raises(JobError, match="malformed"):
@@ -391,3 +425,163 @@ def test_background_jobs_need_the_outbox_layout(jobs_app: Flask, db: psycopg.Con
     with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
         jobs.enqueue("jobs.add", 1, conn=conn, org_id=1, key=uuid.uuid4())
     assert relay(jobs_app).published == 1
+
+
+class Ceiling(random.Random):
+    """Draws the top of every interval, so that a countdown is its backoff window's upper bound."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+def held_mail(app: Flask, db: psycopg.Connection[Any], to: str) -> uuid.UUID:
+    """A ``jobs.mail`` task stranded after its call, its lease held for an hour (another delivery's)."""
+    key = uuid.uuid4()
+    crash_after_send(app, to, key)
+    db.execute("UPDATE idempotency_keys SET lease_expires_at = now() + interval '1 hour'")
+    return key
+
+
+def test_a_duplicate_waits_longer_after_each_deferral_up_to_the_cap(
+    jobs_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """Each deferral of a duplicate while another delivery holds the key carries one more deferral, and
+    its window doubles: 0.4 s, 0.8 s, then the 1.0 s cap (backoff 0.2 s); it is not counted a failure."""
+    key = held_mail(jobs_app, db, "c@example.com")
+    envelope, windows = Envelope(1, key, time.time()), []
+    for _ in range(4):
+        delivery = Delivery.of(envelope, ["c@example.com"], {})
+        outcome = run_delivery(jobs_app, jobs.tasks["jobs.mail"], delivery, rng=Ceiling())
+        assert isinstance(outcome, Defer) and not outcome.failed
+        windows.append(outcome.countdown)
+        envelope = outcome.envelope
+    assert windows == [0.4, 0.8, 1.0, 1.0]
+    assert (envelope.deferrals, envelope.failures) == (4, 0)
+    assert [line.split()[0] for line in runs(jobs_app)] == ["mail", "send"]
+
+
+def test_a_duplicate_stops_waiting_at_the_deadline(
+    jobs_app: Flask, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past IDEM_JOB_DEADLINE a duplicate is not deferred again: while the key is held it stops, with a
+    warning; once the holder's lease has lapsed, it gives the task up and flags it."""
+    key = held_mail(jobs_app, db, "d@example.com")
+    late = Delivery.of(Envelope(1, key, time.time() - 7200, deferrals=12), ["d@example.com"], {})
+    spec = jobs.tasks["jobs.mail"]
+    with caplog.at_level(logging.WARNING, logger="flask_idem"):
+        assert isinstance(run_delivery(jobs_app, spec, late, rng=Ceiling()), Dropped)
+    assert "still waiting at the deadline; this delivery stops" in caplog.text
+    db.execute("UPDATE idempotency_keys SET lease_expires_at = now()")
+    with pytest.raises(JobGivenUp):
+        run_delivery(jobs_app, spec, late, rng=Ceiling())
+    assert db.execute("SELECT status, needs_attention FROM idempotency_keys").fetchall() == [("failed", True)]
+    assert [line.split()[0] for line in runs(jobs_app)] == ["mail", "send"]
+
+
+# -- the second runner (tests/support/inline_jobs.py) ------------------------------------------------------
+
+
+def order(app: Flask, key: uuid.UUID, **body: Any) -> Any:
+    return app.test_client().post("/orders", json=body, headers={"Idempotency-Key": str(key), "X-Org": "1"})
+
+
+def test_enqueue_in_a_view_derives_its_key_and_commits_with_the_view(
+    inline_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """An enqueue with no key= in an idempotent view takes the request's derived key and commits with the
+    view: a replayed request enqueues nothing more, a failed one leaves nothing; the task runs once."""
+    key = uuid.uuid4()
+    first, again = order(inline_app, key, value=4), order(inline_app, key, value=4)
+    assert (first.status_code, again.status_code, again.headers["Idempotent-Replayed"]) == (201, 200, "true")
+    assert order(inline_app, uuid.uuid4(), value=5, fail=True).status_code == 500
+    derived = task_key(1, key, "inline.add")
+    assert first.json == {"task_key": str(derived)}
+    outbox = db.execute("SELECT org_id, task, idem_key, args FROM idempotency_keys_outbox").fetchall()
+    assert outbox == [(1, "inline.add", derived, [4])]
+    assert relay(inline_app).published == 1
+    assert inline.run(inline_app) == [Done({"value": 4, "org_id": 1})]
+    assert db.execute("SELECT org_id, idem_key, value FROM inline_effects").fetchall() == [(1, derived, 4)]
+
+
+def test_one_task_key_in_two_organisations_is_two_tasks(
+    inline_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """The same task key enqueued by two organisations runs in each, with its own arguments and result;
+    a second message of the first organisation's replays its result."""
+    key = uuid.uuid4()
+    with inline_app.app_context():
+        for org_id in (1, 2, 1):
+            with inline_jobs.idem.pool.connection() as conn, conn.transaction():
+                inline.enqueue("inline.add", 10 * org_id, conn=conn, org_id=org_id, key=key)
+    assert relay(inline_app).published == 3
+    assert inline.run(inline_app) == [
+        Done({"value": 10, "org_id": 1}),
+        Done({"value": 20, "org_id": 2}),
+        Done({"value": 10, "org_id": 1}, replayed=True),
+    ]
+    effects = db.execute("SELECT org_id, idem_key, value FROM inline_effects ORDER BY org_id").fetchall()
+    assert effects == [(1, key, 10), (2, key, 20)]
+
+
+def test_a_flow_task_is_given_up_after_its_attempts(inline_app: Flask, db: psycopg.Connection[Any]) -> None:
+    """A flow task whose call never learns its outcome is delivered again with its failures counted in
+    its envelope, given up and flagged at the third (IDEM_JOB_ATTEMPTS), and never called again."""
+    key, url = uuid.uuid4(), "https://hooks.example/1"
+    with inline_app.app_context(), inline_jobs.idem.pool.connection() as conn, conn.transaction():
+        inline.enqueue("inline.notify", url, conn=conn, org_id=1, key=key)
+    relay(inline_app)
+    outcomes = inline.run(inline_app)
+    assert [type(o) for o in outcomes] == [Defer, Defer, JobGivenUp]
+    assert [o.envelope.failures for o in outcomes if isinstance(o, Defer)] == [1, 2]
+    assert inline_app.config["INLINE_CALLS"] == [url] * 3
+    row = db.execute("SELECT status, needs_attention, flow FROM idempotency_keys").fetchone()
+    assert row == ("failed", True, "inline.notify")
+    out = inline_app.test_cli_runner().invoke(args=["idem", "stuck"]).output
+    assert f"NEEDS ATTENTION org=1 key={key} task=inline.notify status=failed" in out
+    db.execute("UPDATE idempotency_keys_outbox SET sent_at = NULL, claimed_until = now()")
+    relay(inline_app)  # another copy of the message
+    assert [type(o) for o in inline.run(inline_app)] == [JobGivenUp]
+    assert len(inline_app.config["INLINE_CALLS"]) == 3
+
+
+def test_flask_idem_relay_loop_goes_on_after_a_database_error_and_stops_on_sigterm(
+    inline_app: Flask, db: psycopg.Connection[Any], database_url: str, tmp_path: Path
+) -> None:
+    """`flask idem relay --loop` in a process of its own: a pass whose connection the server closed is
+    logged and the next pass publishes; SIGTERM ends it after its pass, with status 0."""
+
+    def enqueue() -> None:  # on a connection of its own: the server closes the pool's below
+        with inline_app.app_context(), psycopg.connect(database_url) as conn, conn.transaction():
+            inline.enqueue("inline.add", 1, conn=conn, org_id=1, key=uuid.uuid4())
+
+    def unsent() -> int:
+        row = db.execute("SELECT count(*) FROM idempotency_keys_outbox WHERE sent_at IS NULL").fetchone()
+        return int(row[0]) if row else -1
+
+    def connection_closed() -> bool:
+        db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        )
+        return "Relay pass failed: AdminShutdown (SQLSTATE 57P01)" in log.read_text()
+
+    log = tmp_path / "relay.log"
+    app = f"tests.support.inline_jobs:build_inline_app({database_url!r})"
+    args = [sys.executable, "-m", "flask", "--app", app, "idem", "relay", "--loop", "--interval", "0.1"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        enqueue()
+        wait_for(lambda: unsent() == 0, timeout=30)
+        wait_for(connection_closed, timeout=30, interval=0.3)
+        enqueue()
+        wait_for(lambda: unsent() == 0, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = log.read_text()
+    assert "Relaying every 0.1 s when idle" in output
+    assert output.count("Published 1, failed 0") == 2, output

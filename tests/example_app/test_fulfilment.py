@@ -23,11 +23,25 @@ from flask import Flask
 from example_app.fulfilment import receipts
 from flask_idem.relay import relay
 
-from ..support.celery_workers import BROKER_URL, broker_marks, delete_queue, kill, new_queue, running, worker
+from ..support.celery_workers import (
+    BROKER_URL,
+    broker_marks,
+    delete_queue,
+    kill,
+    new_queue,
+    ready_messages,
+    running,
+    worker,
+)
 from ..support.servers import ROOT
 from ..support.shop_actions import pay, place_order, wait_for
 
 pytestmark = broker_marks()
+
+
+def deliveries_ended(log: Path) -> int:
+    """How many deliveries of shop.fulfil a worker's log shows ended with a result (run or replayed)."""
+    return sum(" shop.fulfil[" in line and " succeeded in " in line for line in log.read_text().splitlines())
 
 
 def test_every_paid_order_is_fulfilled_exactly_once_through_kills(
@@ -93,10 +107,16 @@ def test_every_paid_order_is_fulfilled_exactly_once_through_kills(
             proc.wait(10)
         assert running(family) == []
 
-        with worker("example_app.worker", env, tmp_path / "worker2.log", concurrency=2) as proc:
+        # Six copies on the queue (the first worker's given back): wait until each was delivered and
+        # ended, having run the task or returned its stored result, before the queue is deleted.
+        log = tmp_path / "worker2.log"
+        with worker("example_app.worker", env, log, concurrency=2) as proc:
             wait_for(
                 lambda: (
-                    db.execute("SELECT count(*) FROM fulfilments WHERE status = 'sent'").fetchone() == (3,)
+                    deliveries_ended(log) >= 6
+                    and ready_messages(queue) == 0
+                    and db.execute("SELECT count(*) FROM fulfilments WHERE status = 'sent'").fetchone()
+                    == (3,)
                 ),
                 timeout=120,
                 interval=0.2,
@@ -109,6 +129,7 @@ def test_every_paid_order_is_fulfilled_exactly_once_through_kills(
     finally:
         delete_queue(queue)
 
+    assert deliveries_ended(log) == 6
     fulfilled = Counter(r[0] for r in db.execute("SELECT order_id FROM fulfilments").fetchall())
     assert fulfilled == Counter(paid)
     mailed = Counter(str(m["X-Shop-Order"]).split(":")[1] for m in receipts(sink))

@@ -16,7 +16,16 @@ import pytest
 from flask import Flask
 
 from ..support.helpers import ROOT, close_pool
-from ..support.shop_actions import add_fault, charges, pay, payment_statuses, place_order, stranded_payment
+from ..support.shop_actions import (
+    add_fault,
+    charges,
+    fulfilments_enqueued,
+    paid,
+    pay,
+    payment_statuses,
+    place_order,
+    stranded_payment,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +33,8 @@ pytestmark = pytest.mark.slow
 def test_recover_finishes_a_stranded_payment(
     shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
 ) -> None:
-    """After a fail_after, `flask idem recover` looks the charge up and records it; a retry replays it."""
+    """After a fail_after, `flask idem recover` looks the charge up and records it, enqueueing the order's
+    fulfilment once; a retry replays it, and a second recovery pass finds nothing."""
     client = shop.test_client()
     order_id, key = stranded_payment(client, org[1], gateway_url, "fail_after")
     runner = shop.test_cli_runner()
@@ -38,6 +48,8 @@ def test_recover_finishes_a_stranded_payment(
     assert retry.status_code == 200
     assert retry.json["status"] == "succeeded"
     assert len(charges(gateway_url)) == 1
+    assert "Claimed 0" in runner.invoke(args=["idem", "recover"]).output
+    assert fulfilments_enqueued(db) == [(org[0], "shop.fulfil", *paid(db))]
 
 
 def test_recovery_gives_up_after_the_deadline(

@@ -21,7 +21,7 @@ from example_app.web import SECURITY_HEADERS, _instance_secret
 from flask_idem.errors import PROBLEM_JSON
 
 from ..support.helpers import count
-from ..support.shop_actions import add_fault, charges, payment_statuses
+from ..support.shop_actions import add_fault, charges, fulfilments_enqueued, paid, payment_statuses
 
 HTML = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}
 
@@ -216,7 +216,8 @@ def test_invalid_amount_is_a_422_page(
 def test_pay_form_in_flight_then_check_again(
     shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
 ) -> None:
-    """The pay form posted again while the first is at the bank: 409 with the same form; then one charge."""
+    """The pay form posted again while the first is at the bank: 409 with the same form; then one charge,
+    and one fulfilment message in the outbox."""
     client = signed_in(shop, org[1])
     order = client.post(
         "/checkout",
@@ -253,6 +254,7 @@ def test_pay_form_in_flight_then_check_again(
     assert again.headers["Idempotent-Replayed"] == "true"
     assert len(charges(gateway_url)) == 1
     assert payment_statuses(db) == ["succeeded"]
+    assert fulfilments_enqueued(db) == [(org[0], "shop.fulfil", *paid(db))]
     assert "Paid. Thank you!" in client.get(order_url, headers=HTML).get_data(as_text=True)
 
 
@@ -281,6 +283,7 @@ def test_declined_card_without_javascript(
     assert "Your card was declined. Nothing was charged." in after.get_data(as_text=True)
     assert field(after, "idempotency_key") != key
     assert payment_statuses(db) == ["declined"]
+    assert fulfilments_enqueued(db) == []
 
 
 def test_orders_page_lists_each_order_once_and_flags(
@@ -367,7 +370,8 @@ def test_instance_secret_is_made_once(tmp_path: Path) -> None:
 def test_pay_form_with_unknown_outcome_is_finished_by_recovery(
     shop: Flask, org: tuple[int, str], gateway_url: str, db: psycopg.Connection[Any]
 ) -> None:
-    """Gateway fails after charging: a 503 page with the same form; recovery finishes; a resend replays."""
+    """Gateway fails after charging: a 503 page with the same form; recovery finishes, and enqueues the
+    fulfilment; a resend replays."""
     client = signed_in(shop, org[1])
     front, order, page = order_from_the_form(client, "4", "EUR")
     token = field(front, "csrf_token")
@@ -385,3 +389,4 @@ def test_pay_form_with_unknown_outcome_is_finished_by_recovery(
     assert again.headers["Location"] == order.headers["Location"]
     assert len(charges(gateway_url)) == 1
     assert payment_statuses(db) == ["succeeded"]
+    assert fulfilments_enqueued(db) == [(org[0], "shop.fulfil", *paid(db))]

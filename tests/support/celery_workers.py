@@ -33,6 +33,7 @@ __all__ = [
     "delete_queue",
     "kill",
     "new_queue",
+    "ready_messages",
     "running",
     "stop",
     "worker",
@@ -80,6 +81,15 @@ def delete_queue(name: str) -> None:
             Queue(name).bind(connection.default_channel).delete()
         except Exception:  # never declared, or gone: nothing to clean
             pass
+
+
+def ready_messages(name: str) -> int:
+    """How many messages of queue ``name`` wait for a consumer (not those delivered and unacknowledged)."""
+    from kombu import Connection, Queue
+
+    with Connection(BROKER_URL, connect_timeout=5) as connection:
+        declared = Queue(name).bind(connection.default_channel).queue_declare(passive=True)
+        return int(declared.message_count)
 
 
 @contextmanager

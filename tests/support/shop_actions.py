@@ -89,6 +89,18 @@ def payment_statuses(db: psycopg.Connection[Any]) -> list[str]:
     return [row[0] for row in db.execute("SELECT status FROM payments ORDER BY id").fetchall()]
 
 
+def fulfilments_enqueued(db: psycopg.Connection[Any]) -> list[tuple[int, str, list[int]]]:
+    """The outbox's messages, oldest first: organisation, task, and arguments (order id, payment id)."""
+    rows = db.execute("SELECT org_id, task, args FROM idempotency_keys_outbox ORDER BY created_at")
+    return [(row[0], row[1], row[2]) for row in rows.fetchall()]
+
+
+def paid(db: psycopg.Connection[Any]) -> list[list[int]]:
+    """The order and payment ids of every succeeded payment: the arguments of its fulfilment."""
+    rows = db.execute("SELECT order_id, id FROM payments WHERE status = 'succeeded' ORDER BY id")
+    return [[row[0], row[1]] for row in rows.fetchall()]
+
+
 def stranded_payment(client: FlaskClient, api_key: str, gateway_url: str, mode: str) -> tuple[int, uuid.UUID]:
     """Place an order and pay it through the gateway fault ``mode``: the payment is left stranded (503).
 

@@ -252,3 +252,47 @@ def background_jobs(idem: Idempotency, app: Flask) -> None:
     refused: tuple[type[Exception], ...] = (JobMismatch, JobGivenUp)
     relay_forever(app, interval=1.0, on_pass=lambda done: print(done.published))
     print(published, headers, refused, Message)
+
+
+def another_runner(idem: Idempotency, app: Flask) -> None:
+    from flask_idem.jobs import Defer, Done, Dropped, Envelope, Job, JobError, Jobs, Message, TaskSpec
+
+    class Runner(Jobs):
+        def __init__(self, idem: Idempotency) -> None:
+            super().__init__(idem)
+            self.sent: list[Message] = []
+
+        def publish(self, message: Message) -> None:
+            self.sent.append(message)
+
+        def make_task(self, spec: TaskSpec, **options: Any) -> TaskSpec:
+            return spec
+
+        def work(self, app: Flask) -> list[Any]:
+            done: list[Any] = []
+            for message in self.sent:
+                try:
+                    outcome = self.deliver(
+                        app, self.tasks[message.task], message.envelope, message.args, message.kwargs
+                    )
+                except JobError:
+                    continue
+                if isinstance(outcome, Done):
+                    done.append(outcome.result)
+                elif isinstance(outcome, Defer):
+                    later: Envelope = outcome.envelope
+                    print(outcome.countdown, later.failures, later.deferrals)
+                elif isinstance(outcome, Dropped):
+                    print(outcome.reason)
+            return done
+
+    runner = Runner(idem)
+    runner.init_app(app, runner)
+
+    @runner.task(name="shop.note")
+    def note(job: Job, text: str) -> dict[str, Any]:
+        return {"text": text, "org": job.org_id}
+
+    with idem.pool.connection() as conn, conn.transaction():
+        key: uuid.UUID = runner.enqueue(note, "hello", conn=conn, org_id=1, key=uuid.uuid4())
+    print(key, runner.work(app))

@@ -1,0 +1,217 @@
+"""What an idempotent task is, whatever runs it: its key, its envelope, what it sees, its policy, its errors.
+
+The ground floor of background jobs; :mod:`flask_idem.jobs` is their public face and says what they
+promise (:doc:`/jobs`).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import psycopg
+from psycopg.rows import TupleRow
+
+from ._settings import parse_seconds
+from .errors import ConfigurationError
+from .flow import Run
+
+__all__ = [
+    "TASK_METHOD",
+    "Envelope",
+    "Job",
+    "JobError",
+    "JobGivenUp",
+    "JobMismatch",
+    "JobPolicy",
+    "Message",
+    "Publisher",
+    "task_key",
+    "task_path",
+]
+
+#: The ``method`` of a task's row in the key table (a request's is its HTTP method).
+TASK_METHOD = "TASK"
+
+_HEADERS = ("idem_org", "idem_key", "idem_enqueued_at")
+_COUNTS = ("idem_failures", "idem_deferrals")
+
+
+def task_path(name: str) -> str:
+    """The ``path`` of a task's row in the key table: its name under ``/_tasks/``."""
+    return "/_tasks/" + name
+
+
+def task_key(org_id: int, key: uuid.UUID, task: str, *, flow: str | None = None) -> uuid.UUID:
+    """The key of task ``task`` enqueued by the request of key ``key``: the same for every attempt of it.
+
+    It is :meth:`Run.derived_key <flask_idem.Run.derived_key>` with the task's name as the step, so a
+    flow step may equally pass ``run.derived_key("task name")``; two organisations never share one.
+    """
+    return uuid.UUID(Run(flow=flow or "", org_id=org_id, key=key).derived_key(task))
+
+
+class JobError(Exception):
+    """A delivery of an idempotent task that must not run, and will not run again (the runner gives up)."""
+
+
+class JobMismatch(JobError):
+    """The task's key was used before with other arguments: refused, as a route answers 422."""
+
+
+class JobGivenUp(JobError):
+    """The task failed past its :class:`JobPolicy` (attempts or deadline), or was given up before.
+
+    Its key row is ``failed`` and flagged for a person (``flask idem stuck``); no delivery runs it again.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """What every message of an idempotent task carries besides its arguments (as message headers).
+
+    :param org_id: the organisation the task works for; its key belongs to it.
+    :param key: the task's idempotency key.
+    :param enqueued_at: when the message was first written (epoch seconds, the database's clock); the
+        deadline of :class:`JobPolicy` counts from here, across retries and redeliveries.
+    :param failures: attempts that failed so far (deferrals of a duplicate are not failures).
+    :param deferrals: times this message was put off because another delivery held its key; its
+        backoff grows with them.
+    """
+
+    org_id: int
+    key: uuid.UUID
+    enqueued_at: float
+    failures: int = 0
+    deferrals: int = 0
+
+    def headers(self) -> dict[str, Any]:
+        """The envelope as message headers."""
+        return {
+            "idem_org": self.org_id,
+            "idem_key": str(self.key),
+            "idem_enqueued_at": self.enqueued_at,
+            "idem_failures": self.failures,
+            "idem_deferrals": self.deferrals,
+        }
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, Any] | None) -> Envelope:
+        """Read the envelope of a delivered message (a missing count is 0).
+
+        :raises JobError: the message has none (the task was called directly, not enqueued through
+            the outbox with :meth:`Jobs.enqueue <flask_idem.jobs.Jobs.enqueue>`), or a malformed one.
+        """
+        found = headers or {}
+        if not all(name in found for name in _HEADERS):
+            raise JobError(
+                "This message carries no idempotency envelope (organisation and key): an idempotent task"
+                " must be enqueued through the outbox (jobs.enqueue, then the relay), not with .delay()."
+            )
+        try:
+            org_id, enqueued_at = found["idem_org"], float(found["idem_enqueued_at"])
+            failures, deferrals = (found.get(name, 0) for name in _COUNTS)
+            counts_ok = all(type(n) is int and n >= 0 for n in (failures, deferrals))
+            if type(org_id) is not int or not counts_ok or not math.isfinite(enqueued_at):
+                raise ValueError
+            return cls(org_id, uuid.UUID(str(found["idem_key"])), enqueued_at, failures, deferrals)
+        except (TypeError, ValueError):
+            raise JobError("This message's idempotency envelope is malformed.") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A message of the outbox, as the relay hands it to a :class:`Publisher`."""
+
+    #: The message's own id (one enqueue); not the task's key.
+    id: uuid.UUID
+    task: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    envelope: Envelope
+
+
+class Publisher(Protocol):
+    """What the relay publishes through: one runner's way of sending a message to its broker."""
+
+    def publish(self, message: Message) -> None:
+        """Send ``message``; return only once the broker holds it (a publisher confirm), raise otherwise.
+
+        The relay marks the message sent after this returns. A message published but not marked (the
+        relay died in between) is published again later; the task's key absorbs the duplicate.
+        """
+        ...
+
+
+@dataclass
+class Job:
+    """What an idempotent task's function sees as its first argument: who, which key, which attempt."""
+
+    #: The task's name.
+    name: str
+    org_id: int
+    key: uuid.UUID
+    #: Failed attempts before this one.
+    failures: int = 0
+    _connection: psycopg.Connection[TupleRow] | None = field(default=None, repr=False)
+
+    @property
+    def connection(self) -> psycopg.Connection[TupleRow]:
+        """The connection of the task's transaction: its writes commit with its key, or not at all.
+
+        :raises RuntimeError: once the function has returned.
+        """
+        if self._connection is None:
+            raise RuntimeError("Job.connection is only available while the task's function runs.")
+        return self._connection
+
+    def derived_key(self, name: str) -> uuid.UUID:
+        """A key for a task this task enqueues in its turn (:func:`task_key` of this task's key)."""
+        return task_key(self.org_id, self.key, name, flow=self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class JobPolicy:
+    """How often and how long a failing task is retried before it is flagged for a person.
+
+    A failed attempt (the function raised, the database was unreachable, a flow's outside call ended
+    without a known outcome) is retried after ``uniform(0, min(backoff_cap, backoff * 2**failures))``
+    seconds (full jitter), until ``attempts`` attempts failed or ``deadline`` seconds passed since the
+    message was enqueued. A duplicate deferred while another delivery runs the task is not a failure,
+    but stops waiting at the deadline too. Nothing is retried forever.
+
+    Defaults: ``IDEM_JOB_ATTEMPTS`` (10), ``IDEM_JOB_DEADLINE`` (3600 s), ``IDEM_JOB_BACKOFF`` (2 s),
+    ``IDEM_JOB_BACKOFF_CAP`` (300 s).
+    """
+
+    attempts: int = 10
+    deadline: float = 3600.0
+    backoff: float = 2.0
+    backoff_cap: float = 300.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ConfigurationError(f"A job's attempts must be a positive integer, not {self.attempts!r}.")
+        for name in ("deadline", "backoff", "backoff_cap"):
+            object.__setattr__(self, name, parse_seconds(name, getattr(self, name)))
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> JobPolicy:
+        """The policy of an application's ``IDEM_JOB_*`` configuration.
+
+        :raises ConfigurationError: for a value out of range, naming the key.
+        """
+        default = cls()
+        attempts = config.get("IDEM_JOB_ATTEMPTS", default.attempts)
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise ConfigurationError(f"IDEM_JOB_ATTEMPTS must be a positive integer, not {attempts!r}.")
+        seconds: dict[str, float] = {}
+        for name in ("deadline", "backoff", "backoff_cap"):
+            setting = f"IDEM_JOB_{name.upper()}"
+            value: float | timedelta = config.get(setting, getattr(default, name))
+            seconds[name] = parse_seconds(setting, value)
+        return cls(attempts=attempts, **seconds)
