@@ -453,7 +453,9 @@ def _mismatch(printed: _Printed | None, record: KeyRecord, retention: dict[str, 
     """The 422, naming the parts of the request that differ when the route's policy can tell."""
     if printed is None:
         return KeyMismatch(members=retention)
-    told = describe_mismatch(printed.policy, record.response, printed.now)
+    told = describe_mismatch(
+        printed.policy, record.response, printed.now, lambda p: p.compute(_parts(printed.req, p))
+    )
     if told is None:
         return KeyMismatch(printed.policy.mismatch_detail(), members=retention)
     detail, differs = told

@@ -143,7 +143,7 @@ def test_the_stored_response_keeps_part_digests_not_values(
         "query",
         "media type",
         "body except /client_ts, /trace/id",
-        "header X-Currency",
+        "header x-currency",
     }
     assert all(len(v) == 16 for v in request["parts"].values())
     assert "EUR" not in json.dumps(request)
@@ -161,8 +161,8 @@ def test_a_policy_changed_between_two_attempts(
     make: Callable[..., Flask], db: psycopg.Connection[Any], previous: bool
 ) -> None:
     """A deploy changes the route's policy between two attempts of one key. With the old policy in
-    previous=, the retry is compared under it (and replayed); without, it cannot be compared: 422, saying
-    the policy changed. Either way nothing runs twice."""
+    previous=, the retry is compared under it (replayed, or a 422 naming the part that differs under it);
+    without, it cannot be compared: 422, saying the policy changed. Either way nothing runs twice."""
     old = Fingerprint(exclude=["/ts"])
     new = Fingerprint(exclude=["/ts", "/nonce"], previous=[old] if previous else [])
     key = uuid.uuid4()
@@ -173,7 +173,9 @@ def test_a_policy_changed_between_two_attempts(
     if previous:
         assert retry.status_code == 200 and retry.headers["Idempotent-Replayed"] == "true"
         changed = post(after, "/deploy", key, {"a": 2, "ts": 2, "nonce": "x"})
-        assert changed.status_code == 422  # compared under the old policy: /a differs
+        assert changed.status_code == 422 and changed.json is not None  # compared under the old policy
+        assert changed.json["differs"] == ["body except /ts"]
+        assert "earlier fingerprint policy" in changed.json["detail"]
     else:
         assert retry.status_code == 422 and retry.json is not None
         assert retry.json["differs"] == ["fingerprint policy"]
@@ -418,7 +420,26 @@ def test_an_earlier_policy_reads_what_it_names(
     assert post(make(deploy=old), "/deploy", key, {"a": 1}, **{"X-Currency": "EUR"}).status_code == 201
     after = make(deploy=new)
     assert post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "EUR"}).status_code == 200
-    assert post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "USD"}).status_code == 422
+    refused = post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "USD"})
+    assert refused.status_code == 422 and refused.json is not None
+    assert refused.json["differs"] == ["header X-Currency"]
+    assert count(db, "notes") == 1
+
+
+def test_a_header_renamed_in_another_letter_case(
+    make: Callable[..., Flask], db: psycopg.Connection[Any]
+) -> None:
+    """A deploy that only writes X-Currency as x-currency keeps stored keys matching: the retry is
+    replayed, and a real change is named in the new spelling."""
+    key = uuid.uuid4()
+    before = make(deploy=Fingerprint(headers=["X-Currency"]))
+    assert post(before, "/deploy", key, {"a": 1}, **{"X-Currency": "EUR"}).status_code == 201
+    after = make(deploy=Fingerprint(headers=["x-currency"]))
+    retry = post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "EUR"})
+    assert retry.status_code == 200 and retry.headers["Idempotent-Replayed"] == "true"
+    refused = post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "USD"})
+    assert refused.status_code == 422 and refused.json is not None
+    assert refused.json["differs"] == ["header x-currency"]
     assert count(db, "notes") == 1
 
 

@@ -119,6 +119,14 @@ def test_headers_count_by_value_and_absence() -> None:
     assert Fingerprint(headers=["x-currency"]).id == Fingerprint(headers=["X-Currency"]).id
 
 
+def test_a_header_names_letter_case_never_counts() -> None:
+    """Fingerprint(headers=["X-Currency"]) and ["x-currency"] are one policy: same id, digest and parts."""
+    request = parts({"a": 1}, headers={"x-currency": ["EUR"]})
+    upper = Fingerprint(headers=["X-Currency"]).compute(request)
+    lower = Fingerprint(headers=["x-currency"]).compute(request)
+    assert upper.sha == lower.sha and upper.parts == lower.parts
+
+
 def test_custom_values_count_canonically() -> None:
     """A custom function's value counts: key order and int/float spelling do not; the value does."""
     policy = Fingerprint(include=[], custom=lambda: None)
@@ -228,11 +236,18 @@ def test_a_mismatch_names_the_parts_that_differ_and_no_value() -> None:
 
 
 def test_a_mismatch_after_a_policy_change_says_so() -> None:
-    """A response stored under another policy: the 422 says the policy changed, not which part."""
+    """A response stored under a policy the route no longer names says the policy changed; under one in
+    previous=, it names the parts that differ under that one."""
     old, new = Fingerprint(exclude=["/ts"]), Fingerprint(exclude=["/ts", "/nonce"])
     stored = {"status": 201, "request": {"policy": old.id, "parts": old.compute(parts({"a": 1})).parts}}
     told = describe_mismatch(new, stored, new.compute(parts({"a": 1})))
     assert told is not None and told[1] == ["fingerprint policy"]
+    # With the old policy in previous=, the request is compared under it and the parts are named.
+    kept = Fingerprint(exclude=["/ts", "/nonce"], previous=[old])
+    request = parts({"a": 2, "nonce": "x"})
+    told = describe_mismatch(kept, stored, kept.compute(request), lambda p: p.compute(request))
+    assert told is not None and told[1] == ["body except /ts"]
+    assert "earlier fingerprint policy" in told[0]
     # Without part digests (the default policy, a tombstone, a flow in progress) nothing more is said.
     assert describe_mismatch(new, {"status": 201}, new.compute(parts({"a": 1}))) is None
     assert describe_mismatch(new, None, new.compute(parts({"a": 1}))) is None
