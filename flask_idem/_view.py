@@ -351,7 +351,8 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
             flow=flow.name,
             step=started.last_step,
         )
-    return _steps.advance(state, flow, started, lease, retry_in=seconds)
+    stored_request = None if attempt.printed is None else attempt.printed.stored()
+    return _steps.advance(state, flow, started, lease, retry_in=seconds, request=stored_request)
 
 
 def _whole_body(req: Request) -> bytes:

@@ -443,6 +443,42 @@ def test_a_header_renamed_in_another_letter_case(
     assert count(db, "notes") == 1
 
 
+@pytest.mark.parametrize("taken_over", [False, True], ids=["at-once", "taken-over"])
+def test_a_finished_flow_names_the_part_that_differs(
+    policy_app: Flask, db: psycopg.Connection[Any], taken_over: bool
+) -> None:
+    """A multi-step request finished by its first attempt, or by a retry that took it over, keeps its
+    part digests: a changed header is a 422 naming it, a changed /ts is replayed."""
+    key = uuid.uuid4()
+    body, eur = {"size": 10, "ts": 1}, {"X-Currency": "EUR"}
+    if taken_over:
+        policy_app.config["SEND_UNKNOWN"] = True
+        assert post(policy_app, "/transfers", key, body, **eur).status_code == 503
+    assert post(policy_app, "/transfers", key, body, **eur).status_code == 201
+    assert "header x-currency" in stored(db, key)["request"]["parts"]
+    assert post(policy_app, "/transfers", key, {"size": 10, "ts": 2}, **eur).status_code == 200
+    refused = post(policy_app, "/transfers", key, body, **{"X-Currency": "USD"})
+    assert refused.status_code == 422 and refused.json is not None
+    assert refused.json["differs"] == ["header X-Currency"]
+
+
+def test_a_flow_answer_over_the_limit(make: Callable[..., Flask], db: psycopg.Connection[Any]) -> None:
+    """Over IDEM_MAX_RESPONSE_BYTES a flow's finish is rolled back but its call stands: the 500 says so
+    (not "nothing was changed"), the request stays in progress, and a retry does not call again."""
+    policy_app = make(IDEM_MAX_RESPONSE_BYTES=100)
+    key = uuid.uuid4()
+    for _ in range(2):
+        answer = post(policy_app, "/transfers", key, {"size": 101}, **{"X-Currency": "EUR"})
+        assert answer.status_code == 500 and answer.json is not None
+        assert answer.json["type"] == "urn:flask-idem:problem:response-not-stored"
+        assert "earlier steps were carried out" in answer.json["detail"]
+        assert "Do not send it again under a new Idempotency-Key" in answer.json["detail"]
+        assert "nothing was changed" not in answer.json["detail"]
+    assert len(policy_app.config["SENT"]) == 1
+    assert db.execute("SELECT status, step FROM idempotency_keys").fetchone() == ("processing", "send")
+    assert count(db, "notes") == 1  # the intent's; the finish step's write was rolled back
+
+
 def test_a_flow_keeps_its_answers_in_full() -> None:
     """store_response= is refused on a multi-step route: its finish step (also run by the recovery job,
     away from the route) stores the answer."""
