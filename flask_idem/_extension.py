@@ -197,7 +197,7 @@ class Idempotency:
             ``Idempotency-Key`` header.
         :param fingerprint: what counts as the same request (:class:`~flask_idem.Fingerprint`): parts of
             the body left out or picked by JSON Pointer, headers, a function. Default: the method, path,
-            query and the whole body (:doc:`/fingerprints`).
+            query, media type and the whole body (:doc:`/fingerprints`).
         :param store_response: what is kept of the route's answers for retries: ``"full"``; ``"location"``,
             a 2xx kept as its status and ``Location`` only and replayed as ``303 See Other`` there, for
             answers that hold a secret; or ``"encrypted"``, the body encrypted with

@@ -64,8 +64,8 @@ class Fingerprinted:
     """A request's fingerprint under one policy, with a short digest of each part (none for the default)."""
 
     sha: bytes
-    #: Part name -> hex digest, stored with the response to explain a later 422. ``None``: the default
-    #: policy, which stores nothing more than the fingerprint.
+    #: Part name (a header's by its lower-case name) -> hex digest, stored with the response to explain a
+    #: later 422. ``None``: the default policy, which stores nothing more than the fingerprint.
     parts: dict[str, str] | None = None
 
 
@@ -156,9 +156,10 @@ class Fingerprint:
         it does not expect (that would be a 500): return ``None`` for what is missing.
     :param version: a name for the meaning of ``custom``, part of the policy's identity: change it when
         the function starts returning something else for the same request.
-    :param previous: the policies the route had before, whose keys may still be stored (for
-        ``IDEM_KEY_TTL`` after a change). A retry whose key was stored under one of them is compared under
-        it; without it, such a retry cannot be compared and gets a 422 that says the policy changed.
+    :param previous: the policies the route had before, whose keys may still be stored (for the route's
+        key retention after a change: ``IDEM_KEY_TTL`` or its ``ttl=``). A retry whose key was stored under
+        one of them is compared under it, and a 422 names the parts that differ under it; without it, such
+        a retry cannot be compared and gets a 422 that says the policy changed.
     :raises ConfigurationError: for a malformed pointer or header name, or parts named twice.
     """
 
@@ -213,6 +214,9 @@ class Fingerprint:
         #: Whether this is the default policy: the whole request, hashed as without a policy.
         self.default = self.include is None and not self._exclude and not self.headers and custom is None
         self._header_keys = tuple(sorted((h.lower(), h) for h in self.headers))
+        # A header's part is named and hashed by its lower-case name, so that a deploy that only changes
+        # the letter case of a name keeps the digests; messages spell it as the route does.
+        self._spelled = {f"header {lower}": f"header {name}" for lower, name in self._header_keys}
         description = {
             "include": None if self._include is None else sorted(_show(t) for t in self._include),
             "exclude": sorted(_show(t) for t in self._exclude),
@@ -250,6 +254,10 @@ class Fingerprint:
             " a new key."
         )
 
+    def spelled(self, part: str) -> str:
+        """A part's name as the route spells it: ``"header x-currency"`` -> ``"header X-Currency"``."""
+        return self._spelled.get(part, part)
+
     @property
     def header_names(self) -> tuple[str, ...]:
         """The lower-case names of the headers that count."""
@@ -279,9 +287,9 @@ class Fingerprint:
             ("media type", mimetype.encode("latin-1", "replace")),
         ]
         parts.extend(self._body_parts(mimetype, request.body))
-        for lower, name in self._header_keys:
+        for lower, _ in self._header_keys:
             values = request.headers.get(lower)
-            parts.append((f"header {name}", encode(list(values) if values else ABSENT)))
+            parts.append((f"header {lower}", encode(list(values) if values else ABSENT)))
         if self.custom is not None:
             parts.append(("custom", encode(jsonlike(request.custom))))
         digest = hashlib.sha256(_SALT)
@@ -320,40 +328,54 @@ def _named(name: str, left_out: Sequence[tuple[str, ...]]) -> str:
 
 
 def describe_mismatch(
-    policy: Fingerprint, stored: Mapping[str, Any] | None, now: Fingerprinted
+    policy: Fingerprint,
+    stored: Mapping[str, Any] | None,
+    now: Fingerprinted,
+    under: Callable[[Fingerprint], Fingerprinted] | None = None,
 ) -> tuple[str, list[str]] | None:
     """Which parts of a reused key's request differ from the first, as a 422's detail and its names.
 
-    Only the names of the parts are given, never their values. ``None`` when nothing more precise than
+    Only the names of the parts are given, never their values. The parts are compared under the policy
+    the first request was stored with: the route's, or one of its ``previous`` policies (the request is
+    then fingerprinted under that one with ``under``). ``None`` when nothing more precise than
     :meth:`Fingerprint.mismatch_detail` can be said: the first request's stored response keeps no part
-    digests (it was stored under the default policy, by a flow's finish step, or is a tombstone), or there
-    is no stored response yet (a multi-step request in progress).
+    digests (it was stored under the default policy, by the recovery job, or is a tombstone), or there is
+    no stored response yet (a multi-step request in progress).
 
     :param stored: the stored response document of the first request.
+    :param now: this request's fingerprint under ``policy``.
+    :param under: this request's fingerprint under another policy (one of ``policy.previous``).
     """
-    if now.parts is None or stored is None:
-        return None
-    first = stored.get(STORED)
+    first = None if stored is None else stored.get(STORED)
     if not isinstance(first, dict):
         return None
+    compared, parts = policy, now.parts
     if first.get("policy") != policy.id:
-        return _changed_policy()
+        earlier = next((p for p in policy.previous if p.id == first.get("policy")), None)
+        if earlier is None or under is None:
+            return _changed_policy()
+        compared, parts = earlier, under(earlier).parts
+    if parts is None:
+        return None
     before = first.get("parts", {})
-    differs = [name for name, digest in now.parts.items() if before.get(name) != digest]
+    differs = [compared.spelled(name) for name, digest in parts.items() if before.get(name) != digest]
     if not differs:
         return None
-    return (
+    detail = (
         "This Idempotency-Key was already used for a request that differs in: " + ", ".join(differs) + "."
-        " A retry must repeat the original request; a new operation needs a new key.",
-        differs,
     )
+    if compared is not policy:
+        detail += (
+            " (Compared under the route's earlier fingerprint policy, under which the key was first used.)"
+        )
+    return detail + " A retry must repeat the original request; a new operation needs a new key.", differs
 
 
 def _changed_policy() -> tuple[str, list[str]]:
     return (
         "This Idempotency-Key was first used while the route counted other parts of the request (its"
-        " fingerprint policy has changed since), so this request cannot be compared with the first one and"
-        " is refused. The route can keep its old policy in Fingerprint(previous=[...]) for as long as keys"
-        " are kept; a new operation needs a new key.",
+        " fingerprint policy has changed since, and the earlier one is not in Fingerprint(previous=[...])),"
+        " so this request cannot be compared with the first one and is refused. The route can keep its old"
+        " policy in previous= for as long as keys are kept; a new operation needs a new key.",
         ["fingerprint policy"],
     )

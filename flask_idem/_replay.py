@@ -208,7 +208,7 @@ def _decrypt(token: str, codec: ResponseCodec | None) -> bytes:
     if body is None:
         logger.error(
             "A stored response is encrypted with a key that is not in IDEM_RESPONSE_KEYS (any more);"
-            " it cannot be replayed. Keep retired keys in the list for IDEM_KEY_TTL after a rotation."
+            " it cannot be replayed. Keep a retired key while its routes keep keys (IDEM_KEY_TTL or ttl=)."
         )
         raise StoredResponseUnreadable()
     return body

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -22,12 +23,23 @@ from ._records import Lease
 from ._replay import record_response
 from ._state import IdemState
 from ._transactions import entering_app_code, in_transaction, render
-from .errors import KeyInUse, OutcomePending
+from .errors import KeyInUse, OutcomePending, ResponseNotStored
 from .flow import Flow, OutcomeUnknown, Run, Step
 
 __all__ = ["advance", "sent_stored"]
 
 logger = logging.getLogger("flask_idem")
+
+#: The detail of the 500 when a flow's answer is over ``IDEM_MAX_RESPONSE_BYTES``: unlike an atomic
+#: request's, the earlier steps stand (an outside call may have been made) and the request stays open.
+_FLOW_NOT_STORED = (
+    "This request was started and its earlier steps were carried out (a call to another service may have"
+    " been made), but its answer is larger than the server keeps for retries, so the last step was undone"
+    " and the request is not finished. Do not send it again under a new Idempotency-Key: that would carry"
+    " the operation out a second time. A retry with the same key does not repeat the finished steps, but"
+    " meets the same server-side limit until the server is changed; until then the server keeps trying to"
+    " finish it, and after its recovery deadline marks it failed for a person to look at."
+)
 
 
 class _LeaseLost(Exception):
@@ -38,11 +50,21 @@ class _Unknown(Exception):
     """A call step ended without a known outcome."""
 
 
-def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: float) -> Response:
+def advance(
+    state: IdemState,
+    flow: Flow,
+    run: Run,
+    lease: Lease,
+    *,
+    retry_in: float,
+    request: Mapping[str, Any] | None = None,
+) -> Response:
     """Run the steps of ``run`` that have not finished, then its finish step; return the response.
 
     :param lease: the lease this worker holds on the request.
     :param retry_in: when the outcome of a call stays unknown, seconds before the recovery job may try.
+    :param request: what the route's fingerprint policy keeps of the request (its part digests), stored
+        with the answer; ``None`` for the default policy and for the recovery job, which has no request.
     :raises KeyInUse: the lease was lost to another attempt, which will finish the request.
     :raises OutcomePending: a call step ended without a known outcome; the lease is given up.
     """
@@ -62,7 +84,7 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
                 in_transaction(source, partial(_record, state, lease, step.name, result))
                 run.results[step.name] = result
             else:
-                early = in_transaction(source, partial(_db_step, state, step, run, lease))
+                early = in_transaction(source, partial(_db_step, state, step, run, lease, request))
                 if early is not None:
                     sent_stored(run.org_id, run.key, run.flow, early)
                     return early
@@ -77,7 +99,7 @@ def advance(state: IdemState, flow: Flow, run: Run, lease: Lease, *, retry_in: f
                 duration=duration,
             )
             run.last_step = step.name
-        response = in_transaction(source, partial(_finish, state, flow, run, lease))
+        response = in_transaction(source, partial(_finish, state, flow, run, lease, request))
     except _LeaseLost:
         signals.send(signals.lease_lost, org_id=run.org_id, key=run.key, flow=run.flow)
         raise KeyInUse(retry_after=state.settings.retry_after) from None
@@ -121,7 +143,12 @@ def _record(
 
 
 def _db_step(
-    state: IdemState, step: Step, run: Run, lease: Lease, conn: psycopg.Connection[TupleRow]
+    state: IdemState,
+    step: Step,
+    run: Run,
+    lease: Lease,
+    request: Mapping[str, Any] | None,
+    conn: psycopg.Connection[TupleRow],
 ) -> Response | None:
     """One database step in the caller's transaction; a 4xx it raises ends the request with that answer."""
     if not state.store.hold(conn, lease):
@@ -134,7 +161,7 @@ def _db_step(
         if e.code is None or e.code >= 500:
             raise
         response = current_app.make_response(current_app.handle_user_exception(e))
-        _store_final(state, conn, lease, response)
+        _store_final(state, conn, lease, response, request)
         return response
     finally:
         run._connection = None
@@ -146,7 +173,12 @@ def _db_step(
 
 
 def _finish(
-    state: IdemState, flow: Flow, run: Run, lease: Lease, conn: psycopg.Connection[TupleRow]
+    state: IdemState,
+    flow: Flow,
+    run: Run,
+    lease: Lease,
+    request: Mapping[str, Any] | None,
+    conn: psycopg.Connection[TupleRow],
 ) -> Response:
     if not state.store.hold(conn, lease):
         raise _LeaseLost()
@@ -158,16 +190,32 @@ def _finish(
     finally:
         run._connection = None
     if response.status_code < 500:
-        _store_final(state, conn, lease, response)
+        _store_final(state, conn, lease, response, request)
     state.fire("finish", conn)
     return response
 
 
 def _store_final(
-    state: IdemState, conn: psycopg.Connection[TupleRow], lease: Lease, response: Response
+    state: IdemState,
+    conn: psycopg.Connection[TupleRow],
+    lease: Lease,
+    response: Response,
+    request: Mapping[str, Any] | None,
 ) -> None:
+    """Store the flow's answer and complete the key, or refuse an answer over the size limit (its step
+    is rolled back; the steps before it stand)."""
     settings = state.settings
-    document = record_response(response, settings.replay_headers, max_bytes=settings.max_response_bytes)
+    try:
+        document = record_response(
+            response, settings.replay_headers, max_bytes=settings.max_response_bytes, request=request
+        )
+    except ResponseNotStored as e:
+        logger.warning(
+            "That answer is a multi-step request's: only its last step was rolled back; the steps before"
+            " it stand, and the request stays in progress until the limit or the answer changes or its"
+            " recovery deadline passes."
+        )
+        raise ResponseNotStored(_FLOW_NOT_STORED) from e
     if not state.store.complete(conn, lease, document):
         raise _LeaseLost()
 

@@ -358,7 +358,8 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
             flow=flow.name,
             step=started.last_step,
         )
-    return _steps.advance(state, flow, started, lease, retry_in=seconds)
+    stored_request = None if attempt.printed is None else attempt.printed.stored()
+    return _steps.advance(state, flow, started, lease, retry_in=seconds, request=stored_request)
 
 
 def _whole_body(req: Request) -> bytes:
@@ -465,7 +466,9 @@ def _mismatch(printed: _Printed | None, record: KeyRecord, retention: dict[str, 
     """The 422, naming the parts of the request that differ when the route's policy can tell."""
     if printed is None:
         return KeyMismatch(members=retention)
-    told = describe_mismatch(printed.policy, record.response, printed.now)
+    told = describe_mismatch(
+        printed.policy, record.response, printed.now, lambda p: p.compute(_parts(printed.req, p))
+    )
     if told is None:
         return KeyMismatch(printed.policy.mismatch_detail(), members=retention)
     detail, differs = told

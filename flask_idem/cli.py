@@ -364,7 +364,8 @@ def _size(size: int) -> str:
 def new_response_key_command() -> None:
     """Print a new key for IDEM_RESPONSE_KEYS (encrypted stored responses).
 
-    To rotate, put it first in the list and keep the old key after it for IDEM_KEY_TTL, until every
-    response the old key encrypted has expired; then drop the old key.
+    To rotate, put it first in the list and keep the old key after it until every response the old key
+    encrypted has expired: for the longest retention of any route that uses it (IDEM_KEY_TTL or the
+    route's ttl=); then drop the old key.
     """
     click.echo(new_key())

@@ -251,6 +251,11 @@ class ResponseNotStored(IdempotencyError, InternalServerError):
     Its body is over ``IDEM_MAX_RESPONSE_BYTES``, or a route that keeps only the ``Location`` of its
     answers gave none. Nothing the view wrote was committed and the key stays free, so no retry can
     find the operation half done; but a retry meets the same limit: the route or the limit must change.
+
+    A multi-step route's answer over the limit is different, and its detail says so: only the step that
+    answered is rolled back, the steps before it stand (an outside call may have been made), and the
+    request stays in progress under its key, to be finished by a retry with that key or the recovery job
+    once the limit or the answer changes.
     """
 
     problem_type = _TYPE_PREFIX + "response-not-stored"

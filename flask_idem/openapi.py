@@ -32,6 +32,7 @@ from flask import Flask, current_app, has_app_context
 from werkzeug.routing import Rule
 
 from ._keys import HEADER
+from ._policy import Fingerprint
 from ._replay import REPLAYED_HEADER
 from ._state import get_state
 from ._view import OPTIONS_ATTR, ViewOptions
@@ -80,8 +81,11 @@ _CONFLICT = (
     " Retry-After seconds to receive its result."
 )
 _MISMATCH = (
-    "The Idempotency-Key was already used for a different request (another method, path, query or body)."
+    "The Idempotency-Key was already used for a different request (another method, path, query, media"
+    " type or body)."
 )
+#: What the default policy counts: the whole request, the body's media type included.
+_WHOLE_REQUEST = Fingerprint().counted()
 _EXPIRED = (
     "The request first sent with this Idempotency-Key was carried out, and its stored answer has expired."
     " It will not be carried out again; a new operation needs a new key."
@@ -341,7 +345,7 @@ class _Contract:
             "required": self.required,
             "keyRetentionSeconds": self.ttl,
             "tombstoneRetentionSeconds": self.tombstone_ttl,
-            "fingerprint": ["method", "path", "query", "body"],
+            "fingerprint": list(_WHOLE_REQUEST),
             "onMismatch": self.on_mismatch,
             "multiStep": self.multi_step,
         }

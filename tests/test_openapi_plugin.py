@@ -98,6 +98,7 @@ def test_plain_apispec_app() -> None:
     assert "kept for 1 day" in key_parameter(post)["description"]  # type: ignore[index]
     assert "remembered for 30 days" in key_parameter(post)["description"]  # type: ignore[index]
     assert set(post["responses"]) == {"200", "201", "400", "409", "410", "422", "503"}
+    assert "query, media type or body" in post["responses"]["422"]["description"]
     assert post["responses"]["200"]["content"] == post["responses"]["201"]["content"]
     assert post["responses"]["200"]["headers"]["Idempotent-Replayed"]["required"] is True
     assert "headers" not in post["responses"]["201"]
@@ -111,7 +112,7 @@ def test_plain_apispec_app() -> None:
         "required": True,
         "keyRetentionSeconds": 86400,
         "tombstoneRetentionSeconds": 30 * 86400,
-        "fingerprint": ["method", "path", "query", "body"],
+        "fingerprint": ["method", "path", "query", "media type", "body"],
         "onMismatch": "reject",
         "multiStep": False,
     }
@@ -320,6 +321,6 @@ def test_a_routes_policies_are_published() -> None:
     assert "'differs' member" in post["responses"]["422"]["description"]
     token = document["paths"]["/tokens"]["post"]
     assert token["x-idempotency"]["storeResponse"] == "location"
-    assert token["x-idempotency"]["fingerprint"] == ["method", "path", "query", "body"]
+    assert token["x-idempotency"]["fingerprint"] == ["method", "path", "query", "media type", "body"]
     assert "200" not in token["responses"]
     assert token["responses"]["303"]["headers"]["Location"] == {"schema": {"type": "string"}}

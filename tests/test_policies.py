@@ -143,7 +143,7 @@ def test_the_stored_response_keeps_part_digests_not_values(
         "query",
         "media type",
         "body except /client_ts, /trace/id",
-        "header X-Currency",
+        "header x-currency",
     }
     assert all(len(v) == 16 for v in request["parts"].values())
     assert "EUR" not in json.dumps(request)
@@ -161,8 +161,8 @@ def test_a_policy_changed_between_two_attempts(
     make: Callable[..., Flask], db: psycopg.Connection[Any], previous: bool
 ) -> None:
     """A deploy changes the route's policy between two attempts of one key. With the old policy in
-    previous=, the retry is compared under it (and replayed); without, it cannot be compared: 422, saying
-    the policy changed. Either way nothing runs twice."""
+    previous=, the retry is compared under it (replayed, or a 422 naming the part that differs under it);
+    without, it cannot be compared: 422, saying the policy changed. Either way nothing runs twice."""
     old = Fingerprint(exclude=["/ts"])
     new = Fingerprint(exclude=["/ts", "/nonce"], previous=[old] if previous else [])
     key = uuid.uuid4()
@@ -173,7 +173,9 @@ def test_a_policy_changed_between_two_attempts(
     if previous:
         assert retry.status_code == 200 and retry.headers["Idempotent-Replayed"] == "true"
         changed = post(after, "/deploy", key, {"a": 2, "ts": 2, "nonce": "x"})
-        assert changed.status_code == 422  # compared under the old policy: /a differs
+        assert changed.status_code == 422 and changed.json is not None  # compared under the old policy
+        assert changed.json["differs"] == ["body except /ts"]
+        assert "earlier fingerprint policy" in changed.json["detail"]
     else:
         assert retry.status_code == 422 and retry.json is not None
         assert retry.json["differs"] == ["fingerprint policy"]
@@ -418,8 +420,63 @@ def test_an_earlier_policy_reads_what_it_names(
     assert post(make(deploy=old), "/deploy", key, {"a": 1}, **{"X-Currency": "EUR"}).status_code == 201
     after = make(deploy=new)
     assert post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "EUR"}).status_code == 200
-    assert post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "USD"}).status_code == 422
+    refused = post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "USD"})
+    assert refused.status_code == 422 and refused.json is not None
+    assert refused.json["differs"] == ["header X-Currency"]
     assert count(db, "notes") == 1
+
+
+def test_a_header_renamed_in_another_letter_case(
+    make: Callable[..., Flask], db: psycopg.Connection[Any]
+) -> None:
+    """A deploy that only writes X-Currency as x-currency keeps stored keys matching: the retry is
+    replayed, and a real change is named in the new spelling."""
+    key = uuid.uuid4()
+    before = make(deploy=Fingerprint(headers=["X-Currency"]))
+    assert post(before, "/deploy", key, {"a": 1}, **{"X-Currency": "EUR"}).status_code == 201
+    after = make(deploy=Fingerprint(headers=["x-currency"]))
+    retry = post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "EUR"})
+    assert retry.status_code == 200 and retry.headers["Idempotent-Replayed"] == "true"
+    refused = post(after, "/deploy", key, {"a": 1}, **{"X-Currency": "USD"})
+    assert refused.status_code == 422 and refused.json is not None
+    assert refused.json["differs"] == ["header x-currency"]
+    assert count(db, "notes") == 1
+
+
+@pytest.mark.parametrize("taken_over", [False, True], ids=["at-once", "taken-over"])
+def test_a_finished_flow_names_the_part_that_differs(
+    policy_app: Flask, db: psycopg.Connection[Any], taken_over: bool
+) -> None:
+    """A multi-step request finished by its first attempt, or by a retry that took it over, keeps its
+    part digests: a changed header is a 422 naming it, a changed /ts is replayed."""
+    key = uuid.uuid4()
+    body, eur = {"size": 10, "ts": 1}, {"X-Currency": "EUR"}
+    if taken_over:
+        policy_app.config["SEND_UNKNOWN"] = True
+        assert post(policy_app, "/transfers", key, body, **eur).status_code == 503
+    assert post(policy_app, "/transfers", key, body, **eur).status_code == 201
+    assert "header x-currency" in stored(db, key)["request"]["parts"]
+    assert post(policy_app, "/transfers", key, {"size": 10, "ts": 2}, **eur).status_code == 200
+    refused = post(policy_app, "/transfers", key, body, **{"X-Currency": "USD"})
+    assert refused.status_code == 422 and refused.json is not None
+    assert refused.json["differs"] == ["header X-Currency"]
+
+
+def test_a_flow_answer_over_the_limit(make: Callable[..., Flask], db: psycopg.Connection[Any]) -> None:
+    """Over IDEM_MAX_RESPONSE_BYTES a flow's finish is rolled back but its call stands: the 500 says so
+    (not "nothing was changed"), the request stays in progress, and a retry does not call again."""
+    policy_app = make(IDEM_MAX_RESPONSE_BYTES=100)
+    key = uuid.uuid4()
+    for _ in range(2):
+        answer = post(policy_app, "/transfers", key, {"size": 101}, **{"X-Currency": "EUR"})
+        assert answer.status_code == 500 and answer.json is not None
+        assert answer.json["type"] == "urn:flask-idem:problem:response-not-stored"
+        assert "earlier steps were carried out" in answer.json["detail"]
+        assert "Do not send it again under a new Idempotency-Key" in answer.json["detail"]
+        assert "nothing was changed" not in answer.json["detail"]
+    assert len(policy_app.config["SENT"]) == 1
+    assert db.execute("SELECT status, step FROM idempotency_keys").fetchone() == ("processing", "send")
+    assert count(db, "notes") == 1  # the intent's; the finish step's write was rolled back
 
 
 def test_a_flow_keeps_its_answers_in_full() -> None:

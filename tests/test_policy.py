@@ -18,6 +18,8 @@ from flask_idem._fingerprint import fingerprint
 from flask_idem._policy import RequestParts, describe_mismatch
 from flask_idem.errors import ConfigurationError, InvalidBody
 
+from .support.json_values import DOCUMENTS, VALUES, paths, pointer, replaced, spelled
+
 JSON = "application/json"
 
 
@@ -117,6 +119,14 @@ def test_headers_count_by_value_and_absence() -> None:
     assert eur != sha(policy, parts(headers={"x-currency": ["USD"]}))
     assert sha(policy, parts(headers={})) != sha(policy, parts(headers={"x-currency": [""]}))
     assert Fingerprint(headers=["x-currency"]).id == Fingerprint(headers=["X-Currency"]).id
+
+
+def test_a_header_names_letter_case_never_counts() -> None:
+    """Fingerprint(headers=["X-Currency"]) and ["x-currency"] are one policy: same id, digest and parts."""
+    request = parts({"a": 1}, headers={"x-currency": ["EUR"]})
+    upper = Fingerprint(headers=["X-Currency"]).compute(request)
+    lower = Fingerprint(headers=["x-currency"]).compute(request)
+    assert upper.sha == lower.sha and upper.parts == lower.parts
 
 
 def test_custom_values_count_canonically() -> None:
@@ -228,11 +238,18 @@ def test_a_mismatch_names_the_parts_that_differ_and_no_value() -> None:
 
 
 def test_a_mismatch_after_a_policy_change_says_so() -> None:
-    """A response stored under another policy: the 422 says the policy changed, not which part."""
+    """A response stored under a policy the route no longer names says the policy changed; under one in
+    previous=, it names the parts that differ under that one."""
     old, new = Fingerprint(exclude=["/ts"]), Fingerprint(exclude=["/ts", "/nonce"])
     stored = {"status": 201, "request": {"policy": old.id, "parts": old.compute(parts({"a": 1})).parts}}
     told = describe_mismatch(new, stored, new.compute(parts({"a": 1})))
     assert told is not None and told[1] == ["fingerprint policy"]
+    # With the old policy in previous=, the request is compared under it and the parts are named.
+    kept = Fingerprint(exclude=["/ts", "/nonce"], previous=[old])
+    request = parts({"a": 2, "nonce": "x"})
+    told = describe_mismatch(kept, stored, kept.compute(request), lambda p: p.compute(request))
+    assert told is not None and told[1] == ["body except /ts"]
+    assert "earlier fingerprint policy" in told[0]
     # Without part digests (the default policy, a tombstone, a flow in progress) nothing more is said.
     assert describe_mismatch(new, {"status": 201}, new.compute(parts({"a": 1}))) is None
     assert describe_mismatch(new, None, new.compute(parts({"a": 1}))) is None
@@ -253,81 +270,6 @@ def test_what_counts_in_words() -> None:
 
 
 # -- properties over random JSON --------------------------------------------------------------------------
-
-KEYS = st.text(alphabet="abcxyz~/", min_size=1, max_size=3)
-SCALARS = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(10**20), max_value=10**20),
-    st.decimals(allow_nan=False, allow_infinity=False, places=3, min_value=-(10**6), max_value=10**6),
-    st.text(max_size=5),
-)
-VALUES = st.recursive(
-    SCALARS,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(KEYS, inner, max_size=4)),
-    max_leaves=20,
-)
-DOCUMENTS = st.dictionaries(KEYS, VALUES, min_size=1, max_size=5)
-
-
-def paths(value: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
-    """Every path to a part of ``value`` (not the root)."""
-    found: list[tuple[str, ...]] = []
-    if isinstance(value, dict):
-        children: list[tuple[str, Any]] = list(value.items())
-    elif isinstance(value, list):
-        children = [(str(i), v) for i, v in enumerate(value)]
-    else:
-        return found
-    for token, child in children:
-        path = (*prefix, token)
-        found.append(path)
-        found.extend(paths(child, path))
-    return found
-
-
-def pointer(path: tuple[str, ...]) -> str:
-    return "".join("/" + t.replace("~", "~0").replace("/", "~1") for t in path)
-
-
-def replaced(value: Any, path: tuple[str, ...], new: Any) -> Any:
-    """``value`` with the part at ``path`` replaced by ``new`` (a copy)."""
-    if not path:
-        return new
-    head, rest = path[0], path[1:]
-    if isinstance(value, dict):
-        return {**value, head: replaced(value[head], rest, new)}
-    copy = list(value)
-    copy[int(head)] = replaced(copy[int(head)], rest, new)
-    return copy
-
-
-def spelled(value: Any, rng: random.Random) -> str:
-    """``value`` as JSON text with members shuffled, random whitespace and numbers spelled at random."""
-    space = rng.choice(["", " ", "\n  "])
-    if isinstance(value, dict):
-        items = list(value.items())
-        rng.shuffle(items)
-        inner = f",{space}".join(f"{json.dumps(k)}:{space}{spelled(v, rng)}" for k, v in items)
-        return "{" + space + inner + "}"
-    if isinstance(value, list):
-        return "[" + f",{space}".join(spelled(v, rng) for v in value) + "]"
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return json.dumps(value)
-    number = Decimal(value)
-    sign, digits, exponent = number.as_tuple()
-    assert isinstance(exponent, int)
-    mantissa = "".join(map(str, digits)).lstrip("0")
-    if not mantissa:
-        return rng.choice(["0", "-0", "0.0", "0e7", "-0.000E-2"])
-    shift = rng.randint(0, 3)
-    choices = [
-        f"{mantissa}{'0' * shift}e{exponent - shift}",
-        f"{mantissa}E{exponent:+d}",
-        str(number),
-        f"{number:f}" + (".0" if "." not in f"{number:f}" else "0"),
-    ]
-    return ("-" if sign else "") + rng.choice(choices).lstrip("-")
 
 
 @settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])

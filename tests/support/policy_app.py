@@ -1,5 +1,6 @@
-"""An application with one route per policy under test: fingerprint policies, what a stored response may
-hold (size, secrets, streams and files), and ``async def`` views. Writes go to the ``notes`` table."""
+"""An application with one route per policy under test: fingerprint policies (on an atomic route and on a
+multi-step one), what a stored response may hold (size, secrets, streams and files), and ``async def``
+views. Writes go to the ``notes`` table."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from flask import Flask, Response, g, request, send_file, stream_with_context
 
 from flask_idem import Fingerprint, Idempotency
+from flask_idem.flow import Flow, OutcomeUnknown, Run
 
 ORG = {"X-Org": "1"}
 
@@ -61,6 +63,30 @@ def build_policy_app(database_url: str, *, deploy: Fingerprint | None = None, **
     @idem.idempotent(fingerprint=deploy)
     def deployed() -> Any:
         return created()
+
+    # -- a multi-step route under a policy: its call step, and a finish step whose answer may be large ----
+
+    sent: list[str] = []
+    app.config["SENT"] = sent
+    transfer = Flow("policies.transfer")
+
+    @transfer.call
+    def send(run: Run) -> dict[str, Any]:
+        sent.append(run.derived_key("send"))
+        if app.config.pop("SEND_UNKNOWN", False):
+            raise OutcomeUnknown("the answer was lost")
+        return {"sent": len(sent)}
+
+    @transfer.finish
+    def done(run: Run) -> Any:
+        run.connection.execute("INSERT INTO notes (org_id, body) VALUES (%s, 'finished')", (run.org_id,))
+        return Response(b"z" * run.intent["size"], status=201, mimetype="text/plain")
+
+    @app.post("/transfers")
+    @idem.idempotent(flow=transfer, fingerprint=Fingerprint(exclude=["/ts"], headers=["X-Currency"]))
+    def start_transfer() -> Any:
+        insert(f"intent {idem.key}")
+        return {"size": int(request.get_json()["size"])}
 
     # -- what a stored response may hold -----------------------------------------------------------------
 
