@@ -17,7 +17,7 @@ import pytest
 from flask import Flask
 from psycopg import sql
 
-from flask_idem import _layout, _migrate
+from flask_idem import ConfigurationError, _layout, _migrate
 
 from .support import citus
 from .support.flow_app import Ledger, build_flow_app
@@ -379,6 +379,60 @@ def test_newer_layout(
     if says is not None:
         assert says in caplog.text
         assert says in stats.output
+
+
+@pytest.mark.parametrize("command", ["migrate", "init-db"])
+@pytest.mark.parametrize(
+    ("compatible_from", "runs"), [(99, False), (1, True)], ids=["incompatible", "compatible"]
+)
+def test_commands_on_a_newer_layout(
+    fresh: str,
+    direct_database_url: str,
+    db: psycopg.Connection[Any],
+    apps: Callable[..., Flask],
+    command: str,
+    compatible_from: int,
+    runs: bool,
+) -> None:
+    """`migrate` and `init-db` leave a newer flask-idem's layout as it is: they succeed when it lets this
+    code run (init-db reports the layout it found), and exit 1 saying to deploy the newer flask-idem when
+    it does not."""
+    _migrate.upgrade(direct_database_url, table=fresh, distributed=citus.ENABLED)
+    newer = _layout.comment(99, compatible_from)
+    db.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(sql.Identifier(fresh), sql.Literal(newer)))
+    result = apps(IDEM_TABLE=fresh).test_cli_runner().invoke(args=["idem", command])
+    assert (result.exit_code == 0) is runs, result.output
+    if runs:
+        said = "is ready (layout 99)." if command == "init-db" else "is at layout 99: nothing to do."
+        assert said in result.output
+    else:
+        assert "made by a newer flask-idem, and needs the code of layout 99" in result.output
+        assert "Deploy the newer flask-idem." in result.output
+        assert "nothing to do" not in result.output and "ready" not in result.output
+    assert db.execute("SELECT obj_description(%s::regclass)", (fresh,)).fetchone() == (newer,)
+
+
+def test_check_layout_names_the_command_to_run(
+    fresh: str, legacy: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`idem.check_layout()` raises ConfigurationError naming `flask idem init-db` for a missing key
+    table and `flask idem migrate` for a layout older than the code runs on, and passes after them."""
+    monkeypatch.setattr(_layout, "REQUIRED", 2)
+    built: list[Flask] = []
+    try:
+        for table, command in ((fresh, "init-db"), (legacy, "migrate")):
+            app, idem = build_app(database_url, IDEM_TABLE=table)
+            built.append(app)
+            with app.app_context(), pytest.raises(ConfigurationError) as refused:
+                idem.check_layout()
+            assert f"'flask idem {command}'" in str(refused.value)
+            result = app.test_cli_runner().invoke(args=["idem", command])
+            assert result.exit_code == 0, result.output
+            with app.app_context():
+                idem.check_layout()
+    finally:
+        for app in built:
+            close_pool(app)
 
 
 def test_older_layout_than_the_code_runs_on(
