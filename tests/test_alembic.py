@@ -26,7 +26,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sqlalchemy import URL, BigInteger, Identity, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from flask_idem import Idempotency, _layout
+from flask_idem import Idempotency, _layout, _migrate
 from flask_idem import alembic as idem_alembic
 
 from .support import citus
@@ -189,6 +189,26 @@ def test_existing_first_release_table_is_upgraded(projects: Any, scratch: str) -
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") == _layout.latest()
         assert conn.execute("SELECT * FROM idempotency_keys").fetchall() == before
+
+
+def test_upgrade_keeps_a_later_recorded_layout(projects: Any, scratch: str, direct_database_url: str) -> None:
+    """`flask db upgrade` over a key table that records a later layout (a newer flask-idem's, which lets
+    this code run) applies the revisions, which change nothing, and keeps that layout's comment."""
+    schema = conninfo_to_dict(scratch)["options"].removeprefix("-c search_path=")
+    table = f"{schema}.idempotency_keys"
+    _migrate.upgrade(direct_database_url, table=table)
+    newer = _layout.comment(_layout.latest() + 1, 1)
+    with psycopg.connect(scratch, autocommit=True) as conn:
+        conn.execute(sql.SQL("COMMENT ON TABLE idempotency_keys IS {}").format(sql.Literal(newer)))
+    project = projects()
+    assert project.flask_db("init").exit_code == 0
+    result = project.flask_db("upgrade")
+    assert result.exit_code == 0, result.output
+    with psycopg.connect(scratch) as conn:
+        assert conn.execute("SELECT obj_description('idempotency_keys'::regclass)").fetchone() == (newer,)
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
+            (_layout.alembic_id(_layout.latest()),)
+        ]
 
 
 def test_project_with_revisions_of_its_own_merges_the_branches(projects: Any, scratch: str) -> None:
