@@ -9,6 +9,7 @@ autogenerate sees that project's tables only. Flask-Migrate's commands run in th
 from __future__ import annotations
 
 import logging
+import shutil
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -133,9 +134,14 @@ def projects(scratch: str, tmp_path: Path) -> Iterator[Any]:
         project.dispose()
 
 
+def post_order(project: Project, key: str, note: str = "a") -> Any:
+    """``POST /orders`` on the project's route, with ``key``."""
+    return project.app.test_client().post("/orders", json={"note": note}, headers={"Idempotency-Key": key})
+
+
 def test_new_project(projects: Any, scratch: str) -> None:
-    """init, upgrade (the key table), migrate (the application's table only, written into the project's
-    own folder), upgrade; an idempotent route works; autogenerate then finds nothing to change."""
+    """init, upgrade (the key table), migrate (the application's table only, on a branch of its own in the
+    project's own folder), upgrade heads; an idempotent route works; autogenerate then finds nothing."""
     project = projects()
     assert project.flask_db("init").exit_code == 0
     offline = project.flask_db("upgrade", "--sql")  # the SQL a DBA would run, printed, nothing run
@@ -154,14 +160,12 @@ def test_new_project(projects: Any, scratch: str) -> None:
     text = revision.read_text()
     assert "op.create_table('orders'" in text
     assert "idempotency_keys" not in text  # neither dropped nor altered
-    # After flask-idem's last revision, and in the project's own folder.
-    assert f"down_revision = '{_layout.alembic_id(_layout.latest())}'" in text
-    assert project.flask_db("upgrade").exit_code == 0
+    assert "down_revision = None" in text  # a branch of its own, in the project's own folder
+    assert project.flask_db("upgrade").exit_code == 1  # "Multiple head revisions are present"
+    assert project.flask_db("upgrade", "heads").exit_code == 0
 
-    client = project.app.test_client()
-    key = {"Idempotency-Key": str(uuid.uuid4())}
-    first = client.post("/orders", json={"note": "a"}, headers=key)
-    again = client.post("/orders", json={"note": "a"}, headers=key)
+    key = str(uuid.uuid4())
+    first, again = post_order(project, key), post_order(project, key)
     assert first.status_code == 201
     assert (again.status_code, again.json) == (200, first.json)
 
@@ -172,23 +176,31 @@ def test_new_project(projects: Any, scratch: str) -> None:
 
 
 def test_existing_first_release_table_is_upgraded(projects: Any, scratch: str) -> None:
-    """A key table made by the first release's `init-db`, with a key in it, is adopted and upgraded by
-    `flask db upgrade`; the key survives."""
+    """A key table made by the first release's `init-db`, holding a key the route stored, is adopted and
+    upgraded by `flask db upgrade`; after a restart the key replays and a fresh key is taken."""
     create_first_release(scratch, "idempotency_keys")
-    with psycopg.connect(scratch, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, status, response,"
-            " expires_at) VALUES (1, gen_random_uuid(), sha256('x'), 'POST', '/x', 'completed', '{}',"
-            " now() + interval '1 day')"
-        )
-        before = conn.execute("SELECT * FROM idempotency_keys").fetchall()
-    project = projects()
-    assert project.flask_db("init").exit_code == 0
-    result = project.flask_db("upgrade")
+    before = projects()
+    with before.app.app_context():
+        before.db.create_all()  # the project's orders table, made before it used Alembic
+    key = str(uuid.uuid4())
+    stored = post_order(before, key)
+    assert stored.status_code == 201
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == 1
+        rows = conn.execute("SELECT * FROM idempotency_keys").fetchall()
+    assert before.flask_db("init").exit_code == 0
+    result = before.flask_db("upgrade")
     assert result.exit_code == 0, result.output
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") == _layout.latest()
-        assert conn.execute("SELECT * FROM idempotency_keys").fetchall() == before
+        assert conn.execute("SELECT * FROM idempotency_keys").fetchall() == rows
+
+    project = projects()  # the application restarted
+    replay = post_order(project, key)
+    assert (replay.status_code, replay.json) == (200, stored.json)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert post_order(project, key, "changed").status_code == 422
+    assert post_order(project, str(uuid.uuid4())).status_code == 201
 
 
 def test_upgrade_keeps_a_later_recorded_layout(projects: Any, scratch: str, direct_database_url: str) -> None:
@@ -211,9 +223,9 @@ def test_upgrade_keeps_a_later_recorded_layout(projects: Any, scratch: str, dire
         ]
 
 
-def test_project_with_revisions_of_its_own_merges_the_branches(projects: Any, scratch: str) -> None:
-    """A project that had revisions before flask-idem sees two heads; `flask db merge heads` joins them
-    (the merge is written into the project's folder) and `flask db upgrade` works as before."""
+def test_project_with_revisions_of_its_own_keeps_its_branch(projects: Any, scratch: str) -> None:
+    """A project that had revisions before flask-idem gets flask-idem's branch beside its own: `flask db
+    upgrade heads` applies both, no merge is written, and its next revision follows its own head."""
     before = projects(with_idem=False)
     assert before.flask_db("init").exit_code == 0
     assert before.flask_db("migrate", "-m", "orders").exit_code == 0
@@ -221,13 +233,54 @@ def test_project_with_revisions_of_its_own_merges_the_branches(projects: Any, sc
 
     project = projects()
     assert project.flask_db("upgrade").exit_code == 1  # "Multiple head revisions are present"
-    merge = project.flask_db("merge", "heads", "-m", "flask-idem")
-    assert merge.exit_code == 0, merge.output
-    assert len(project.revisions()) == 2  # the merge is the project's
-    assert project.flask_db("upgrade").exit_code == 0
+    assert project.flask_db("upgrade", "heads").exit_code == 0
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") == _layout.latest()
     assert project.flask_db("check").exit_code == 0
+    [own] = project.revisions()
+    assert project.flask_db("revision", "-m", "next").exit_code == 0
+    [following] = [path for path in project.revisions() if path != own]
+    assert f"down_revision = '{own.name.split('_')[0]}'" in following.read_text()
+
+
+def test_a_release_that_adds_a_revision_needs_no_merge(
+    projects: Any, scratch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A project set up when flask-idem had layouts 1 and 2, with a revision of its own and a stored key,
+    takes this release's revisions with `flask db upgrade heads` and no merge: the key replays, a fresh
+    key is taken, and autogenerate finds nothing."""
+    older = tmp_path / "flask_idem_layouts_1_2"
+    older.mkdir()
+    for path in sorted(Path(idem_alembic.VERSION_LOCATION).glob("v[12]_*.py")):
+        shutil.copy(path, older)
+    with monkeypatch.context() as patch:
+        patch.setattr(idem_alembic, "VERSION_LOCATION", str(older))  # the older flask-idem's folder
+        before = projects()
+        assert before.flask_db("init").exit_code == 0
+        assert before.flask_db("upgrade").exit_code == 0
+        assert before.flask_db("migrate", "-m", "orders").exit_code == 0
+        assert before.flask_db("upgrade", "heads").exit_code == 0
+        with psycopg.connect(scratch) as conn:
+            assert layout_of(conn, "idempotency_keys") == 2
+        key = str(uuid.uuid4())
+        stored = post_order(before, key)
+        assert stored.status_code == 201
+    [own] = before.revisions()
+    assert "down_revision = None" in own.read_text()
+
+    project = projects()  # the new release installed, the application restarted
+    result = project.flask_db("upgrade", "heads")
+    assert result.exit_code == 0, result.output
+    assert project.revisions() == [own]  # nothing for the project to write
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == _layout.latest()
+        heads = {row[0] for row in conn.execute("SELECT version_num FROM alembic_version")}
+    assert heads == {_layout.alembic_id(_layout.latest()), own.name.split("_")[0]}
+    replay = post_order(project, key)
+    assert (replay.status_code, replay.json) == (200, stored.json)
+    assert post_order(project, str(uuid.uuid4())).status_code == 201
+    check = project.flask_db("check")
+    assert check.exit_code == 0, check.output
 
 
 def test_include_object_leaves_only_flask_idem_tables_out() -> None:
