@@ -254,8 +254,8 @@ def check_jobs(found: Found, table: str) -> None:
     if found.layout is not None and found.layout < JOBS:
         raise ConfigurationError(
             f"Background jobs need the outbox of layout {JOBS}; the key table {table} has layout"
-            f" {found.layout}. Upgrade it with 'flask idem migrate' (or 'flask db upgrade heads'): online, and"
-            " the application goes on serving meanwhile."
+            f" {found.layout}. Upgrade it with 'flask idem migrate' (or 'flask db upgrade heads'): online,"
+            " and the application goes on serving meanwhile."
         )
 
 
