@@ -7,6 +7,10 @@ first release's DDL (:mod:`tests.support.layouts`) or by the migration itself, a
 from __future__ import annotations
 
 import logging
+import os
+import re
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,8 +26,9 @@ from flask_idem import ConfigurationError, _layout, _migrate
 from .support import citus
 from .support.flow_app import Ledger, build_flow_app
 from .support.helpers import app_factory, close_pool, wait_for
-from .support.layouts import catalog, create_first_release, drop, layout_of
+from .support.layouts import catalog, check_distributed, create_first_release, drop, layout_of
 from .support.notes_app import build_app, post
+from .support.servers import ROOT
 
 LEGACY = "legacy_keys"
 
@@ -121,6 +126,9 @@ def test_upgraded_and_fresh_tables_are_the_same(
     assert not any("INVALID" in index for index in made["indexes"])
     assert any("GREATEST(lease_expires_at, next_attempt_at)" in index for index in made["indexes"])
     assert made["comment"] == _layout.revisions()[-1].comment()
+    if citus.ENABLED:
+        check_distributed(db, legacy)
+        check_distributed(db, fresh)
 
 
 # -- the first release's table, with rows in every state, upgraded ------------------------------------------
@@ -199,6 +207,8 @@ def test_first_release_rows_keep_the_contract_after_the_upgrade(
         assert result.exit_code == 0, result.output
         assert f"layout 1, now layout {_layout.latest()}" in result.output
         assert layout_of(db, legacy) == _layout.latest()
+        if citus.ENABLED:
+            check_distributed(db, legacy)
 
         # The contract, on a fresh start of both applications.
         notes, flows = apps(**config), flow_app()
@@ -271,6 +281,70 @@ def test_two_migrations_at_once(legacy: str, direct_database_url: str, db: psyco
     assert all(report.after == _layout.latest() for report in reports)
     assert layout_of(db, legacy) == _layout.latest()
     assert not any("INVALID" in index for index in catalog(db, legacy)["indexes"])
+    if citus.ENABLED:
+        check_distributed(db, legacy)
+
+
+@pytest.mark.parametrize("start", ["fresh", "legacy"], ids=["missing", "first-release"])
+def test_two_migrate_commands_at_once(
+    start: str, request: pytest.FixtureRequest, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """Two `flask idem migrate` processes started together (held at the migration's lock until both
+    wait there), on a missing table or a full first-release one, both exit 0; the layouts are applied
+    once between them, and the rows are kept."""
+    table: str = request.getfixturevalue(start)
+    keys = sql.Identifier(table)
+    if start == "legacy":
+        db.execute(
+            sql.SQL(
+                "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response, expires_at)"
+                " SELECT i % 7, gen_random_uuid(), sha256(i::text::bytea), 'POST', '/x', 'completed', '{{}}',"
+                " now() + interval '1 day' FROM generate_series(1, 20000) AS i"
+            ).format(keys)
+        )
+    rows = sql.SQL("SELECT org_id, idem_key, request_sha, status, response, expires_at FROM {} ORDER BY 1, 2")
+    before = db.execute(rows.format(keys)).fetchall() if start == "legacy" else []
+    command = [
+        sys.executable,
+        "-m",
+        "flask",
+        "--app",
+        "tests.support.notes_app:create_app",
+        "idem",
+        "migrate",
+    ]
+    env = {**os.environ, "FLASK_IDEM_DATABASE_URL": direct_database_url, "FLASK_IDEM_TABLE": table}
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name = 'flask-idem migrate' AND wait_event = 'advisory'"
+    )
+    with psycopg.connect(direct_database_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (_layout.lock_key(table),))
+        processes = [
+            subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            for _ in range(2)
+        ]
+        try:
+            wait_for(lambda: db.execute(waiting).fetchone() == (2,), timeout=60)
+        finally:
+            holder.execute("SELECT pg_advisory_unlock(%s)", (_layout.lock_key(table),))
+        outputs = [process.communicate(timeout=120)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], outputs
+    applied = [
+        int(layout)
+        for output in outputs
+        for found in re.findall(r"\(applied ([\d, ]+)\)", output)
+        for layout in found.split(", ")
+    ]
+    first = 1 if start == "fresh" else 2
+    assert sorted(applied) == list(range(first, _layout.latest() + 1)), outputs
+    assert layout_of(db, table) == _layout.latest()
+    assert not any("INVALID" in index for index in catalog(db, table)["indexes"])
+    assert db.execute(rows.format(keys)).fetchall() == before
+    if citus.ENABLED:
+        check_distributed(db, table)
 
 
 def test_writers_go_on_while_the_index_is_built(
