@@ -84,6 +84,14 @@ def test_revisions_are_numbered_and_chained() -> None:
     assert _layout.REQUIRED <= _layout.latest()
 
 
+def test_upgrades_page_names_the_layouts_this_code_runs_on() -> None:
+    """The upgrades page has a row for each layout and says which layouts this code runs on."""
+    page = (ROOT / "docs" / "upgrades.rst").read_text()
+    assert f"This release runs on layouts {_layout.REQUIRED} to {_layout.latest()}." in page
+    rows = [int(number) for number in re.findall(r"^(\d+) {2,}\S", page, re.MULTILINE)]
+    assert rows == [revision.layout for revision in _layout.revisions()]
+
+
 def test_reserve_function_answers_the_store_columns() -> None:
     """Layout 1's reserve function (Citus) returns the very columns the store's reserve statement reads."""
     from flask_idem._store import _Statements
