@@ -242,12 +242,12 @@ def problem(found: Found, table: str) -> str | None:
     if found.layout is None:
         return (
             f"The key table {table} does not exist. Create it with 'flask idem init-db' (or 'flask db"
-            " upgrade heads' with Flask-Migrate), as a role that may create tables."
+            " upgrade' with Flask-Migrate), as a role that may create tables."
         )
     if found.layout < REQUIRED:
         return (
             f"The key table {table} has layout {found.layout}, older than this flask-idem runs on"
-            f" ({REQUIRED} to {newest}). Upgrade it with 'flask idem migrate' (or 'flask db upgrade heads')."
+            f" ({REQUIRED} to {newest}). Upgrade it with 'flask idem migrate' (or 'flask db upgrade')."
         )
     if found.layout > newest and found.compatible_from > newest:
         return (
@@ -264,8 +264,8 @@ def check_jobs(found: Found, table: str) -> None:
     if found.layout is not None and found.layout < JOBS:
         raise ConfigurationError(
             f"Background jobs need the outbox of layout {JOBS}; the key table {table} has layout"
-            f" {found.layout}. Upgrade it with 'flask idem migrate' (or 'flask db upgrade heads'): online,"
-            " and the application goes on serving meanwhile."
+            f" {found.layout}. Upgrade it with 'flask idem migrate' (or 'flask db upgrade'): online, and"
+            " the application goes on serving meanwhile."
         )
 
 

@@ -360,5 +360,5 @@ def missing_table_hint(error: psycopg.errors.UndefinedTable, key_table: str | No
         return ""
     return (
         f". The key table {key_table} does not exist: create it with 'flask idem init-db'"
-        " (or idem.create_table(), or 'flask db upgrade heads' with Flask-Migrate)"
+        " (or idem.create_table(), or 'flask db upgrade' with Flask-Migrate)"
     )

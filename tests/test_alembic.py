@@ -11,6 +11,7 @@ undoes afterwards.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import uuid
 import warnings
@@ -29,7 +30,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sqlalchemy import URL, BigInteger, Identity, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from flask_idem import Idempotency, _layout, _migrate
+from flask_idem import ConfigurationError, Idempotency, _layout, _migrate, errors
 from flask_idem import alembic as idem_alembic
 
 from .support import citus
@@ -147,8 +148,8 @@ def post_order(project: Project, key: str, note: str = "a") -> Any:
 
 
 def test_new_project(projects: Any, scratch: str) -> None:
-    """init, upgrade (the key table), migrate (the application's table only, on a branch of its own in the
-    project's own folder), upgrade heads; an idempotent route works; autogenerate then finds nothing."""
+    """init, upgrade (the key table), migrate (the application's table only, after flask-idem's newest
+    revision, in the project's own folder), upgrade; an idempotent route works; autogenerate finds nothing."""
     project = projects()
     assert project.flask_db("init").exit_code == 0
     offline = project.flask_db("upgrade", "--sql")  # the SQL a DBA would run, printed, nothing run
@@ -167,9 +168,8 @@ def test_new_project(projects: Any, scratch: str) -> None:
     text = revision.read_text()
     assert "op.create_table('orders'" in text
     assert "idempotency_keys" not in text  # neither dropped nor altered
-    assert "down_revision = None" in text  # a branch of its own, in the project's own folder
-    assert project.flask_db("upgrade").exit_code == 1  # "Multiple head revisions are present"
-    assert project.flask_db("upgrade", "heads").exit_code == 0
+    assert f"down_revision = '{_layout.alembic_id(_layout.latest())}'" in text  # one chained history
+    assert project.flask_db("upgrade").exit_code == 0
     if citus.ENABLED:
         with psycopg.connect(scratch) as conn:
             check_distributed(conn, "idempotency_keys")
@@ -233,32 +233,37 @@ def test_upgrade_keeps_a_later_recorded_layout(projects: Any, scratch: str) -> N
         ]
 
 
-def test_project_with_revisions_of_its_own_keeps_its_branch(projects: Any, scratch: str) -> None:
-    """A project that had revisions before flask-idem gets flask-idem's branch beside its own: `flask db
-    upgrade heads` applies both, no merge is written, and its next revision follows its own head."""
+def test_project_with_revisions_of_its_own_merges_the_branches(projects: Any, scratch: str) -> None:
+    """A project that had revisions before flask-idem sees two heads, a revision id of flask-idem's upgrades
+    its tables alone, `flask db merge heads` joins them (in the project's folder), and `flask db upgrade`
+    works as before."""
     before = projects(with_idem=False)
     assert before.flask_db("init").exit_code == 0
     assert before.flask_db("migrate", "-m", "orders").exit_code == 0
     assert before.flask_db("upgrade").exit_code == 0
 
     project = projects()
-    assert project.flask_db("upgrade").exit_code == 1  # "Multiple head revisions are present"
-    assert project.flask_db("upgrade", "heads").exit_code == 0
+    two_heads = project.flask_db("upgrade")
+    assert two_heads.exit_code == 1
+    assert "Multiple head revisions are present" in two_heads.output
+    assert project.flask_db("upgrade", _layout.alembic_id(1)).exit_code == 0  # flask-idem's tables alone
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == 1
+    merge = project.flask_db("merge", "heads", "-m", "flask-idem")
+    assert merge.exit_code == 0, merge.output
+    assert len(project.revisions()) == 2  # the merge is the project's
+    assert project.flask_db("upgrade").exit_code == 0
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") == _layout.latest()
     assert project.flask_db("check").exit_code == 0
-    [own] = project.revisions()
-    assert project.flask_db("revision", "-m", "next").exit_code == 0
-    [following] = [path for path in project.revisions() if path != own]
-    assert f"down_revision = '{own.name.split('_')[0]}'" in following.read_text()
 
 
-def test_a_release_that_adds_a_revision_needs_no_merge(
+def test_a_release_that_adds_a_revision_is_merged_once(
     projects: Any, scratch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A project set up when flask-idem had layouts 1 and 2, with a revision of its own and a stored key,
-    takes this release's revisions with `flask db upgrade heads` and no merge: the key replays, a fresh
-    key is taken, and autogenerate finds nothing."""
+    meets this release's layout 3 as two heads; after `flask db merge heads`, `flask db upgrade` applies
+    it, the key replays, a fresh key is taken, and autogenerate finds nothing."""
     older = tmp_path / "flask_idem_layouts_1_2"
     older.mkdir()
     for path in sorted(Path(idem_alembic.VERSION_LOCATION).glob("v[12]_*.py")):
@@ -269,30 +274,62 @@ def test_a_release_that_adds_a_revision_needs_no_merge(
         assert before.flask_db("init").exit_code == 0
         assert before.flask_db("upgrade").exit_code == 0
         assert before.flask_db("migrate", "-m", "orders").exit_code == 0
-        assert before.flask_db("upgrade", "heads").exit_code == 0
+        assert before.flask_db("upgrade").exit_code == 0
         with psycopg.connect(scratch) as conn:
             assert layout_of(conn, "idempotency_keys") == 2
         key = str(uuid.uuid4())
         stored = post_order(before, key)
         assert stored.status_code == 201
     [own] = before.revisions()
-    assert "down_revision = None" in own.read_text()
+    assert f"down_revision = '{_layout.alembic_id(2)}'" in own.read_text()
 
     project = projects()  # the new release installed, the application restarted
-    result = project.flask_db("upgrade", "heads")
+    two_heads = project.flask_db("upgrade")
+    assert two_heads.exit_code == 1
+    assert "Multiple head revisions are present" in two_heads.output
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == 2  # nothing applied
+    merge = project.flask_db("merge", "heads", "-m", "flask-idem 0003")
+    assert merge.exit_code == 0, merge.output
+    [merged] = [path for path in project.revisions() if path != own]  # in the project's own folder
+    [joined] = [line for line in merged.read_text().splitlines() if line.startswith("down_revision")]
+    assert own.name.split("_")[0] in joined and _layout.alembic_id(_layout.latest()) in joined
+    result = project.flask_db("upgrade")
     assert result.exit_code == 0, result.output
-    assert project.revisions() == [own]  # nothing for the project to write
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") == _layout.latest()
-        heads = {row[0] for row in conn.execute("SELECT version_num FROM alembic_version")}
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
+            (merged.name.split("_")[0],)
+        ]
         if citus.ENABLED:
             check_distributed(conn, "idempotency_keys")
-    assert heads == {_layout.alembic_id(_layout.latest()), own.name.split("_")[0]}
     replay = post_order(project, key)
     assert (replay.status_code, replay.json) == (200, stored.json)
+    assert replay.headers["Idempotent-Replayed"] == "true"
     assert post_order(project, str(uuid.uuid4())).status_code == 201
     check = project.flask_db("check")
     assert check.exit_code == 0, check.output
+
+
+def test_messages_name_plain_flask_db_upgrade(
+    db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each message that names a Flask-Migrate command names `flask db upgrade`, which the tests above run."""
+    with pytest.raises(psycopg.errors.UndefinedTable) as missing:
+        db.execute("SELECT 1 FROM idempotency_keys_never_made")
+    with pytest.raises(ConfigurationError) as jobs:
+        _layout.check_jobs(_layout.Found(_layout.JOBS - 1), "idempotency_keys")
+    monkeypatch.setattr(_layout, "REQUIRED", 2)
+    messages = [
+        _layout.problem(_layout.Found(None), "idempotency_keys"),
+        _layout.problem(_layout.Found(1), "idempotency_keys"),
+        str(jobs.value),
+        _layout.comment(_layout.latest(), 1),
+        errors.missing_table_hint(missing.value, "idempotency_keys_never_made"),
+    ]
+    assert [re.findall(r"'flask db [^']*'", message or "") for message in messages] == [
+        ["'flask db upgrade'"]
+    ] * len(messages)
 
 
 def test_include_object_leaves_only_flask_idem_tables_out() -> None:
