@@ -20,7 +20,7 @@ from flask import Flask, Response
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from . import _deadline, _migrate, _view
+from . import _deadline, _layout, _migrate, _view
 from ._async import synchronous
 from ._policy import Fingerprint
 from ._pool import ConnectionSource, PooledConnection, ProcessPool
@@ -272,15 +272,20 @@ class Idempotency:
 
     def create_table(self) -> None:
         """Create the current application's key table in the latest layout, or upgrade it
-        (``flask idem init-db``), on a connection of its own; safe to run twice, and at once."""
+        (``flask idem init-db``), on a connection of its own; safe to run twice, and at once.
+
+        :raises ConfigurationError: when this code cannot run on the table then (a newer flask-idem's
+            layout, left as it is); the message says what to deploy.
+        """
         settings = get_state().settings
-        _migrate.upgrade(
+        report = _migrate.upgrade(
             settings.database_url,
             table=settings.table,
             distributed=settings.distributed,
             lock_timeout=settings.migration_lock_timeout,
             connect_options=settings.connect_options,
         )
+        _layout.check(report.found, settings.table)
 
     def check_layout(self) -> None:
         """Check now that the current application's key table exists in a layout this flask-idem runs on.

@@ -206,16 +206,26 @@ class Found:
     compatible_from: int = 1
 
 
-_READ = (
-    "SELECT c.oid IS NOT NULL AS present, obj_description(c.oid, 'pg_class') AS comment"
-    " FROM (SELECT to_regclass(%s)::oid AS oid) AS c"
-)
+#: The key table (in its schema, or the first of the search path that has it, as ``to_regclass`` finds
+#: it) and its comment. Read from the catalog's tables with the statement's snapshot, not through
+#: ``to_regclass``, whose lookup goes through the backend's catalog cache: a migration that waited on
+#: the advisory lock for another to create the table would still find it missing there.
+_READ = """
+SELECT c.oid IS NOT NULL AS present, obj_description(c.oid, 'pg_class') AS comment
+FROM (SELECT) AS one LEFT JOIN LATERAL (
+    SELECT c.oid FROM pg_catalog.pg_class AS c JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE c.relname = %(name)s
+        AND (n.nspname = %(schema)s OR %(schema)s IS NULL AND n.nspname = ANY (current_schemas(true)))
+    ORDER BY array_position(current_schemas(true), n.nspname) LIMIT 1
+) AS c ON true
+"""
 
 
 def read(conn: psycopg.Connection[Any], table: str) -> Found:
     """The layout of ``table`` on ``conn``: one catalog query, which any role may run."""
-    qualified = sql.Identifier(*table.split(".")).as_string(None)
-    row = conn.execute(_READ, (qualified,)).fetchone()
+    parts = table.split(".")
+    schema = parts[0] if len(parts) == 2 else None
+    row = conn.execute(_READ, {"name": parts[-1], "schema": schema}).fetchone()
     assert row is not None
     present, text = row
     if not present:

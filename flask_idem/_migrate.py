@@ -87,6 +87,9 @@ class Report:
     applied: list[int] = field(default_factory=list)
     #: Transactions that gave up waiting for a lock and were tried again.
     lock_retries: int = 0
+    #: The layout read once done, which says whether this code can run on the table (a newer
+    #: flask-idem's layout is left as it is, and may not let it).
+    found: Found = field(default_factory=lambda: Found(None))
 
 
 @contextmanager
@@ -154,6 +157,7 @@ def upgrade(
             report.after = revision.layout
         if distributed and not runner.is_distributed():
             runner.distribute()
+        report.found = _layout.read(conn, table)
     return report
 
 

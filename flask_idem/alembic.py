@@ -44,13 +44,29 @@ __all__ = [
     "run_upgrade",
 ]
 
-#: The branch label of flask-idem's revisions: ``flask db upgrade flask_idem@head`` upgrades them alone.
+#: The branch label of flask-idem's revisions. The application's revisions follow them, and so carry it
+#: too; ``flask db upgrade flask_idem_0002`` (a revision's id) upgrades flask-idem's tables alone.
 BRANCH = "flask_idem"
 
 #: The folder of flask-idem's revisions, for Alembic's ``version_locations``.
 VERSION_LOCATION = str(files(__package__).joinpath("migrations"))
 
 _ALEMBIC_TABLE_ATTR = "flask_idem.table"
+
+#: Records a revision's layout in the key table's comment unless that layout or a later one is recorded
+#: already (by ``flask idem migrate`` or a newer flask-idem, whose layout is kept), as ``migrate`` does;
+#: in SQL, so that ``flask db upgrade --sql`` prints it too. It reads the comment as ``_layout.read`` does.
+_RECORD = r"""
+DO $record$
+BEGIN
+    IF coalesce(substring(obj_description({table_literal}::regclass, 'pg_class')
+                          FROM '^flask-idem key table, layout (\d+) \(code of layout \d+ and later')::int,
+                0) < {layout} THEN
+        COMMENT ON TABLE {table} IS {comment};
+    END IF;
+END
+$record$
+"""
 
 
 def include_object(object: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:  # noqa: A002 (Alembic's argument name)
@@ -216,7 +232,10 @@ def run_upgrade(revision: Revision) -> None:
     if distributed and revision.distributed_sql:
         _execute(sql.SQL("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'"))
         _execute(sql.SQL(revision.distributed_sql).format(**names))
-    _execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(names["table"], sql.Literal(revision.comment())))
+    record = sql.SQL(_RECORD).format(
+        **names, layout=sql.Literal(revision.layout), comment=sql.Literal(revision.comment())
+    )
+    _execute(record)
 
 
 def run_downgrade(revision: Revision) -> None:

@@ -99,8 +99,10 @@ _distributed_option = click.option(
 
 
 def _upgrade(distributed: bool, *, quiet: bool = False) -> _migrate.Report:
+    """Create or upgrade the tables; exit with status 1 and the reason when this code cannot run on
+    what is there then (a newer flask-idem's layout, which is left as it is)."""
     settings = get_state().settings
-    return _migrate.upgrade(
+    report = _migrate.upgrade(
         settings.database_url,
         table=settings.table,
         distributed=distributed or settings.distributed,
@@ -108,6 +110,10 @@ def _upgrade(distributed: bool, *, quiet: bool = False) -> _migrate.Report:
         connect_options=settings.connect_options,
         echo=(lambda _: None) if quiet else click.echo,
     )
+    problem = _layout.problem(report.found, settings.table)
+    if problem is not None:
+        raise click.ClickException(problem)
+    return report
 
 
 @idem_cli.command("init-db")
@@ -119,9 +125,9 @@ def init_db(distributed: bool) -> None:
 
     Run it as a role that may create tables (see the privileges in the documentation).
     """
-    _upgrade(distributed, quiet=True)
+    report = _upgrade(distributed, quiet=True)
     table = get_state().settings.table
-    click.echo(f"Key table {table} is ready (layout {_layout.latest()}).")
+    click.echo(f"Key table {table} is ready (layout {report.found.layout}).")
     click.echo(f"Outbox {outbox_table(table)} of background jobs is ready.")
 
 

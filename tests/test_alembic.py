@@ -2,13 +2,17 @@
 
 Each test builds a Flask-SQLAlchemy application with ``Idempotency(sqlalchemy=db)`` and the two lines of
 the upgrades page, in a PostgreSQL schema of its own (the engine's ``search_path``), so that Alembic's
-autogenerate sees that project's tables only. Flask-Migrate's commands run in this process; its
-``env.py`` reconfigures logging from ``alembic.ini``, which :func:`kept_logging` undoes afterwards.
+autogenerate sees that project's tables only; with ``FLASK_IDEM_TEST_CITUS=1``, in a database of its own
+on the Citus cluster, where the revisions distribute flask-idem's tables. Flask-Migrate's commands run
+in this process; its ``env.py`` reconfigures logging from ``alembic.ini``, which :func:`kept_logging`
+undoes afterwards.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import shutil
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -26,15 +30,11 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sqlalchemy import URL, BigInteger, Identity, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from flask_idem import Idempotency, _layout
+from flask_idem import ConfigurationError, Idempotency, _layout, _migrate, errors
 from flask_idem import alembic as idem_alembic
 
 from .support import citus
-from .support.layouts import create_first_release, layout_of
-
-pytestmark = pytest.mark.skipif(
-    citus.ENABLED, reason="a scratch schema per test; the Citus upgrade is tested in test_migrate.py"
-)
+from .support.layouts import check_distributed, create_first_release, layout_of
 
 
 @contextmanager
@@ -56,12 +56,20 @@ def kept_logging() -> Iterator[None]:
 
 
 @pytest.fixture
-def scratch(direct_database_url: str, db: psycopg.Connection[Any]) -> Iterator[str]:
-    """A conninfo whose ``search_path`` is a new, empty schema (dropped afterwards)."""
-    schema = f"scratch_{uuid.uuid4().hex[:8]}"
-    db.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
-    yield make_conninfo(direct_database_url, options=f"-c search_path={schema}")
-    db.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+def scratch(
+    direct_database_url: str, db: psycopg.Connection[Any], citus_cluster: citus.Cluster | None
+) -> Iterator[str]:
+    """A conninfo whose ``search_path`` is a new, empty schema (dropped afterwards); on Citus, a new
+    database of the cluster instead (a key table found through ``search_path`` is not supported there,
+    see the upgrades page)."""
+    name = f"scratch_{uuid.uuid4().hex[:8]}"
+    if citus_cluster is not None:
+        yield citus_cluster.create_database(name)
+        citus_cluster.drop_database(name)
+        return
+    db.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
+    yield make_conninfo(direct_database_url, options=f"-c search_path={name}")
+    db.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
 
 
 class Project:
@@ -80,6 +88,7 @@ class Project:
             note: Mapped[str] = mapped_column(String)
 
         app = Flask(__name__)
+        app.config.from_prefixed_env()  # as a user's app would: FLASK_IDEM_* settings apply
         app.config["SQLALCHEMY_DATABASE_URI"] = URL.create(
             "postgresql+psycopg", query=conninfo_to_dict(conninfo)
         )
@@ -133,9 +142,14 @@ def projects(scratch: str, tmp_path: Path) -> Iterator[Any]:
         project.dispose()
 
 
+def post_order(project: Project, key: str, note: str = "a") -> Any:
+    """``POST /orders`` on the project's route, with ``key``."""
+    return project.app.test_client().post("/orders", json={"note": note}, headers={"Idempotency-Key": key})
+
+
 def test_new_project(projects: Any, scratch: str) -> None:
-    """init, upgrade (the key table), migrate (the application's table only, written into the project's
-    own folder), upgrade; an idempotent route works; autogenerate then finds nothing to change."""
+    """init, upgrade (the key table), migrate (the application's table only, after flask-idem's newest
+    revision, in the project's own folder), upgrade; an idempotent route works; autogenerate finds nothing."""
     project = projects()
     assert project.flask_db("init").exit_code == 0
     offline = project.flask_db("upgrade", "--sql")  # the SQL a DBA would run, printed, nothing run
@@ -154,14 +168,14 @@ def test_new_project(projects: Any, scratch: str) -> None:
     text = revision.read_text()
     assert "op.create_table('orders'" in text
     assert "idempotency_keys" not in text  # neither dropped nor altered
-    # After flask-idem's last revision, and in the project's own folder.
-    assert f"down_revision = '{_layout.alembic_id(_layout.latest())}'" in text
+    assert f"down_revision = '{_layout.alembic_id(_layout.latest())}'" in text  # one chained history
     assert project.flask_db("upgrade").exit_code == 0
+    if citus.ENABLED:
+        with psycopg.connect(scratch) as conn:
+            check_distributed(conn, "idempotency_keys")
 
-    client = project.app.test_client()
-    key = {"Idempotency-Key": str(uuid.uuid4())}
-    first = client.post("/orders", json={"note": "a"}, headers=key)
-    again = client.post("/orders", json={"note": "a"}, headers=key)
+    key = str(uuid.uuid4())
+    first, again = post_order(project, key), post_order(project, key)
     assert first.status_code == 201
     assert (again.status_code, again.json) == (200, first.json)
 
@@ -172,35 +186,69 @@ def test_new_project(projects: Any, scratch: str) -> None:
 
 
 def test_existing_first_release_table_is_upgraded(projects: Any, scratch: str) -> None:
-    """A key table made by the first release's `init-db`, with a key in it, is adopted and upgraded by
-    `flask db upgrade`; the key survives."""
-    create_first_release(scratch, "idempotency_keys")
+    """A key table made by the first release's `init-db`, holding a key the route stored, is adopted and
+    upgraded by `flask db upgrade`; after a restart the key replays and a fresh key is taken."""
+    create_first_release(scratch, "idempotency_keys", distributed=citus.ENABLED)
+    before = projects()
+    with before.app.app_context():
+        before.db.create_all()  # the project's orders table, made before it used Alembic
+    key = str(uuid.uuid4())
+    stored = post_order(before, key)
+    assert stored.status_code == 201
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == 1
+        rows = conn.execute("SELECT * FROM idempotency_keys").fetchall()
+    assert before.flask_db("init").exit_code == 0
+    result = before.flask_db("upgrade")
+    assert result.exit_code == 0, result.output
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == _layout.latest()
+        assert conn.execute("SELECT * FROM idempotency_keys").fetchall() == rows
+        if citus.ENABLED:
+            check_distributed(conn, "idempotency_keys")
+
+    project = projects()  # the application restarted
+    replay = post_order(project, key)
+    assert (replay.status_code, replay.json) == (200, stored.json)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert post_order(project, key, "changed").status_code == 422
+    assert post_order(project, str(uuid.uuid4())).status_code == 201
+
+
+def test_upgrade_keeps_a_later_recorded_layout(projects: Any, scratch: str) -> None:
+    """`flask db upgrade` over a key table that records a later layout (a newer flask-idem's, which lets
+    this code run) applies the revisions, which change nothing, and keeps that layout's comment."""
+    _migrate.upgrade(scratch, table="idempotency_keys", distributed=citus.ENABLED)
+    newer = _layout.comment(_layout.latest() + 1, 1)
     with psycopg.connect(scratch, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, status, response,"
-            " expires_at) VALUES (1, gen_random_uuid(), sha256('x'), 'POST', '/x', 'completed', '{}',"
-            " now() + interval '1 day')"
-        )
-        before = conn.execute("SELECT * FROM idempotency_keys").fetchall()
+        conn.execute(sql.SQL("COMMENT ON TABLE idempotency_keys IS {}").format(sql.Literal(newer)))
     project = projects()
     assert project.flask_db("init").exit_code == 0
     result = project.flask_db("upgrade")
     assert result.exit_code == 0, result.output
     with psycopg.connect(scratch) as conn:
-        assert layout_of(conn, "idempotency_keys") == _layout.latest()
-        assert conn.execute("SELECT * FROM idempotency_keys").fetchall() == before
+        assert conn.execute("SELECT obj_description('idempotency_keys'::regclass)").fetchone() == (newer,)
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
+            (_layout.alembic_id(_layout.latest()),)
+        ]
 
 
 def test_project_with_revisions_of_its_own_merges_the_branches(projects: Any, scratch: str) -> None:
-    """A project that had revisions before flask-idem sees two heads; `flask db merge heads` joins them
-    (the merge is written into the project's folder) and `flask db upgrade` works as before."""
+    """A project that had revisions before flask-idem sees two heads, a revision id of flask-idem's upgrades
+    its tables alone, `flask db merge heads` joins them (in the project's folder), and `flask db upgrade`
+    works as before."""
     before = projects(with_idem=False)
     assert before.flask_db("init").exit_code == 0
     assert before.flask_db("migrate", "-m", "orders").exit_code == 0
     assert before.flask_db("upgrade").exit_code == 0
 
     project = projects()
-    assert project.flask_db("upgrade").exit_code == 1  # "Multiple head revisions are present"
+    two_heads = project.flask_db("upgrade")
+    assert two_heads.exit_code == 1
+    assert "Multiple head revisions are present" in two_heads.output
+    assert project.flask_db("upgrade", _layout.alembic_id(1)).exit_code == 0  # flask-idem's tables alone
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == 1
     merge = project.flask_db("merge", "heads", "-m", "flask-idem")
     assert merge.exit_code == 0, merge.output
     assert len(project.revisions()) == 2  # the merge is the project's
@@ -208,6 +256,80 @@ def test_project_with_revisions_of_its_own_merges_the_branches(projects: Any, sc
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") == _layout.latest()
     assert project.flask_db("check").exit_code == 0
+
+
+def test_a_release_that_adds_a_revision_is_merged_once(
+    projects: Any, scratch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A project set up when flask-idem had layouts 1 and 2, with a revision of its own and a stored key,
+    meets this release's layout 3 as two heads; after `flask db merge heads`, `flask db upgrade` applies
+    it, the key replays, a fresh key is taken, and autogenerate finds nothing."""
+    older = tmp_path / "flask_idem_layouts_1_2"
+    older.mkdir()
+    for path in sorted(Path(idem_alembic.VERSION_LOCATION).glob("v[12]_*.py")):
+        shutil.copy(path, older)
+    with monkeypatch.context() as patch:
+        patch.setattr(idem_alembic, "VERSION_LOCATION", str(older))  # the older flask-idem's folder
+        before = projects()
+        assert before.flask_db("init").exit_code == 0
+        assert before.flask_db("upgrade").exit_code == 0
+        assert before.flask_db("migrate", "-m", "orders").exit_code == 0
+        assert before.flask_db("upgrade").exit_code == 0
+        with psycopg.connect(scratch) as conn:
+            assert layout_of(conn, "idempotency_keys") == 2
+        key = str(uuid.uuid4())
+        stored = post_order(before, key)
+        assert stored.status_code == 201
+    [own] = before.revisions()
+    assert f"down_revision = '{_layout.alembic_id(2)}'" in own.read_text()
+
+    project = projects()  # the new release installed, the application restarted
+    two_heads = project.flask_db("upgrade")
+    assert two_heads.exit_code == 1
+    assert "Multiple head revisions are present" in two_heads.output
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == 2  # nothing applied
+    merge = project.flask_db("merge", "heads", "-m", "flask-idem 0003")
+    assert merge.exit_code == 0, merge.output
+    [merged] = [path for path in project.revisions() if path != own]  # in the project's own folder
+    [joined] = [line for line in merged.read_text().splitlines() if line.startswith("down_revision")]
+    assert own.name.split("_")[0] in joined and _layout.alembic_id(_layout.latest()) in joined
+    result = project.flask_db("upgrade")
+    assert result.exit_code == 0, result.output
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == _layout.latest()
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
+            (merged.name.split("_")[0],)
+        ]
+        if citus.ENABLED:
+            check_distributed(conn, "idempotency_keys")
+    replay = post_order(project, key)
+    assert (replay.status_code, replay.json) == (200, stored.json)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert post_order(project, str(uuid.uuid4())).status_code == 201
+    check = project.flask_db("check")
+    assert check.exit_code == 0, check.output
+
+
+def test_messages_name_plain_flask_db_upgrade(
+    db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each message that names a Flask-Migrate command names `flask db upgrade`, which the tests above run."""
+    with pytest.raises(psycopg.errors.UndefinedTable) as missing:
+        db.execute("SELECT 1 FROM idempotency_keys_never_made")
+    with pytest.raises(ConfigurationError) as jobs:
+        _layout.check_jobs(_layout.Found(_layout.JOBS - 1), "idempotency_keys")
+    monkeypatch.setattr(_layout, "REQUIRED", 2)
+    messages = [
+        _layout.problem(_layout.Found(None), "idempotency_keys"),
+        _layout.problem(_layout.Found(1), "idempotency_keys"),
+        str(jobs.value),
+        _layout.comment(_layout.latest(), 1),
+        errors.missing_table_hint(missing.value, "idempotency_keys_never_made"),
+    ]
+    assert [re.findall(r"'flask db [^']*'", message or "") for message in messages] == [
+        ["'flask db upgrade'"]
+    ] * len(messages)
 
 
 def test_include_object_leaves_only_flask_idem_tables_out() -> None:

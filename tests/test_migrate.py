@@ -7,6 +7,10 @@ first release's DDL (:mod:`tests.support.layouts`) or by the migration itself, a
 from __future__ import annotations
 
 import logging
+import os
+import re
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,13 +21,14 @@ import pytest
 from flask import Flask
 from psycopg import sql
 
-from flask_idem import _layout, _migrate
+from flask_idem import ConfigurationError, _layout, _migrate
 
 from .support import citus
 from .support.flow_app import Ledger, build_flow_app
 from .support.helpers import app_factory, close_pool, wait_for
-from .support.layouts import catalog, create_first_release, drop, layout_of
+from .support.layouts import catalog, check_distributed, create_first_release, drop, layout_of
 from .support.notes_app import build_app, post
+from .support.servers import ROOT
 
 LEGACY = "legacy_keys"
 
@@ -79,6 +84,14 @@ def test_revisions_are_numbered_and_chained() -> None:
     assert _layout.REQUIRED <= _layout.latest()
 
 
+def test_upgrades_page_names_the_layouts_this_code_runs_on() -> None:
+    """The upgrades page has a row for each layout and says which layouts this code runs on."""
+    page = (ROOT / "docs" / "upgrades.rst").read_text()
+    assert f"This release runs on layouts {_layout.REQUIRED} to {_layout.latest()}." in page
+    rows = [int(number) for number in re.findall(r"^(\d+) {2,}\S", page, re.MULTILINE)]
+    assert rows == [revision.layout for revision in _layout.revisions()]
+
+
 def test_reserve_function_answers_the_store_columns() -> None:
     """Layout 1's reserve function (Citus) returns the very columns the store's reserve statement reads."""
     from flask_idem._store import _Statements
@@ -121,6 +134,9 @@ def test_upgraded_and_fresh_tables_are_the_same(
     assert not any("INVALID" in index for index in made["indexes"])
     assert any("GREATEST(lease_expires_at, next_attempt_at)" in index for index in made["indexes"])
     assert made["comment"] == _layout.revisions()[-1].comment()
+    if citus.ENABLED:
+        check_distributed(db, legacy)
+        check_distributed(db, fresh)
 
 
 # -- the first release's table, with rows in every state, upgraded ------------------------------------------
@@ -199,6 +215,8 @@ def test_first_release_rows_keep_the_contract_after_the_upgrade(
         assert result.exit_code == 0, result.output
         assert f"layout 1, now layout {_layout.latest()}" in result.output
         assert layout_of(db, legacy) == _layout.latest()
+        if citus.ENABLED:
+            check_distributed(db, legacy)
 
         # The contract, on a fresh start of both applications.
         notes, flows = apps(**config), flow_app()
@@ -271,6 +289,70 @@ def test_two_migrations_at_once(legacy: str, direct_database_url: str, db: psyco
     assert all(report.after == _layout.latest() for report in reports)
     assert layout_of(db, legacy) == _layout.latest()
     assert not any("INVALID" in index for index in catalog(db, legacy)["indexes"])
+    if citus.ENABLED:
+        check_distributed(db, legacy)
+
+
+@pytest.mark.parametrize("start", ["fresh", "legacy"], ids=["missing", "first-release"])
+def test_two_migrate_commands_at_once(
+    start: str, request: pytest.FixtureRequest, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """Two `flask idem migrate` processes started together (held at the migration's lock until both
+    wait there), on a missing table or a full first-release one, both exit 0; the layouts are applied
+    once between them, and the rows are kept."""
+    table: str = request.getfixturevalue(start)
+    keys = sql.Identifier(table)
+    if start == "legacy":
+        db.execute(
+            sql.SQL(
+                "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response, expires_at)"
+                " SELECT i % 7, gen_random_uuid(), sha256(i::text::bytea), 'POST', '/x', 'completed', '{{}}',"
+                " now() + interval '1 day' FROM generate_series(1, 20000) AS i"
+            ).format(keys)
+        )
+    rows = sql.SQL("SELECT org_id, idem_key, request_sha, status, response, expires_at FROM {} ORDER BY 1, 2")
+    before = db.execute(rows.format(keys)).fetchall() if start == "legacy" else []
+    command = [
+        sys.executable,
+        "-m",
+        "flask",
+        "--app",
+        "tests.support.notes_app:create_app",
+        "idem",
+        "migrate",
+    ]
+    env = {**os.environ, "FLASK_IDEM_DATABASE_URL": direct_database_url, "FLASK_IDEM_TABLE": table}
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name = 'flask-idem migrate' AND wait_event = 'advisory'"
+    )
+    with psycopg.connect(direct_database_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (_layout.lock_key(table),))
+        processes = [
+            subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            for _ in range(2)
+        ]
+        try:
+            wait_for(lambda: db.execute(waiting).fetchone() == (2,), timeout=60)
+        finally:
+            holder.execute("SELECT pg_advisory_unlock(%s)", (_layout.lock_key(table),))
+        outputs = [process.communicate(timeout=120)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], outputs
+    applied = [
+        int(layout)
+        for output in outputs
+        for found in re.findall(r"\(applied ([\d, ]+)\)", output)
+        for layout in found.split(", ")
+    ]
+    first = 1 if start == "fresh" else 2
+    assert sorted(applied) == list(range(first, _layout.latest() + 1)), outputs
+    assert layout_of(db, table) == _layout.latest()
+    assert not any("INVALID" in index for index in catalog(db, table)["indexes"])
+    assert db.execute(rows.format(keys)).fetchall() == before
+    if citus.ENABLED:
+        check_distributed(db, table)
 
 
 def test_writers_go_on_while_the_index_is_built(
@@ -379,6 +461,60 @@ def test_newer_layout(
     if says is not None:
         assert says in caplog.text
         assert says in stats.output
+
+
+@pytest.mark.parametrize("command", ["migrate", "init-db"])
+@pytest.mark.parametrize(
+    ("compatible_from", "runs"), [(99, False), (1, True)], ids=["incompatible", "compatible"]
+)
+def test_commands_on_a_newer_layout(
+    fresh: str,
+    direct_database_url: str,
+    db: psycopg.Connection[Any],
+    apps: Callable[..., Flask],
+    command: str,
+    compatible_from: int,
+    runs: bool,
+) -> None:
+    """`migrate` and `init-db` leave a newer flask-idem's layout as it is: they succeed when it lets this
+    code run (init-db reports the layout it found), and exit 1 saying to deploy the newer flask-idem when
+    it does not."""
+    _migrate.upgrade(direct_database_url, table=fresh, distributed=citus.ENABLED)
+    newer = _layout.comment(99, compatible_from)
+    db.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(sql.Identifier(fresh), sql.Literal(newer)))
+    result = apps(IDEM_TABLE=fresh).test_cli_runner().invoke(args=["idem", command])
+    assert (result.exit_code == 0) is runs, result.output
+    if runs:
+        said = "is ready (layout 99)." if command == "init-db" else "is at layout 99: nothing to do."
+        assert said in result.output
+    else:
+        assert "made by a newer flask-idem, and needs the code of layout 99" in result.output
+        assert "Deploy the newer flask-idem." in result.output
+        assert "nothing to do" not in result.output and "ready" not in result.output
+    assert db.execute("SELECT obj_description(%s::regclass)", (fresh,)).fetchone() == (newer,)
+
+
+def test_check_layout_names_the_command_to_run(
+    fresh: str, legacy: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`idem.check_layout()` raises ConfigurationError naming `flask idem init-db` for a missing key
+    table and `flask idem migrate` for a layout older than the code runs on, and passes after them."""
+    monkeypatch.setattr(_layout, "REQUIRED", 2)
+    built: list[Flask] = []
+    try:
+        for table, command in ((fresh, "init-db"), (legacy, "migrate")):
+            app, idem = build_app(database_url, IDEM_TABLE=table)
+            built.append(app)
+            with app.app_context(), pytest.raises(ConfigurationError) as refused:
+                idem.check_layout()
+            assert f"'flask idem {command}'" in str(refused.value)
+            result = app.test_cli_runner().invoke(args=["idem", command])
+            assert result.exit_code == 0, result.output
+            with app.app_context():
+                idem.check_layout()
+    finally:
+        for app in built:
+            close_pool(app)
 
 
 def test_older_layout_than_the_code_runs_on(

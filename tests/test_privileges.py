@@ -1,4 +1,5 @@
-"""Least privilege: the shop and the recovery job under a role that may only read and write rows.
+"""Least privilege: the shop, the recovery job, the relay and a Celery worker under a role that may only
+read and write rows.
 
 The role gets exactly the ``GRANT`` statements of the upgrades page: ``flask idem migrate --grant`` on
 flask-idem's tables, and ``SELECT, INSERT, UPDATE, DELETE`` on the shop's. Anything the running
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from functools import reduce
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -21,14 +24,19 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from example_app import create_app
 from example_app.cli import create_org
+from flask_idem import _layout
 
-from .support.helpers import app_factory, close_pool, headers
+from .support.celery_workers import BROKER_URL, broker_marks, delete_queue, new_queue, worker
+from .support.helpers import app_factory, close_pool, headers, wait_for
+from .support.servers import ROOT
 from .support.shop_actions import charges, pay, payment_statuses, place_order, stranded_payment
 
 pytestmark = pytest.mark.slow
 
 #: What the shop's role needs on the shop's own tables (the upgrades page says the same).
-SHOP_GRANT = "GRANT SELECT, INSERT, UPDATE, DELETE ON orgs, orders, payments TO {}"
+SHOP_GRANT = (
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON orgs, orders, payments, receipt_links, fulfilments TO {}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +71,17 @@ def role_shop(role_url: str, shop_config: dict[str, Any]) -> Iterator[Flask]:
     """The shop, connected as the application's role, paying through the test gateway."""
     with app_factory(lambda: create_app({**shop_config, "DATABASE_URL": role_url})) as make:
         yield make()
+
+
+def test_the_upgrades_page_gives_these_grants() -> None:
+    """The upgrades page's GRANT statements are the ones the role gets here: the shop's, and each
+    revision's (what `migrate --grant` runs)."""
+    page = (ROOT / "docs" / "upgrades.rst").read_text()
+    assert SHOP_GRANT.format("shop_app") + ";" in page
+    names = {**_layout.names("idempotency_keys"), "role": sql.Identifier("shop_app")}
+    for revision in _layout.revisions():
+        if revision.grants:
+            assert sql.SQL(revision.grants).format(**names).as_string(None).replace('"', "") in page
 
 
 def test_the_role_cannot_change_the_schema(
@@ -125,3 +144,44 @@ def test_orders_are_placed_by_the_role(role_shop: Flask, db: psycopg.Connection[
     with role_shop.app_context():
         _, api_key = create_org("identity")
     assert place_order(client, api_key) > 0
+
+
+def test_receipts_relay_and_fulfilment_under_the_role(
+    role_url: str, shop_config: dict[str, Any], gateway_url: str, db: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    """A receipt link is minted and shown, and a paid order's fulfilment is published by `flask idem relay`
+    and carried out by a Celery worker (its row, the receipt mailed), all under the role."""
+    queue, sink = new_queue("flask-idem-privileges"), tmp_path / "mail"
+    celery = {"broker_url": BROKER_URL, "task_default_queue": queue, "task_ignore_result": True}
+    config = {**shop_config, "DATABASE_URL": role_url, "CELERY": celery, "MAIL_SINK": str(sink)}
+    try:
+        with app_factory(lambda: create_app(config)) as make:
+            shop = make()
+            client = shop.test_client()
+            with shop.app_context():
+                _, api_key = create_org("fulfilled")
+            order_id = place_order(client, api_key)
+            link = client.post(f"/orders/{order_id}/receipt-links", headers=headers(api_key, uuid.uuid4()))
+            assert link.status_code == 201, link.json
+            assert client.get(link.json["url"]).json["id"] == order_id
+            assert pay(client, api_key, order_id, uuid.uuid4()).status_code == 201
+            relayed = shop.test_cli_runner().invoke(args=["idem", "relay"])
+            assert relayed.exit_code == 0, relayed.output
+            assert relayed.output.startswith("Published 1, failed 0")
+        env = {
+            "FLASK_DATABASE_URL": role_url,
+            "FLASK_CELERY__broker_url": BROKER_URL,
+            "FLASK_CELERY__task_default_queue": queue,
+            "FLASK_MAIL_SINK": str(sink),
+        }
+        with worker("example_app.worker", env, tmp_path / "worker.log", concurrency=1):
+            wait_for(
+                lambda: db.execute("SELECT status FROM fulfilments").fetchall() == [("sent",)], timeout=90
+            )
+    finally:
+        delete_queue(queue)
+
+
+test_receipts_relay_and_fulfilment_under_the_role = reduce(
+    lambda test, mark: mark(test), broker_marks(), test_receipts_relay_and_fulfilment_under_the_role
+)

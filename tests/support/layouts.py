@@ -16,7 +16,7 @@ from psycopg import sql
 
 from flask_idem import _layout
 
-__all__ = ["catalog", "create_first_release", "drop", "layout_of"]
+__all__ = ["catalog", "check_distributed", "create_first_release", "drop", "layout_of"]
 
 HERE = Path(__file__).parent / "first_release"
 
@@ -49,12 +49,26 @@ def create_first_release(url: str, table: str, *, distributed: bool = False) -> 
 
 
 def drop(url: str, table: str) -> None:
-    """Drop ``table`` and its reserve function, if they exist."""
+    """Drop ``table``, its outbox and its reserve function, if they exist."""
     parts = table.split(".")
     function = sql.Identifier(*parts[:-1], parts[-1] + "_reserve")
     with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(*parts[:-1], parts[-1] + "_outbox"))
+        )
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(*parts)))
         conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}").format(function))
+
+
+def check_distributed(conn: psycopg.Connection[Any], table: str) -> None:
+    """Assert that ``table`` and its outbox are Citus distributed tables, by ``org_id``, co-located."""
+    found = conn.execute(
+        "SELECT logicalrelid::regclass::text, partmethod, column_to_column_name(logicalrelid, partkey),"
+        " colocationid FROM pg_dist_partition WHERE logicalrelid IN (%s::regclass, %s::regclass)",
+        (table, table + "_outbox"),
+    ).fetchall()
+    assert sorted(row[:3] for row in found) == [(table, "h", "org_id"), (table + "_outbox", "h", "org_id")]
+    assert len({row[3] for row in found}) == 1, found  # one colocation group: a key and its messages together
 
 
 def layout_of(conn: psycopg.Connection[Any], table: str) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import threading
 import uuid
 from typing import Any
@@ -151,6 +152,12 @@ def build_app(database_url: str, **config: Any) -> tuple[Flask, Idempotency]:
         return {}, 201
 
     return app, idem
+
+
+def create_app() -> Flask:
+    """The notes app for ``flask --app tests.support.notes_app:create_app``, on the database of
+    ``FLASK_IDEM_DATABASE_URL`` (and the other ``FLASK_IDEM_*`` settings of the environment)."""
+    return build_app(os.environ["FLASK_IDEM_DATABASE_URL"])[0]
 
 
 def post(app: Flask, path: str, key: uuid.UUID | str | None, json: Any = None, **headers: str) -> Any:
