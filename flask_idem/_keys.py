@@ -39,6 +39,8 @@ def parse_key(values: Sequence[str]) -> uuid.UUID | None:
     """
     if not values:
         return None
+    if len(values) == 1 and _UUID.fullmatch(values[0]) is not None:  # the usual case: one bare UUID
+        return uuid.UUID(values[0])
     if len(values) > 1:
         raise InvalidKey("The Idempotency-Key header must be sent once, not several times.")
     value = values[0]
