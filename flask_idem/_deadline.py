@@ -188,21 +188,40 @@ _budget: ContextVar[_Budget | None] = ContextVar("flask_idem_database_budget", d
 
 class budget:  # noqa: N801  # a context manager, named as one; a class, as it runs on every request
     """Give the code in the ``with`` block ``seconds`` of database time in all; ``None``: no budget
-    (each connection it borrows gets the pool's own deadline)."""
+    (each connection it borrows gets the pool's own deadline).
 
-    __slots__ = ("_seconds", "_token")
+    Inside another budget, a budget gets what is left of the outer one when that is less (``math.inf``,
+    no deadline at all, excepted), and what it spends is charged to the outer one; with ``inherit`` it
+    is the outer one, as a decorated view's is the request's (:func:`request_started`).
+    """
 
-    def __init__(self, seconds: float | None) -> None:
+    __slots__ = ("_inherit", "_mine", "_outer", "_seconds", "_start", "_token")
+
+    def __init__(self, seconds: float | None, *, inherit: bool = False) -> None:
         self._seconds = seconds
+        self._inherit = inherit
         self._token: Token[_Budget | None] | None = None
 
     def __enter__(self) -> None:
-        if self._seconds is not None:
-            self._token = _budget.set(_Budget(self._seconds))
+        seconds = self._seconds
+        if seconds is None:
+            return
+        outer = _budget.get()
+        if outer is not None:
+            if self._inherit:
+                return
+            if seconds != math.inf:
+                seconds = min(seconds, outer.remaining)
+        self._outer, self._start = outer, seconds
+        self._mine = _Budget(seconds)
+        self._token = _budget.set(self._mine)
 
     def __exit__(self, *exc: object) -> None:
         if self._token is not None:
             _budget.reset(self._token)
+            self._token = None
+            if self._outer is not None and self._start != math.inf:
+                self._outer.remaining -= self._start - self._mine.remaining
 
 
 def seconds_left(default: float | None) -> float | None:

@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
-from flask import Flask, Response
+from flask import Flask, Response, g, request_started
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
@@ -127,6 +127,7 @@ class Idempotency:
         if "idem" not in app.cli.commands:
             app.cli.add_command(idem_cli)
         app.before_request(self._placement_check(app))
+        _request_budget(app, settings.database_deadline)
         self._apps.add(app)
 
     def _placement_check(self, app: Flask) -> Callable[[], None]:
@@ -340,7 +341,9 @@ class Idempotency:
                 conn.execute("SELECT 1")  # a readiness check: answered within a second, or 503
 
         Connections borrowed in the block (from :attr:`pool`, or by an idempotent view) are cut when
-        the time is spent, and a borrow after that raises :class:`DeadlineExceeded` at once. ``None``:
+        the time is spent, and a borrow after that raises :class:`DeadlineExceeded` at once. Inside a
+        request the block gets at most what is left of the request's deadline, and what it spends counts
+        there too. ``None``:
         no deadline at all, for a long maintenance query; the server's own ``statement_timeout`` still
         applies (``SET LOCAL statement_timeout = 0`` in a transaction lifts it).
         """
@@ -375,6 +378,30 @@ class Idempotency:
                 " of its own. Use db.session, or db.engine for connections."
             )
         return source.pool
+
+
+_BUDGET_ATTR = "_flask_idem_budget"
+
+
+def _request_budget(app: Flask, seconds: float | None) -> None:
+    """Give each request of ``app`` its database time (``IDEM_DATABASE_DEADLINE``) from its start, so that
+    what ``before_request`` functions wait on the database (authentication, say) counts with the view's.
+    """
+    if seconds is None:
+        return
+
+    def opened(sender: Flask, **extra: Any) -> None:
+        request_budget = _deadline.budget(seconds)
+        request_budget.__enter__()
+        setattr(g, _BUDGET_ATTR, request_budget)
+
+    def closed(exc: BaseException | None) -> None:
+        request_budget: _deadline.budget | None = g.pop(_BUDGET_ATTR, None)
+        if request_budget is not None:
+            request_budget.__exit__(None, None, None)
+
+    request_started.connect(opened, sender=app, weak=False)
+    app.teardown_request(closed)
 
 
 def _misplaced_message(views: list[str]) -> str:

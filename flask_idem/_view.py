@@ -93,7 +93,7 @@ def handle(
     req = request._get_current_object()  # type: ignore[attr-defined]  # one proxy lookup, not one per use
     if req.method in SAFE_METHODS:
         return current_app.make_response(view(*args, **kwargs))
-    with _deadline.budget(state.settings.database_deadline):
+    with _deadline.budget(state.settings.database_deadline, inherit=True):  # the request's, if it has one
         return _keyed(state, req, view, args, kwargs, options)
 
 

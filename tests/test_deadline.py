@@ -6,18 +6,29 @@ every open connection acknowledged by the kernel and answered by nobody.
 
 from __future__ import annotations
 
+import math
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
+from flask import Flask
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import PoolTimeout
 
-from flask_idem import DEFAULT_CONNECT_OPTIONS, ConfigurationError, DeadlineExceeded, _deadline, _probe
+from flask_idem import (
+    DEFAULT_CONNECT_OPTIONS,
+    ConfigurationError,
+    DeadlineExceeded,
+    Idempotency,
+    _deadline,
+    _probe,
+)
 from flask_idem._pool import FAIL_FAST_TIMEOUT, ProcessPool
 from flask_idem._settings import Settings
+from flask_idem._state import get_state
 
 from .support import pgbouncer
 from .support.faultproxy import FaultProxy, running_proxy
@@ -164,6 +175,55 @@ def test_a_request_shares_one_budget(database_url: str) -> None:
             assert time.monotonic() - started < 0.5
     finally:
         pool.close()
+
+
+def test_a_budget_inside_another_spends_from_it() -> None:
+    """A budget opened inside another gets at most what is left of it and charges it what it spends;
+    with ``inherit`` it is the outer one; ``math.inf`` (no deadline) stands apart."""
+    with _deadline.budget(10.0):
+        _deadline.spend(4.0)
+        with _deadline.budget(30.0):
+            assert _deadline.seconds_left(None) == 6.0
+            _deadline.spend(1.0)
+        assert _deadline.seconds_left(None) == 5.0
+        with _deadline.budget(1.0, inherit=True):
+            assert _deadline.seconds_left(None) == 5.0
+        with _deadline.budget(math.inf):
+            assert _deadline.seconds_left(None) == math.inf
+            _deadline.spend(100.0)
+        assert _deadline.seconds_left(None) == 5.0
+
+
+def test_what_before_request_waits_counts_in_the_request_deadline(
+    database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """The deadline is the whole request's: database time spent in a ``before_request`` function (the
+    shop's authentication, say) counts with the view's, so 1.2 s there and 1.2 s in the view are cut at
+    the 2 s deadline (503), not served after 2.4 s."""
+    app = Flask(__name__)
+    app.config.update(IDEM_DATABASE_URL=database_url, IDEM_DATABASE_DEADLINE=2.0, IDEM_POOL_TIMEOUT=5.0)
+    idem = Idempotency(app, scope=lambda: 1)
+
+    @app.before_request
+    def authenticate() -> None:
+        with idem.pool.connection() as conn:
+            conn.execute("SELECT pg_sleep(1.2)")
+
+    @app.post("/slow")
+    @idem.idempotent()
+    def slow() -> Any:
+        idem.connection.execute("SELECT pg_sleep(1.2)")
+        return {"ok": True}, 201
+
+    try:
+        started = time.monotonic()
+        answer = app.test_client().post("/slow", headers={"Idempotency-Key": str(uuid.uuid4())})
+        waited = time.monotonic() - started
+    finally:
+        get_state(app).source.close()
+    assert answer.status_code == 503, answer.data
+    assert answer.headers["Retry-After"]
+    assert waited < 2.0 + SLACK / 3, waited
 
 
 @direct_only
