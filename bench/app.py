@@ -20,6 +20,8 @@ Served by ``gunicorn 'bench.app:create_app()'`` from the repository root.
 
 from __future__ import annotations
 
+import os
+import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -129,7 +131,14 @@ def create_order_plain() -> tuple[dict[str, Any], int, dict[str, str]]:
 
 
 def create_app(test_config: dict[str, Any] | None = None) -> Flask:
-    """``example_app.create_app(test_config)`` with the baseline blueprints registered."""
+    """``example_app.create_app(test_config)`` with the baseline blueprints registered.
+
+    ``FLASK_IDEM_BENCH_SWITCH_INTERVAL`` sets Python's thread switch interval in each worker
+    (``bench/inflight.py``).
+    """
+    interval = os.environ.get("FLASK_IDEM_BENCH_SWITCH_INTERVAL")
+    if interval:
+        sys.setswitchinterval(float(interval))
     app = create_shop(test_config)
     app.register_blueprint(bp)
     app.register_blueprint(plain)

@@ -116,7 +116,7 @@ def set_up_shop(url: str) -> tuple[int, str]:
     from example_app.cli import create_org
     from example_app.db import init_db
 
-    app = create_app({"DATABASE_URL": url})
+    app = create_app({"DATABASE_URL": url, "METRICS": False})  # no receivers left on the signals
     try:
         with app.app_context():
             init_db()

@@ -95,6 +95,10 @@ class Store:
         self._sql = _Statements(table, distributed=distributed)
         self.source = source
         self.tombstone_ttl = tombstone_ttl
+        #: Whether an atomic request in a batched transaction writes its row once, with COMMIT
+        #: (:meth:`_reserve_once`); on Citus it reserves first, through the reserve function, and
+        #: ``bench/breakdown.py`` turns it off to measure what it saves.
+        self.write_once = not distributed
 
     # -- both modes ------------------------------------------------------------------------------------
 
@@ -133,7 +137,7 @@ class Store:
             statement = self._sql.reserve_leased
         cursor = _cursor(conn)
         opening = batched(conn)
-        if flow is None and opening is not None and not opening.begun and not self._sql.distributed:
+        if flow is None and opening is not None and not opening.begun and self.write_once:
             return self._reserve_once(conn, opening, params)
         for _ in range(2):
             if opening is not None and not opening.begun:  # BEGIN goes with it, in one round trip
