@@ -9,15 +9,15 @@ checks are plain functions that take your application or its test client, send r
 :class:`NotRetrySafe` with what went wrong in plain words. See "Testing your routes" in the documentation.
 """
 
-from ._core import Effect as Effect
-from ._core import NotRetrySafe as NotRetrySafe
-from ._core import Rows as Rows
-from ._core import WorkerKilled as WorkerKilled
 from ._checks import check_in_flight as check_in_flight
 from ._checks import check_mismatch as check_mismatch
 from ._checks import check_replay as check_replay
 from ._checks import check_scope as check_scope
 from ._checks import hammer as hammer
+from ._core import Effect as Effect
+from ._core import NotRetrySafe as NotRetrySafe
+from ._core import Rows as Rows
+from ._core import WorkerKilled as WorkerKilled
 from ._fixtures import DATABASE_ENV as DATABASE_ENV
 from ._fixtures import idem_database_url as idem_database_url
 from ._fixtures import idem_db as idem_db
