@@ -365,7 +365,7 @@ _ORDERS_PAGE = sql.SQL(
 def orders_page() -> str:
     """The organisation's orders, once each, with their payment state; flagged payments come first."""
     org_id = _require_org()
-    table = sql.Identifier(*current_app.extensions["idem"].settings.table.split("."))
+    table = sql.Identifier(*idem.settings.table.split("."))
     with idem.pool.connection() as conn:
         rows = conn.execute(_ORDERS_PAGE.format(keys=table), (org_id,)).fetchall()
     keys = ("id", "amount", "currency", "created_at", "payment", "charge_id", "needs_attention")

@@ -55,30 +55,31 @@ def synchronous(func: Callable[..., Any], what: str) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def run(*args: Any, **kwargs: Any) -> Any:
-        call = current_app.ensure_sync(func)
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # no event loop runs in this thread: the usual case, under WSGI
-            return call(*args, **kwargs)
-        return _from_another_thread(call, args, kwargs)
+            return current_app.ensure_sync(func)(*args, **kwargs)
+        return _from_another_thread(lambda: current_app.ensure_sync(func)(*args, **kwargs))
 
     return run
 
 
-def _from_another_thread(call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``call`` run from a new thread, in a copy of this thread's context, while this one waits.
+def _from_another_thread(call: Callable[[], Any]) -> Any:
+    """``call()`` run from a new thread, in a copy of this thread's context, while this one waits.
 
     asgiref cannot wait for a coroutine from a thread whose event loop is running: a WSGI application
     called from such a thread (in a test process where Playwright's synchronous API or an async test
     framework holds a loop open) would fail. The request's thread waits here as it would for asgiref, so
-    the transaction and the view's connection are used by one thread at a time as usual.
+    the transaction and the view's connection are used by one thread at a time as usual. ``call`` makes
+    asgiref's wrapper in the new thread: asgiref before 3.12 gives a wrapper made where a loop runs to
+    that loop, which is blocked here, and the request would hang.
     """
     context = contextvars.copy_context()
     outcome: list[Any] = []
 
     def target() -> None:
         try:
-            outcome.append((True, context.run(call, *args, **kwargs)))
+            outcome.append((True, context.run(call)))
         except BaseException as e:  # handed to the request's thread, which raises it
             outcome.append((False, e))
 

@@ -224,13 +224,8 @@ class ProcessPool:
             conninfo, {**DEFAULT_CONNECT_OPTIONS, **(connect_options or {})}
         )
         self.deadline = deadline
-        #: Batches prepare their statements when psycopg may prepare its own, libpq can close them, and
-        #: psycopg tells when it deallocates them all (PooledConnection._deallocate, see wire's docstring).
-        self._prepare = (
-            prepare_threshold is not None
-            and _wire.can_prepare()
-            and callable(getattr(psycopg.Connection, "_deallocate", None))
-        )
+        #: Batches prepare their statements when psycopg may prepare its own and :func:`._wire.can_prepare`.
+        self._prepare = prepare_threshold is not None and _wire.can_prepare()
         self._pool_args: dict[str, Any] = {
             "name": name,
             "min_size": min_size,

@@ -73,9 +73,9 @@ def parse_seconds(name: str, value: Any, *, zero: bool = False) -> float:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigurationError(f"{name} must be a non-negative integer, not {value!r}.")
-    return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ConfigurationError(f"{name} must be a non-negative integer, not {value!r}.")
 
 
 def parse_on_mismatch(name: str, value: Any) -> OnMismatch:

@@ -80,6 +80,9 @@ class _Internals:
     fetch_many: Callable[..., Any]
     error_from_result: Callable[..., psycopg.Error]
     adapters: Callable[[psycopg.Connection[Any]], Transformer]
+    #: Whether psycopg tells a connection when it deallocates its prepared statements (the
+    #: ``Connection._deallocate`` hook); without it batches run, and prepare none of their statements.
+    deallocate: bool
 
 
 @functools.cache
@@ -93,7 +96,10 @@ def _internals() -> _Internals | str:
             getattr(Adapters, name)
         if not callable(psycopg.Connection.wait):
             raise AttributeError("psycopg.Connection.wait is not callable")
-        return _Internals(generators.send, generators.fetch_many, errors.error_from_result, Adapters)
+        deallocate = callable(getattr(psycopg.Connection, "_deallocate", None))
+        return _Internals(
+            generators.send, generators.fetch_many, errors.error_from_result, Adapters, deallocate
+        )
     except (ImportError, AttributeError) as e:
         return f"{type(e).__name__}: {e}"
 
@@ -107,7 +113,8 @@ def usable(conn: psycopg.Connection[Any]) -> bool:
 
     The internals must be there, and a trial batch must answer as psycopg would: a row of the right
     value, and a failing statement as psycopg's own error class. Otherwise this logs, once, what the
-    extension falls back from, and answers false from then on.
+    extension falls back from, and answers false from then on. Without the ``_deallocate`` hook it logs,
+    once, that batches prepare nothing (:func:`can_prepare`).
     """
     global _verdict
     if _verdict is not None:
@@ -122,6 +129,12 @@ def usable(conn: psycopg.Connection[Any]) -> bool:
                     " psycopg (%s, %s): every statement takes a round trip of its own.",
                     psycopg.__version__,
                     why,
+                )
+            elif isinstance(found, _Internals) and not found.deallocate:
+                logger.warning(
+                    "flask-idem's batches prepare none of their statements with this psycopg (%s,"
+                    " psycopg.Connection._deallocate is missing): each is parsed on every run.",
+                    psycopg.__version__,
                 )
             _verdict = why is None
         return _verdict
@@ -164,8 +177,10 @@ def _checked() -> _Internals:
 
 
 def can_prepare() -> bool:
-    """Whether libpq can close a prepared statement at the protocol level (libpq 17 and later)."""
-    return pq.version() >= 170000
+    """Whether batches may prepare their statements: libpq can close a prepared statement at the protocol
+    level (libpq 17 and later), and psycopg tells when it deallocates them all (:class:`_Internals`)."""
+    found = _internals()
+    return pq.version() >= 170000 and isinstance(found, _Internals) and found.deallocate
 
 
 @dataclass(frozen=True, slots=True)

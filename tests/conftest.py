@@ -63,7 +63,7 @@ def citus_cluster() -> Iterator[citus.Cluster | None]:
 def idem_server_url(request: pytest.FixtureRequest, citus_cluster: citus.Cluster | None) -> str:
     """The kit's server, overridden: the Citus coordinator in that mode, otherwise the kit's default
     (``FLASK_IDEM_TEST_DATABASE_URL`` or an embedded server)."""
-    from flask_idem.testing.fixtures import default_server_url  # after the plugin's assertion rewriting
+    from flask_idem.testing._fixtures import default_server_url  # after the plugin's assertion rewriting
 
     if citus_cluster is not None:
         return citus_cluster.coordinator.url()
@@ -96,7 +96,7 @@ def idem_database_url(
 ) -> Iterator[str]:
     """The kit's worker database, overridden: on Citus, one with the extension on every node of this
     worker's own cluster (thrown away with it); otherwise the kit's default."""
-    from flask_idem.testing.fixtures import database_name, worker_database
+    from flask_idem.testing._fixtures import database_name, worker_database
 
     if citus_cluster is not None:
         yield citus_cluster.create_database(database_name(request.config))

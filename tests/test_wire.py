@@ -17,7 +17,7 @@ from flask.testing import FlaskClient
 from psycopg import pq
 
 from flask_idem import Idempotency, _wire
-from flask_idem._pool import PooledConnection
+from flask_idem._pool import PooledConnection, ProcessPool
 from flask_idem._state import get_state
 
 from .support.helpers import close_pool, count
@@ -147,7 +147,7 @@ def test_statements_deallocated_unseen_are_prepared_again(
         assert post(wire_app, "/notes", uuid.uuid4(), {"body": f"before {i}"}).status_code == 201
     conn = pooled(wire_app)
     if not conn._idem_batch_names:
-        pytest.skip("batches prepare nothing here (IDEM_PREPARE_THRESHOLD is off)")
+        pytest.skip("batches prepare nothing here (IDEM_PREPARE_THRESHOLD is off, or libpq is before 17)")
     result = conn.pgconn.exec_(b"DEALLOCATE ALL")
     assert result.status == pq.ExecStatus.COMMAND_OK
     assert post(wire_app, "/notes", uuid.uuid4(), {"body": "after"}).status_code == 201
@@ -190,11 +190,11 @@ def test_a_batch_answers_each_statement(conn: PooledConnection) -> None:
     """Rows and row counts of every statement, in one round trip, prepared or not."""
     statement = _wire.Statement.from_query(b"SELECT %(n)s::int + 1 AS next, %(s)s::text AS s")
     names: set[bytes] = set()
-    for prepared in (None, names, names):
+    for prepared in (None, names, names) if _wire.can_prepare() else (None,):
         results = run(conn, [_wire.BEGIN, (statement, {"n": 41, "s": "x"}), _wire.COMMIT], prepared)
         assert [r.rows for r in results] == [[], [{"next": 42, "s": "x"}], []]
         assert conn.info.transaction_status == pq.TransactionStatus.IDLE
-    assert len(names) == 1
+    assert len(names) == (1 if _wire.can_prepare() else 0)
 
 
 def test_a_failed_statement_stops_the_batch(conn: PooledConnection) -> None:
@@ -353,10 +353,58 @@ def test_without_psycopg_internals_every_statement_goes_alone(
         assert fresh.count("ReadyForQuery") == 5, fresh  # BEGIN, reservation, INSERT, completion, COMMIT
         replay = post(wire_app, "/notes", key, {"body": "alone"})
         assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+        connect_twice(database_url)
     finally:
         close_pool(wire_app)
     warnings = [r.getMessage() for r in caplog.records if "cannot send BEGIN and COMMIT" in r.getMessage()]
     assert len(warnings) == 1 and "fetch_many" in warnings[0], warnings
+
+
+def connect_twice(database_url: str) -> None:
+    """Two more connections, from a second application's pool, each checked by the pool as it opens."""
+    other, _ = build_app(database_url, IDEM_POOL_MIN_SIZE=2, IDEM_POOL_MAX_SIZE=2)
+    try:
+        source = get_state(other).source
+        assert isinstance(source, ProcessPool)
+        source.pool.wait(timeout=10)
+    finally:
+        close_pool(other)
+
+
+@pytest.fixture
+def without_deallocate_hook(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """psycopg as a release without the ``Connection._deallocate`` hook would be: the capability check of
+    this process starts over, and finds it missing."""
+    owner = next(c for c in psycopg.Connection.__mro__ if "_deallocate" in vars(c))
+    monkeypatch.delattr(owner, "_deallocate")
+    monkeypatch.setattr(_wire, "_verdict", None)
+    _wire._internals.cache_clear()
+    yield
+    _wire._internals.cache_clear()
+
+
+def test_without_the_deallocate_hook_batches_prepare_nothing(
+    without_deallocate_hook: None,
+    database_url: str,
+    db: psycopg.Connection[Any],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A psycopg without ``Connection._deallocate``: batches still send BEGIN and COMMIT with the
+    statements, prepare none of them, and the extension says so once for all its connections."""
+    wire_app, _ = build_app(database_url, IDEM_POOL_MIN_SIZE=1, IDEM_POOL_MAX_SIZE=1)
+    try:
+        for i in range(3):
+            assert post(wire_app, "/notes", uuid.uuid4(), {"body": f"before {i}"}).status_code == 201
+        fresh = traced(wire_app, lambda: post(wire_app, "/notes", uuid.uuid4(), {"body": "x"}), tmp_path)
+        assert fresh.count("ReadyForQuery") == 3, fresh
+        assert not pooled(wire_app)._idem_batch_names
+        connect_twice(database_url)
+    finally:
+        close_pool(wire_app)
+    assert count(db, "notes") == 4
+    warnings = [r.getMessage() for r in caplog.records if "_deallocate is missing" in r.getMessage()]
+    assert len(warnings) == 1, warnings
 
 
 def test_psycopg_behaving_otherwise_is_found_by_the_trial(
@@ -385,7 +433,15 @@ def test_psycopg_behaving_otherwise_is_found_by_the_trial(
 
 
 def test_flask_idem_imports_without_psycopg_internals() -> None:
-    """The internals are imported on first use: ``import flask_idem`` works with them gone."""
-    code = "import psycopg.generators as g; del g.fetch_many, g.send; import flask_idem, flask_idem._wire"
+    """The internals are imported on first use: every module of flask_idem imports with
+    ``psycopg.generators`` gone (psycopg itself keeps the copy it imported)."""
+    code = (
+        "import importlib, pkgutil, sys, psycopg\n"
+        "del psycopg.generators\n"
+        "sys.modules['psycopg.generators'] = None\n"
+        "import flask_idem\n"
+        "for module in pkgutil.walk_packages(flask_idem.__path__, 'flask_idem.'):\n"
+        "    importlib.import_module(module.name)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr

@@ -9,21 +9,21 @@ checks are plain functions that take your application or its test client, send r
 :class:`NotRetrySafe` with what went wrong in plain words. See "Testing your routes" in the documentation.
 """
 
+from ._checks import check_in_flight as check_in_flight
+from ._checks import check_mismatch as check_mismatch
+from ._checks import check_replay as check_replay
+from ._checks import check_scope as check_scope
+from ._checks import hammer as hammer
 from ._core import Effect as Effect
 from ._core import NotRetrySafe as NotRetrySafe
 from ._core import Rows as Rows
 from ._core import WorkerKilled as WorkerKilled
-from .checks import check_in_flight as check_in_flight
-from .checks import check_mismatch as check_mismatch
-from .checks import check_replay as check_replay
-from .checks import check_scope as check_scope
-from .checks import hammer as hammer
-from .fixtures import DATABASE_ENV as DATABASE_ENV
-from .fixtures import idem_database_url as idem_database_url
-from .fixtures import idem_db as idem_db
-from .fixtures import idem_server_url as idem_server_url
-from .flows import crash_between_steps as crash_between_steps
-from .lint import unprotected_routes as unprotected_routes
+from ._fixtures import DATABASE_ENV as DATABASE_ENV
+from ._fixtures import idem_database_url as idem_database_url
+from ._fixtures import idem_db as idem_db
+from ._fixtures import idem_server_url as idem_server_url
+from ._flows import crash_between_steps as crash_between_steps
+from ._lint import unprotected_routes as unprotected_routes
 
 __all__ = [
     "DATABASE_ENV",
