@@ -13,10 +13,12 @@ its descriptor, taken when it was armed, so a descriptor number reused by then i
 whatever it was waiting for ends at once with an error, psycopg marks the connection broken, and the
 pool discards it. Arming costs a ``dup(2)``, a ``close(2)`` and a lock, not a round trip.
 
-A request shares one deadline among all its waits (:func:`budget`): ``IDEM_DATABASE_DEADLINE`` seconds
-of database time in all, from the first connection it asks for to the last one it returns, however many
-transactions a multi-step route uses. Time spent outside (a flow's call to a payment gateway) is not
-counted. Code outside a request (the recovery job, the CLI) gets the full deadline for each connection.
+A request shares one deadline among all its waits: ``IDEM_DATABASE_DEADLINE`` seconds of database time
+in all, from the first connection it asks for (in a ``before_request`` function as well as in the
+view) to the last one it returns, however many transactions a multi-step route uses. Time spent holding
+no connection (a flow's call to a payment gateway) is not counted (:class:`RequestDeadline`).
+:func:`budget` gives a block of code another allowance; code outside a request (the recovery job, the
+CLI) gets the full deadline for each connection.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 
 import psycopg
 
-__all__ = ["Armed", "DeadlineExceeded", "arm", "budget", "cut", "disarm", "seconds_left"]
+__all__ = ["Armed", "DeadlineExceeded", "RequestDeadline", "arm", "budget", "cut", "disarm", "seconds_left"]
 
 logger = logging.getLogger("flask_idem")
 
@@ -186,20 +188,41 @@ class _Budget:
 _budget: ContextVar[_Budget | None] = ContextVar("flask_idem_database_budget", default=None)
 
 
-class budget:  # noqa: N801  # a context manager, named as one; a class, as it runs on every request
+class RequestDeadline:
+    """WSGI middleware that gives each request its database time (``IDEM_DATABASE_DEADLINE``): every
+    connection the request borrows, in a ``before_request`` function as in the view, draws from it.
+
+    ``init_app`` wraps the application's ``wsgi_app`` with it, as Flask's documentation wraps
+    middleware; it costs one context variable set and reset per request.
+    """
+
+    __slots__ = ("seconds", "wsgi_app")
+
+    def __init__(self, wsgi_app: Callable[..., Any], seconds: float) -> None:
+        self.wsgi_app = wsgi_app
+        self.seconds = seconds
+
+    def __call__(self, environ: Any, start_response: Any) -> Any:
+        token = _budget.set(_Budget(self.seconds))
+        try:
+            return self.wsgi_app(environ, start_response)
+        finally:
+            _budget.reset(token)
+
+
+class budget:  # noqa: N801  # a context manager, named as one; a class, as it may run on every request
     """Give the code in the ``with`` block ``seconds`` of database time in all; ``None``: no budget
     (each connection it borrows gets the pool's own deadline).
 
-    Inside another budget, a budget gets what is left of the outer one when that is less (``math.inf``,
-    no deadline at all, excepted), and what it spends is charged to the outer one; with ``inherit`` it
-    is the outer one, as a decorated view's is the request's (:func:`request_started`).
+    Inside another budget (a request's, :class:`RequestDeadline`), a budget gets what is left of the
+    outer one when that is less (``math.inf``, no deadline at all, excepted), and what it spends is
+    charged to the outer one.
     """
 
-    __slots__ = ("_inherit", "_mine", "_outer", "_seconds", "_start", "_token")
+    __slots__ = ("_mine", "_outer", "_seconds", "_start", "_token")
 
-    def __init__(self, seconds: float | None, *, inherit: bool = False) -> None:
+    def __init__(self, seconds: float | None) -> None:
         self._seconds = seconds
-        self._inherit = inherit
         self._token: Token[_Budget | None] | None = None
 
     def __enter__(self) -> None:
@@ -207,11 +230,8 @@ class budget:  # noqa: N801  # a context manager, named as one; a class, as it r
         if seconds is None:
             return
         outer = _budget.get()
-        if outer is not None:
-            if self._inherit:
-                return
-            if seconds != math.inf:
-                seconds = min(seconds, outer.remaining)
+        if outer is not None and seconds != math.inf:
+            seconds = min(seconds, outer.remaining)
         self._outer, self._start = outer, seconds
         self._mine = _Budget(seconds)
         self._token = _budget.set(self._mine)
@@ -225,13 +245,13 @@ class budget:  # noqa: N801  # a context manager, named as one; a class, as it r
 
 
 def seconds_left(default: float | None) -> float | None:
-    """The database time left to the current request, or ``default`` outside a :func:`budget`."""
+    """The database time left to the current request or :func:`budget`, or ``default`` outside both."""
     current = _budget.get()
     return default if current is None else current.remaining
 
 
 def spend(seconds: float) -> None:
-    """Charge ``seconds`` of database time to the current request's budget, if it has one."""
+    """Charge ``seconds`` of database time to the current request's or budget's, if there is one."""
     current = _budget.get()
     if current is not None:
         current.remaining -= seconds

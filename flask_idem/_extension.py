@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
-from flask import Flask, Response, g, request_started
+from flask import Flask, Response
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
@@ -127,7 +127,8 @@ class Idempotency:
         if "idem" not in app.cli.commands:
             app.cli.add_command(idem_cli)
         app.before_request(self._placement_check(app))
-        _request_budget(app, settings.database_deadline)
+        if settings.database_deadline is not None:
+            app.wsgi_app = _deadline.RequestDeadline(app.wsgi_app, settings.database_deadline)  # type: ignore[method-assign]
         self._apps.add(app)
 
     def _placement_check(self, app: Flask) -> Callable[[], None]:
@@ -378,30 +379,6 @@ class Idempotency:
                 " of its own. Use db.session, or db.engine for connections."
             )
         return source.pool
-
-
-_BUDGET_ATTR = "_flask_idem_budget"
-
-
-def _request_budget(app: Flask, seconds: float | None) -> None:
-    """Give each request of ``app`` its database time (``IDEM_DATABASE_DEADLINE``) from its start, so that
-    what ``before_request`` functions wait on the database (authentication, say) counts with the view's.
-    """
-    if seconds is None:
-        return
-
-    def opened(sender: Flask, **extra: Any) -> None:
-        request_budget = _deadline.budget(seconds)
-        request_budget.__enter__()
-        setattr(g, _BUDGET_ATTR, request_budget)
-
-    def closed(exc: BaseException | None) -> None:
-        request_budget: _deadline.budget | None = g.pop(_BUDGET_ATTR, None)
-        if request_budget is not None:
-            request_budget.__exit__(None, None, None)
-
-    request_started.connect(opened, sender=app, weak=False)
-    app.teardown_request(closed)
 
 
 def _misplaced_message(views: list[str]) -> str:

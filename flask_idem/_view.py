@@ -17,7 +17,7 @@ import psycopg
 from flask import Request, Response, current_app, g, request
 from psycopg.rows import TupleRow
 
-from . import _deadline, _steps, signals
+from . import _steps, signals
 from ._fingerprint import fingerprint
 from ._keys import HEADER, parse_key
 from ._policy import Fingerprint, Fingerprinted, RequestParts, describe_mismatch
@@ -93,8 +93,7 @@ def handle(
     req = request._get_current_object()  # type: ignore[attr-defined]  # one proxy lookup, not one per use
     if req.method in SAFE_METHODS:
         return current_app.make_response(view(*args, **kwargs))
-    with _deadline.budget(state.settings.database_deadline, inherit=True):  # the request's, if it has one
-        return _keyed(state, req, view, args, kwargs, options)
+    return _keyed(state, req, view, args, kwargs, options)  # within the request's database time
 
 
 def _keyed(

@@ -179,15 +179,13 @@ def test_a_request_shares_one_budget(database_url: str) -> None:
 
 def test_a_budget_inside_another_spends_from_it() -> None:
     """A budget opened inside another gets at most what is left of it and charges it what it spends;
-    with ``inherit`` it is the outer one; ``math.inf`` (no deadline) stands apart."""
+    ``math.inf`` (no deadline) stands apart."""
     with _deadline.budget(10.0):
         _deadline.spend(4.0)
         with _deadline.budget(30.0):
             assert _deadline.seconds_left(None) == 6.0
             _deadline.spend(1.0)
         assert _deadline.seconds_left(None) == 5.0
-        with _deadline.budget(1.0, inherit=True):
-            assert _deadline.seconds_left(None) == 5.0
         with _deadline.budget(math.inf):
             assert _deadline.seconds_left(None) == math.inf
             _deadline.spend(100.0)
