@@ -92,6 +92,13 @@ class Report:
     found: Found = field(default_factory=lambda: Found(None))
 
 
+_CONNECT: dict[str, Any] = {
+    "autocommit": True,
+    "prepare_threshold": None,
+    "application_name": "flask-idem migrate",
+}
+
+
 @contextmanager
 def connect(
     url: str, connect_options: Mapping[str, str | int | None] | None = None
@@ -102,16 +109,18 @@ def connect(
     ``connect_options``, ``IDEM_CONNECT_OPTIONS``), not the request deadline the pool's connections
     give the server. Behind PgBouncer in transaction mode the session settings do not stick
     (``options`` is ignored or refused); each transaction sets its own, and the index builds run with
-    the server's defaults.
+    the server's defaults. It prepares nothing: a migration runs few statements, and behind PgBouncer
+    psycopg's prepared statements would meet other clients' of the same name on a shared server
+    connection.
     """
     url = with_connect_options(url, {**DEFAULT_CONNECT_OPTIONS, **(connect_options or {})})
     options = " ".join(filter(None, [str(conninfo_to_dict(url).get("options") or ""), _SESSION]))
     try:
-        conn = psycopg.connect(url, autocommit=True, options=options, application_name="flask-idem migrate")
+        conn = psycopg.connect(url, options=options, **_CONNECT)
     except psycopg.OperationalError as e:
         if "options" not in str(e):  # PgBouncer refusing the startup parameter, or not
             raise
-        conn = psycopg.connect(url, autocommit=True, application_name="flask-idem migrate")
+        conn = psycopg.connect(url, **_CONNECT)
     with conn:
         yield conn
 
