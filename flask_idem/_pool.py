@@ -233,6 +233,7 @@ class ProcessPool:
             "timeout": timeout,
             "reconnect_timeout": RECONNECT_TIMEOUT,
             "kwargs": {"autocommit": True, "prepare_threshold": prepare_threshold, OWNER: self},
+            "check": self._opened_since_drain,
         }
         self._pool: ConnectionPool[PooledConnection] | None = None
         self._pid = 0
@@ -337,6 +338,15 @@ class ProcessPool:
             self._drained_at = time.monotonic()
         logger.warning("A pooled connection was lost; replacing the idle ones.")
         pool.drain()
+
+    def _opened_since_drain(self, conn: psycopg.Connection[Any]) -> None:
+        """The pool's check before lending: refuse a connection opened before the last drain.
+
+        A connection still being opened when the pool was drained joins the pool afterwards, as silent
+        as the ones the drain closed; refused here, the pool closes it and lends another.
+        """
+        if getattr(conn, "_idem_opened_at", math.inf) < self._drained_at:
+            raise psycopg.OperationalError("opened before the pool was drained")
 
     @contextmanager
     def connection(self) -> Iterator[PooledConnection]:
