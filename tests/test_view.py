@@ -14,6 +14,7 @@ from psycopg.types.json import Jsonb
 from werkzeug.datastructures import MultiDict
 
 from flask_idem._fingerprint import fingerprint
+from flask_idem._state import get_state
 from flask_idem.errors import PROBLEM_JSON
 
 from .support.helpers import count
@@ -287,6 +288,8 @@ def test_a_key_row_committed_meanwhile_refuses_the_attempt(
     """An atomic request's key row is written with its COMMIT; should one have been committed meanwhile
     (under REPEATABLE READ, whose snapshot predates the key's lock; here, written past the lock), the
     unique index refuses it: the request's writes roll back, it is answered 409, and the retry replays."""
+    if not get_state(notes_app).store.write_once:
+        pytest.skip("on Citus the key's row is written by the reservation: none can be committed meanwhile")
     entered, release = threading.Event(), threading.Event()
     notes_app.config.update(ENTERED=entered, RELEASE=release)
     key = uuid.uuid4()

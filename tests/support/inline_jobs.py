@@ -111,6 +111,7 @@ def build_inline_app(database_url: str, **config: Any) -> Flask:
             **config,
         }
     )
+    app.config.from_prefixed_env()  # as a user's app would: FLASK_IDEM_* settings apply (Citus mode)
     idem.init_app(app)
     inline.init_app(app)
 

@@ -13,6 +13,7 @@ from typing import Any
 from flask import Flask, Response, g, request, send_file, stream_with_context
 
 from flask_idem import Fingerprint, Idempotency
+from flask_idem._state import get_state
 from flask_idem.flow import Flow, OutcomeUnknown, Run
 
 ORG = {"X-Org": "1"}
@@ -166,10 +167,18 @@ def build_policy_app(database_url: str, *, deploy: Fingerprint | None = None, **
         note_id = insert(request.get_json()["body"])
         await asyncio.sleep(0.01)
         # The reservation is held: this runs in the transaction that holds the key's lock (an atomic
-        # request's row is written with its COMMIT).
-        (mine,) = idem.connection.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted"
-        ).fetchone() or (0,)
+        # request's row is written with its COMMIT), or on Citus the transaction that wrote the key's row.
+        if get_state().store.write_once:
+            held = idem.connection.execute(
+                "SELECT count(*) FROM pg_locks"
+                " WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted"
+            )
+        else:
+            held = idem.connection.execute(
+                "SELECT count(*) FROM idempotency_keys WHERE idem_key = %s AND status = 'processing'",
+                (idem.key,),
+            )
+        (mine,) = held.fetchone() or (0,)
         g.view_thread = threading.get_ident()
         return {
             "id": note_id,
