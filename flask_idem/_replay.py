@@ -88,7 +88,7 @@ def record_response(
     headers = [
         [name, value]
         for name, value in response.headers.items()
-        if name.lower() in replay_headers and name.lower() not in NEVER_REPLAYED
+        if (lowered := name.lower()) in replay_headers and lowered not in NEVER_REPLAYED
     ]
     record: dict[str, Any] = {"status": status}
     if request is not None:

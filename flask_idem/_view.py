@@ -45,6 +45,7 @@ __all__ = ["SAFE_METHODS", "Current", "ViewOptions", "current", "handle"]
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 _CURRENT_ATTR = "_flask_idem_current"
+_HEADER_ENVIRON = "HTTP_" + HEADER.upper().replace("-", "_")  # where the WSGI environ keeps it
 
 #: Attribute of a decorated view that holds its :class:`ViewOptions` (read by flask_idem.openapi and
 #: flask_idem.testing).
@@ -106,7 +107,10 @@ def _keyed(
 ) -> Response:
     """Answer a write request to a decorated view: with its key, or refuse it (400), or without one."""
     if options.key_from is None:
-        key = parse_key(req.headers.getlist(HEADER))
+        # The environ's one entry (a WSGI server joins a repeated header's values with commas, which
+        # parse_key refuses), not request.headers.getlist, which walks the whole environ.
+        value = req.environ.get(_HEADER_ENVIRON)
+        key = parse_key(() if value is None else (value,))
     else:
         _whole_body(req)  # cached first: a key read from a form must not consume the body fingerprinted
         key = parse_key(options.key_from())
