@@ -14,7 +14,10 @@ tail waits on:
 - **switch interval 1 ms**: the same, with ``sys.setswitchinterval(0.001)`` in the workers (Python's
   default is 5 ms: a thread that wants the GIL while another runs Python waits up to that long);
 - **4 × 2** and **8 × 1**: the same 8 threads in more processes, so fewer threads share a GIL;
-- **2 × 4, pool of 2**: fewer connections than threads, so requests wait for connections.
+- **2 × 4, pool of 2**: fewer connections than threads, so requests wait for connections;
+- **2 × 4, wrk -t2**: the same clients driven by 2 wrk threads instead of one per client, so that the
+  load generator's own threads crowd the run queue less (``inflight.lua``'s shared mode: the client's
+  latencies are then unknown, the server's are what the table gives).
 
 The table also gives, per request (warm-up included), how long the shop's worker threads and the
 PostgreSQL backends serving them ran on a CPU and how long they waited in the run queue for one (the
@@ -54,6 +57,8 @@ class Way:
     workers: int
     threads: int
     env: dict[str, str]
+    #: wrk's threads; ``None``: one per client.
+    wrk_threads: int | None = None
 
 
 WAYS = [
@@ -62,6 +67,7 @@ WAYS = [
     Way("4 × 2", 4, 2, {}),
     Way("8 × 1", 8, 1, {}),
     Way("2 × 4, pool of 2", 2, 4, {"FLASK_IDEM_POOL_MIN_SIZE": "2", "FLASK_IDEM_POOL_MAX_SIZE": "2"}),
+    Way("2 × 4, wrk -t2", 2, 4, {}, wrk_threads=2),
 ]
 
 
@@ -91,7 +97,8 @@ def main() -> None:
                               access_log=access, env=way.env) as shop:  # fmt: skip
                     workers = shop.worker_pids()
                     before = _scheduled(workers) + _scheduled(backend_pids(url))
-                    _inflight(shop, url, org_id, api_key, args.clients, args.keys, plan, tmp, notes)
+                    _inflight(shop, url, org_id, api_key, args.clients, args.keys, plan, tmp, notes,
+                              wrk_threads=way.wrk_threads)  # fmt: skip
                     app = _scheduled(workers)
                     db = _scheduled(backend_pids(url))
                 requests = len(access.read_text().splitlines())
@@ -163,8 +170,9 @@ def _print(figures: dict[str, list[dict[str, float]]], args: argparse.Namespace)
             f" {median(name, 'db run', 2)} / {median(name, 'db wait', 2)} | {dups:.0f} |"
         )
     print(
-        f"\n- {args.clients} clients on {args.keys} keys (wrk -t{args.clients} -c{args.clients}), {args.runs}"
-        f" runs of {args.seconds:g} s per way after a 3 s warm-up, ways taking turns; medians of the runs;"
+        f"\n- {args.clients} clients on {args.keys} keys (wrk -t{args.clients} -c{args.clients} unless"
+        f" said), {args.runs} runs of {args.seconds:g} s per way after a 3 s warm-up, ways taking turns;"
+        " medians of the runs;"
         " load average at the end: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
     )
 

@@ -356,26 +356,36 @@ def _throughput(
 
 def _inflight(
     shop: Server, url: str, org_id: int, api_key: str, clients: int, keys: int, plan: Plan, tmp: Path,
-    notes: list[str],
+    notes: list[str], *, wrk_threads: int | None = None,
 ) -> Result:  # fmt: skip
-    """Scenario (d): ``clients`` connections on ``keys`` keys at once; per-status latency, duplicates."""
+    """Scenario (d): ``clients`` connections on ``keys`` keys at once; per-status latency, duplicates.
+
+    ``wrk_threads``: fewer wrk threads than connections (``inflight.lua``'s shared mode); the client's
+    latencies and the keys answered 201 are then unknown, the server's latencies and the database's
+    duplicate counts are not.
+    """
+    threads = clients if wrk_threads is None else wrk_threads
+    shared = ["shared"] if threads < clients else []
     nonce = secrets.token_hex(4)  # marks the keys of the measured run (the warm-up has its own)
     samples, access = tmp / f"inflight-{clients}.txt", tmp / "access.log"
-    script_args = [api_key, _seed(), nonce, str(SLOT_MS), str(keys), str(samples)]
+    script_args = [api_key, _seed(), nonce, str(SLOT_MS), str(keys), str(samples), *shared]
     target = shop.base + "/orders"
-    warmup_args = [api_key, _seed(), secrets.token_hex(4), str(SLOT_MS), str(keys), str(samples)]
-    wrk("inflight.lua", target, warmup_args, threads=clients, connections=clients, seconds=plan.warmup)
+    warmup_args = [api_key, _seed(), secrets.token_hex(4), str(SLOT_MS), str(keys), str(samples), *shared]
+    wrk("inflight.lua", target, warmup_args, threads=threads, connections=clients, seconds=plan.warmup)
     offset = access.stat().st_size
     watch = {"app": shop.worker_pids(), "db": backend_pids(url)}
-    run = wrk("inflight.lua", target, script_args, threads=clients, connections=clients, seconds=plan.seconds,
+    run = wrk("inflight.lua", target, script_args, threads=threads, connections=clients, seconds=plan.seconds,
               watch=watch)  # fmt: skip
     client: dict[int, list[float]] = collections.defaultdict(list)
+    statuses = collections.Counter[int]()
     created = collections.Counter[str]()
     for line in samples.read_text().splitlines():
         status, micros, key = line.split()
-        client[int(status)].append(int(micros) / 1000)
-        if status == "201":
-            created[key] += 1
+        statuses[int(status)] += 1
+        if not shared:
+            client[int(status)].append(int(micros) / 1000)
+            if status == "201":
+                created[key] += 1
     server: dict[int, list[float]] = collections.defaultdict(list)
     with access.open() as log:
         log.seek(offset)
@@ -395,8 +405,8 @@ def _inflight(
     assert dup_groups is not None and stuck is not None
     twice = sum(1 for n in created.values() if n > 1)  # a key acknowledged with 201 more than once
     duplicates = (orders - distinct) + dup_groups[0] + twice
-    unexpected = sum(len(v) for s, v in client.items() if s not in (200, 201, 409))
-    p99_409 = percentile(client[409], 99)
+    unexpected = sum(n for s, n in statuses.items() if s not in (200, 201, 409))
+    p99_409 = percentile(server[409] if shared else client[409], 99)
     label = f"(d) {clients} clients on {keys} keys at once"
     cpu_ms = report.cpu_per_request([run], "app") + report.cpu_per_request([run], "db")
     result = Result(label, run.rps, run.p50_us / 1000, run.p99_us / 1000, run.status_errors,
@@ -405,12 +415,12 @@ def _inflight(
     result.goal = "409 p99 <= 20 ms, 0 dup"
     result.verdict = "met" if p99_409 is not None and p99_409 <= 20 and duplicates == 0 else "MISSED"
     per_status = "; ".join(
-        f"{s}: {len(client[s])} (client p50/p99 {report.ms(percentile(client[s], 50))}/"
+        f"{s}: {statuses[s]} (client p50/p99 {report.ms(percentile(client[s], 50))}/"
         f"{report.ms(percentile(client[s], 99))} ms, server p50/p99 {report.ms(percentile(server[s], 50))}/"
         f"{report.ms(percentile(server[s], 99))} ms)"
-        for s in sorted(client)
+        for s in sorted(statuses)
     )
-    notes.append(f"(d) {clients}/{keys}: wrk -t{clients} -c{clients}, keys change every {SLOT_MS} ms;"
+    notes.append(f"(d) {clients}/{keys}: wrk -t{threads} -c{clients}, keys change every {SLOT_MS} ms;"
                  f" {per_status}")  # fmt: skip
     notes.append(
         f"(d) {clients}/{keys}: {orders} orders for {distinct} keys, {len(created)} keys answered 201,"

@@ -132,15 +132,15 @@ def _read_body(response: Response, max_bytes: int | None) -> bytes:
     A file response (``send_file``) is read from its file, a streamed one from its generator, chunk by
     chunk, and no further than one byte past the limit; the response then sends what was read.
     """
-    announced = response.content_length
-    if max_bytes is not None and announced is not None and announced > max_bytes:
-        _close_unread(response)
-        raise _too_large(f"{announced} bytes", max_bytes)
-    if response.is_sequence:
+    if response.is_sequence:  # the usual case: the body is in memory already
         data = response.get_data()
         if max_bytes is not None and len(data) > max_bytes:
             raise _too_large(f"{len(data)} bytes", max_bytes)
         return data
+    announced = response.content_length
+    if max_bytes is not None and announced is not None and announced > max_bytes:
+        response.close()  # a file stays open otherwise
+        raise _too_large(f"{announced} bytes", max_bytes)
     source = response.response
     close = getattr(source, "close", None)
     response.direct_passthrough = False  # a file response (send_file) is read into memory to be kept
@@ -158,12 +158,6 @@ def _read_body(response: Response, max_bytes: int | None) -> bytes:
     data = b"".join(chunks)
     response.set_data(data)
     return data
-
-
-def _close_unread(response: Response) -> None:
-    """Close a body that will not be read (a file stays open otherwise)."""
-    if not response.is_sequence:
-        response.close()
 
 
 def _too_large(size: str, max_bytes: int) -> ResponseNotStored:

@@ -190,14 +190,15 @@ class _Attempt:
         """Call the view on ``conn`` and make its response; with it, the document to store for a
         response under 500 (its body read while ``idem.connection`` is still there for a generator)."""
         keyed = self.request
-        setattr(g, _CURRENT_ATTR, Current(conn, keyed.org_id, keyed.key))
+        here = g._get_current_object()  # one proxy lookup, not two
+        setattr(here, _CURRENT_ATTR, Current(conn, keyed.org_id, keyed.key))
         try:
             response = current_app.make_response(render(lambda: self.view(*self.args, **self.kwargs)))
             if response.status_code >= 500:
                 return response, None
             return response, _record(state, options, response, self.printed)
         finally:
-            delattr(g, _CURRENT_ATTR)
+            delattr(here, _CURRENT_ATTR)
 
 
 def _record(
