@@ -363,13 +363,16 @@ class ProcessPool:
         :class:`Batched` one: its ``BEGIN`` waits for its first statement (a dead connection is then found
         there, and the caller runs the block again: :func:`flask_idem._transactions.in_transaction`).
         """
-        if batched and self._batches:
-            with (
-                self.pool.connection() as conn,
-                _deadline_errors(conn),
-                Batched(conn, prepare=self._prepare),
-            ):
-                yield conn
+        if batched and self._batches:  # every decorated route's path: _deadline_errors inlined
+            with self.pool.connection() as conn:
+                try:
+                    with Batched(conn, prepare=self._prepare):
+                        yield conn
+                except psycopg.OperationalError as e:
+                    cut = _deadline_error(conn, e)
+                    if cut is None:
+                        raise
+                    raise cut from e
             return
         with ExitStack() as stack:
             yield self._begin(stack)
@@ -407,7 +410,16 @@ def _deadline_errors(conn: PooledConnection) -> Iterator[None]:
     try:
         yield
     except psycopg.OperationalError as e:
-        armed = conn._idem_armed
-        if armed is not None and armed.cut and not isinstance(e, DeadlineExceeded):
-            raise armed.error() from e
-        raise
+        cut = _deadline_error(conn, e)
+        if cut is None:
+            raise
+        raise cut from e
+
+
+def _deadline_error(conn: PooledConnection, error: psycopg.OperationalError) -> DeadlineExceeded | None:
+    """The :class:`DeadlineExceeded` that ``error`` on ``conn`` stands for when the watchdog cut the
+    connection; ``None`` otherwise."""
+    armed = conn._idem_armed
+    if armed is not None and armed.cut and not isinstance(error, DeadlineExceeded):
+        return armed.error()
+    return None
