@@ -45,6 +45,9 @@ def entering_app_code() -> None:
         progress.app_code_ran = True
 
 
+_INERROR = pq.TransactionStatus.INERROR
+
+
 class _Discard(Exception):
     """Ends a transaction with a ROLLBACK and carries the result out of it (a 5xx response)."""
 
@@ -78,7 +81,7 @@ def in_transaction(
         try:
             with source.transaction(batched=batched) as conn:
                 result = body(conn)
-                if conn.info.transaction_status == pq.TransactionStatus.INERROR:
+                if conn.pgconn.transaction_status == _INERROR:  # conn.info makes an object per use
                     logger.error(
                         "Application code in %r went on after a database error inside its transaction;"
                         " the transaction was rolled back.",
