@@ -162,9 +162,13 @@ class _Pool(ConnectionPool[PooledConnection]):
         return conn
 
     def _live(self, until: float) -> PooledConnection:
-        """A connection from the pool; dead ones are closed and replaced, without a round trip."""
+        """A connection from the pool; dead ones are closed and replaced, without a round trip.
+
+        So is one opened before the pool's last drain: still being opened when a silent database drained
+        the pool, it joined the pool afterwards, as silent as the ones the drain closed.
+        """
         conn = super().getconn(max(0.0, until - time.monotonic()))
-        while not _usable(conn):
+        while conn._idem_opened_at < self._owner._drained_at or not _usable(conn):
             self._owner.connection_lost(conn)
             conn.close()
             self.putconn(conn)  # a closed connection is discarded and a new one opened in its place
@@ -233,7 +237,6 @@ class ProcessPool:
             "timeout": timeout,
             "reconnect_timeout": RECONNECT_TIMEOUT,
             "kwargs": {"autocommit": True, "prepare_threshold": prepare_threshold, OWNER: self},
-            "check": self._opened_since_drain,
         }
         self._pool: ConnectionPool[PooledConnection] | None = None
         self._pid = 0
@@ -338,15 +341,6 @@ class ProcessPool:
             self._drained_at = time.monotonic()
         logger.warning("A pooled connection was lost; replacing the idle ones.")
         pool.drain()
-
-    def _opened_since_drain(self, conn: psycopg.Connection[Any]) -> None:
-        """The pool's check before lending: refuse a connection opened before the last drain.
-
-        A connection still being opened when the pool was drained joins the pool afterwards, as silent
-        as the ones the drain closed; refused here, the pool closes it and lends another.
-        """
-        if getattr(conn, "_idem_opened_at", math.inf) < self._drained_at:
-            raise psycopg.OperationalError("opened before the pool was drained")
 
     @contextmanager
     def connection(self) -> Iterator[PooledConnection]:
