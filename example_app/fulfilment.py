@@ -51,10 +51,17 @@ def _message_id(run: Run) -> str:
     return f"<{run.derived_key('receipt')}@shop.example>"
 
 
+def _sink(path: str | Path) -> mailbox.Maildir:
+    """The mail sink at ``path``, made if missing by any number of processes at once (``Maildir``'s own
+    ``create=True`` is not: of two worker processes making it together, one gets ``FileExistsError``)."""
+    for sub in ("tmp", "new", "cur"):
+        Path(path, sub).mkdir(parents=True, exist_ok=True)
+    return mailbox.Maildir(str(path), create=False)
+
+
 def receipts(sink: str | Path) -> list[mailbox.MaildirMessage]:
     """Every message in the mail sink ``sink``, oldest first."""
-    box = mailbox.Maildir(str(sink), create=True)
-    return sorted(box, key=lambda message: message.get_date())
+    return sorted(_sink(sink), key=lambda message: message.get_date())
 
 
 def find_receipt(run: Run) -> dict[str, Any] | None:
@@ -76,7 +83,7 @@ def send_receipt(run: Run) -> dict[str, Any]:
     message["Message-ID"] = _message_id(run)
     message["X-Shop-Order"] = f"{run.org_id}:{run.intent['order_id']}"
     message.set_content(f"Thank you for your order {run.intent['order_id']}. It is on its way.")
-    mailbox.Maildir(current_app.config["MAIL_SINK"], create=True).add(message)
+    _sink(current_app.config["MAIL_SINK"]).add(message)
     # Fault injection, like the gateway's: a mail server slow to answer after it took the message.
     time.sleep(float(current_app.config.get("MAIL_SINK_DELAY", 0.0)))
     return {"message_id": message["Message-ID"]}

@@ -81,10 +81,17 @@ def mail(job: Job, to: str, hold: float = 0.0) -> dict[str, Any]:
     return {"to": to, "hold": hold}
 
 
+def _maildir(path: str | Path) -> mailbox.Maildir:
+    """The Maildir at ``path``, made if missing by any number of processes at once (``Maildir``'s own
+    ``create=True`` is not: of two pool processes making it together, one gets ``FileExistsError``)."""
+    for sub in ("tmp", "new", "cur"):
+        Path(path, sub).mkdir(parents=True, exist_ok=True)
+    return mailbox.Maildir(str(path), create=False)
+
+
 def receipts(maildir: str | Path) -> list[str]:
     """The Message-IDs of every receipt in the Maildir, duplicates included."""
-    box = mailbox.Maildir(str(maildir), create=True)
-    return sorted(str(message["Message-ID"]) for message in box)
+    return sorted(str(message["Message-ID"]) for message in _maildir(maildir))
 
 
 def _find_receipt(run: Run) -> dict[str, Any] | None:
@@ -100,7 +107,7 @@ def send(run: Run) -> dict[str, Any]:
     message["To"] = run.intent["to"]
     message["Message-ID"] = f"<{run.derived_key('send')}@jobs.test>"
     message.set_content("Thank you.")
-    mailbox.Maildir(current_app.config["JOBS_MAILDIR"], create=True).add(message)
+    _maildir(current_app.config["JOBS_MAILDIR"]).add(message)
     time.sleep(run.intent["hold"])
     return {"message_id": message["Message-ID"]}
 
