@@ -550,8 +550,9 @@ def test_flask_idem_relay_loop_goes_on_after_a_database_error_and_stops_on_sigte
     """`flask idem relay --loop` in a process of its own: a pass that fails is logged and the next pass
     publishes; SIGTERM ends it after its pass, with status 0.
 
-    The pass fails on a connection the server closed; behind PgBouncer, which replaces a closed server
-    connection without its client seeing anything, on the outbox table renamed for a moment instead.
+    The pass fails on a connection the server closed while its statement waited on a lock the test
+    holds; behind PgBouncer, which replaces a closed server connection without its client seeing
+    anything, on the outbox table renamed for a moment instead.
     """
 
     def enqueue() -> None:  # on a connection of its own: the server closes the pool's below
@@ -562,16 +563,23 @@ def test_flask_idem_relay_loop_goes_on_after_a_database_error_and_stops_on_sigte
         row = db.execute("SELECT count(*) FROM idempotency_keys_outbox WHERE sent_at IS NULL").fetchone()
         return int(row[0]) if row else -1
 
-    def connection_closed() -> bool:
-        db.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
-        )
-        return "Relay pass failed: AdminShutdown (SQLSTATE 57P01)" in log.read_text()
+    waiting = (
+        "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        " AND backend_type = 'client backend' AND wait_event_type = 'Lock'"
+    )
+
+    def relay_waits() -> bool:
+        row = db.execute(f"SELECT count(*) {waiting}").fetchone()
+        return bool(row and row[0])
 
     def pass_failed() -> None:
-        if not pgbouncer.ENABLED:
-            wait_for(connection_closed, timeout=30, interval=0.3)
+        if not pgbouncer.ENABLED:  # terminated mid-statement: no window to hit by chance
+            with psycopg.connect(database_url) as holder:
+                holder.execute("LOCK TABLE idempotency_keys_outbox IN ACCESS EXCLUSIVE MODE")
+                wait_for(relay_waits, timeout=30)
+                db.execute(f"SELECT pg_terminate_backend(pid) {waiting}")
+            failed = "Relay pass failed: AdminShutdown (SQLSTATE 57P01)"
+            wait_for(lambda: failed in log.read_text(), timeout=30)
             return
         db.execute("ALTER TABLE idempotency_keys_outbox RENAME TO idempotency_keys_outbox_away")
         try:
