@@ -56,6 +56,9 @@ BIG_TABLE = "idempotency_keys_10m"
 REPLAY_KEYS = 1000
 #: In-flight scenario: every this many milliseconds all clients move on to new keys together.
 SLOT_MS = 25
+#: In-flight scenario's goal: the 409's p99 in milliseconds, server-side (gunicorn's access log)
+#: (issue 25 tightened it from issue 5's 20 ms).
+INFLIGHT_P99_MS = 10
 
 
 @dataclass(frozen=True)
@@ -406,14 +409,16 @@ def _inflight(
     twice = sum(1 for n in created.values() if n > 1)  # a key acknowledged with 201 more than once
     duplicates = (orders - distinct) + dup_groups[0] + twice
     unexpected = sum(n for s, n in statuses.items() if s not in (200, 201, 409))
-    p99_409 = percentile(server[409] if shared else client[409], 99)
+    p99_409 = percentile(server[409], 99)  # the goal's: the client's adds wrk's own threads' queue
     label = f"(d) {clients} clients on {keys} keys at once"
     cpu_ms = report.cpu_per_request([run], "app") + report.cpu_per_request([run], "db")
     result = Result(label, run.rps, run.p50_us / 1000, run.p99_us / 1000, run.status_errors,
                     run.socket_errors + unexpected, run.requests, cpu_ms=cpu_ms)  # fmt: skip
-    result.ratio = f"409 p99 {report.ms(p99_409)} ms, {duplicates} dup"
-    result.goal = "409 p99 <= 20 ms, 0 dup"
-    result.verdict = "met" if p99_409 is not None and p99_409 <= 20 and duplicates == 0 else "MISSED"
+    client_p99 = "" if shared else f" (client {report.ms(percentile(client[409], 99))} ms)"
+    result.ratio = f"409 p99 server {report.ms(p99_409)} ms{client_p99}, {duplicates} dup"
+    result.goal = f"409 p99 server <= {INFLIGHT_P99_MS} ms, 0 dup"
+    met = p99_409 is not None and p99_409 <= INFLIGHT_P99_MS and duplicates == 0
+    result.verdict = "met" if met else "MISSED"
     per_status = "; ".join(
         f"{s}: {statuses[s]} (client p50/p99 {report.ms(percentile(client[s], 50))}/"
         f"{report.ms(percentile(client[s], 99))} ms, server p50/p99 {report.ms(percentile(server[s], 50))}/"
