@@ -12,7 +12,6 @@ intent under a lease, then the engine advances it step by step (:mod:`._steps`),
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import random
@@ -24,19 +23,32 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
-from flask import Flask, Response
+from flask import Flask
 from psycopg.rows import TupleRow
 
-from . import _layout, _steps, signals
+from . import _layout, _protocol, _steps, signals
 from ._fingerprint import fingerprint
 from ._outbox import Outbox
-from ._records import KeyedRequest, KeyRecord, Lease
+from ._records import Final, KeyedRequest, Lease
+from ._replay import failure_document
 from ._settings import parse_seconds
 from ._state import IdemState, get_state
-from ._task import TASK_METHOD, Envelope, Job, JobGivenUp, JobMismatch, JobPolicy, Publisher, task_path
-from ._transactions import entering_app_code, in_transaction
-from .errors import ConfigurationError, KeyInUse, OperationFailed, OutcomePending
-from .flow import INTENT, Flow, Run, run_from_record
+from ._task import (
+    TASK_METHOD,
+    Envelope,
+    Job,
+    JobGivenUp,
+    JobMismatch,
+    JobPolicy,
+    Publisher,
+    TaskDoor,
+    task_final,
+    task_path,
+    task_result,
+)
+from ._transactions import entering_app_code
+from .errors import ConfigurationError
+from .flow import Flow, Run
 from .recovery import backoff
 
 __all__ = [
@@ -228,7 +240,7 @@ class _Delivery:
         path = task_path(spec.name)
         sha = fingerprint(method=TASK_METHOD, path=path, query=b"", mimetype="application/json", body=body)
         self.keyed = KeyedRequest(delivery.org_id, delivery.key, sha, TASK_METHOD, path)
-        self.ttl = state.settings.key_ttl if spec.ttl is None else spec.ttl
+        self.claim = _protocol.Claim(self.keyed, state.settings.key_ttl if spec.ttl is None else spec.ttl)
         self.overdue = time.time() - delivery.enqueued_at > policy.deadline
 
     # -- outcomes ------------------------------------------------------------------------------------------
@@ -263,47 +275,34 @@ class _Delivery:
         )
         return defer
 
-    def give_up(self, reason: str) -> Outcome:
+    def give_up(self, reason: str, *, held: Lease | None = None) -> Outcome:
         """Mark the key failed and flagged for a person, and raise :class:`JobGivenUp`.
 
-        The row is reserved anew (an atomic task's attempts left none) or taken over (a flow's whose
-        lease lapsed). When another delivery holds or finished the key meanwhile, nothing is written and
-        the outcome is that of any delivery finding the key taken; one that holds it decides (this
-        delivery is dropped, with a warning).
+        The run is marked under ``held``, the lease this delivery holds on it, if any. Otherwise, when
+        another delivery holds or finished the key meanwhile, nothing is written and the outcome is that
+        of any delivery finding the key taken; one that holds it decides (this delivery is dropped, with
+        a warning).
         """
         flow = self.spec.flow
-        flow_name = flow.name if flow else self.spec.name
-        lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds())
-        error = OperationFailed()
-        record = {
-            "status": error.code,
-            "headers": [["Content-Type", "application/problem+json"]],
-            "body": error.get_body(),
-        }
-
-        def mark(conn: psycopg.Connection[TupleRow]) -> bool | _Existing:
-            # An atomic task's row is a leased one named after the task: reserved and failed at once.
-            found = self.state.store.reserve(conn, self.keyed, ttl=self.ttl, flow=flow_name, lease=lease)
-            existing = found.record
-            if not found.reserved and not _take_over_stranded(
-                self.state, conn, existing, self.keyed, flow_name, lease
-            ):
-                return _Existing(existing)
-            return self.state.store.complete(conn, lease, record, failed=reason)
-
-        marked = in_transaction(self.state.source, mark, batched=True)
-        if isinstance(marked, _Existing):
-            if marked.record is None or marked.record.response is None:
-                logger.warning(
-                    "Task %s (org %s, key %s): %s; this delivery stops, the one holding the key (or flask"
-                    " idem recover) finishes it.",
-                    self.spec.name,
-                    self.keyed.org_id,
-                    self.keyed.key,
-                    reason,
-                )
-                return Dropped(f"{reason}; another delivery holds the key and decides")
-            return self._existing(marked.record)
+        marked: bool | _protocol.Existing
+        if held is not None:
+            marked = _protocol.give_up_leased(self.state, held, failure_document(), reason)
+        else:
+            lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds())
+            name = flow.name if flow else self.spec.name
+            marked = _protocol.give_up(self.state, self.claim, name, lease, failure_document(), reason)
+        if isinstance(marked, _protocol.InFlight):
+            logger.warning(
+                "Task %s (org %s, key %s): %s; this delivery stops, the one holding the key (or flask"
+                " idem recover) finishes it.",
+                self.spec.name,
+                self.keyed.org_id,
+                self.keyed.key,
+                reason,
+            )
+            return Dropped(f"{reason}; another delivery holds the key and decides")
+        if not isinstance(marked, bool):
+            return self._existing(marked)
         if marked:
             signals.send(
                 signals.given_up,
@@ -318,38 +317,12 @@ class _Delivery:
     # -- one attempt ---------------------------------------------------------------------------------------
 
     def once(self) -> Outcome:
-        if self.spec.flow is None:
-            return self._atomic()
-        with self.app.test_request_context(self.keyed.path, method=TASK_METHOD):
-            return self._multistep(self.spec.flow)
-
-    def _job(self, conn: psycopg.Connection[TupleRow]) -> Job:
-        return Job(self.spec.name, self.keyed.org_id, self.keyed.key, self.delivery.failures, conn)
-
-    def _call(self, conn: psycopg.Connection[TupleRow]) -> Any:
-        job = self._job(conn)
-        entering_app_code()
+        outcome: Outcome | Final[Any] | _protocol.Existing
         try:
-            return self.spec.func(job, *self.delivery.args, **self.delivery.kwargs)
-        finally:
-            job._connection = None
-
-    def _atomic(self) -> Outcome:
-        keyed = self.keyed
-
-        def body(conn: psycopg.Connection[TupleRow]) -> Outcome | _Existing:
-            found = self.state.store.reserve(conn, keyed, ttl=self.ttl)
-            if not found.reserved:
-                return _Existing(found.record)
-            signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=None)
-            if self.overdue:
-                raise _GiveUp("deadline passed before it ran")
-            result = self._call(conn)
-            self.state.store.complete(conn, keyed, _result_record(result))
-            return Done(result)
-
-        try:
-            outcome = in_transaction(self.state.source, body, batched=True)
+            if self.spec.flow is None:
+                outcome = _protocol.atomic(self.state, self.claim, self._run)
+            else:
+                outcome = self._multistep(self.spec.flow)
         except _GiveUp as e:
             return self.give_up(str(e))
         except psycopg.Error:
@@ -357,11 +330,24 @@ class _Delivery:
         except Exception as e:  # the task's own failure: its writes and its reservation rolled back
             logger.warning("Task %s failed: %s.", self.spec.name, type(e).__name__, exc_info=e)
             return self.failed(type(e).__name__)
-        if isinstance(outcome, _Existing):
-            return self._existing(outcome.record)
-        if isinstance(outcome, Done):
-            signals.send(signals.response_stored, org_id=keyed.org_id, key=keyed.key, flow=None, status=200)
-        return outcome
+        if isinstance(outcome, Final):
+            return Done(outcome.value)
+        if isinstance(outcome, (Done, Defer, Dropped)):
+            return outcome
+        return self._existing(outcome)
+
+    def _call(self, conn: psycopg.Connection[TupleRow]) -> Any:
+        if self.overdue:  # the key was reserved just now: rolled back, then reserved and given up
+            raise _GiveUp("deadline passed before it ran")
+        job = Job(self.spec.name, self.keyed.org_id, self.keyed.key, self.delivery.failures, conn)
+        entering_app_code()
+        try:
+            return self.spec.func(job, *self.delivery.args, **self.delivery.kwargs)
+        finally:
+            job._connection = None
+
+    def _run(self, conn: psycopg.Connection[TupleRow]) -> Final[Any]:
+        return task_final(self._call(conn))
 
     def _lease_seconds(self) -> float:
         flow = self.spec.flow
@@ -371,156 +357,38 @@ class _Delivery:
             or self.state.settings.lease_timeout
         )
 
-    def _multistep(self, flow: Flow) -> Outcome:
-        flow.check()
-        keyed, store = self.keyed, self.state.store
-        lease = Lease(keyed.org_id, keyed.key, uuid.uuid4(), self._lease_seconds())
-
-        def begin(conn: psycopg.Connection[TupleRow]) -> Run | _Existing:
-            found = store.reserve(conn, keyed, ttl=self.ttl, flow=flow.name, lease=lease)
-            if found.reserved:
-                signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=flow.name)
-                if self.overdue:
-                    raise _GiveUp("deadline passed before it ran")
-                intent = self._call(conn)
-                store.record_step(conn, lease, INTENT, intent)
-                self.state.fire("view", conn)
-                return Run(
-                    flow=flow.name,
-                    org_id=keyed.org_id,
-                    key=keyed.key,
-                    results={INTENT: intent},
-                    last_step=INTENT,
-                )
-            record = found.record
-            if _take_over_stranded(self.state, conn, record, keyed, flow.name, lease):
-                assert record is not None
-                if self.overdue:
-                    raise _GiveUp("deadline passed")
-                return run_from_record(
-                    flow, org_id=keyed.org_id, key=keyed.key, step=record.step, state=record.state
-                )
-            return _Existing(record)
-
-        try:
-            started = in_transaction(self.state.source, begin, batched=True)
-        except _GiveUp as e:
-            return self.give_up(str(e))
-        except psycopg.Error:
-            raise
-        except Exception as e:
-            logger.warning("Task %s failed: %s.", self.spec.name, type(e).__name__, exc_info=e)
-            return self.failed(type(e).__name__)
-        if isinstance(started, _Existing):
-            return self._existing(started.record)
-        if started.resumed:
-            signals.send(
-                signals.lease_taken_over,
-                org_id=keyed.org_id,
-                key=keyed.key,
-                flow=flow.name,
-                step=started.last_step,
-            )
+    def _multistep(self, flow: Flow) -> Outcome | Final[Any] | _protocol.Existing:
+        lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds())
+        started = _protocol.begin(self.state, self.claim, flow, lease, self._call)
+        if not isinstance(started, Run):
+            return started
+        if started.resumed and self.overdue:  # taken over just now, under this lease
+            return self.give_up("deadline passed", held=lease)
         retry_in = backoff(
             self.delivery.failures + 1, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng
         )
         try:
-            response = _steps.advance(self.state, flow, started, lease, retry_in=retry_in)
-        except KeyInUse:
+            return _steps.advance(self.state, flow, started, lease, _TASK_DOOR, retry_in=retry_in)
+        except _protocol.LeaseLost:
             return self.busy("lease lost to another delivery")
-        except OutcomePending:
+        except _protocol.Pending:
             return self.failed("outcome unknown")
-        except psycopg.Error:
-            raise
-        except Exception as e:  # released by the engine
-            logger.warning("Task %s failed in a step: %s.", self.spec.name, type(e).__name__, exc_info=e)
-            return self.failed(type(e).__name__)
-        if response.status_code >= 500:
-            return self.failed(f"finish step answered {response.status_code}")
-        return Done(_response_result(response))
 
-    def _existing(self, record: KeyRecord | None) -> Outcome:
+    def _existing(self, outcome: _protocol.Existing) -> Outcome:
         """The outcome of a delivery whose key is taken: the stored result, a refusal, or later."""
         keyed = self.keyed
-        if record is None:
-            signals.send(signals.key_in_flight, org_id=keyed.org_id, key=keyed.key)
+        if isinstance(outcome, _protocol.InFlight):
             return self.busy("in flight in another delivery")
-        if not hmac.compare_digest(record.request_sha, keyed.request_sha):
-            signals.send(signals.mismatch_rejected, org_id=keyed.org_id, key=keyed.key)
+        if isinstance(outcome, _protocol.Mismatch):
             raise JobMismatch(
                 f"Task {self.spec.name}: key {keyed.key} was used before with other arguments (or by another"
                 " task); refused. Give each distinct piece of work its own key."
             )
-        if record.response is None:
-            signals.send(signals.key_in_flight, org_id=keyed.org_id, key=keyed.key)
-            return self.busy("in flight in another delivery")
-        if record.status == "failed":
-            raise JobGivenUp(f"Task {self.spec.name} was given up before and is flagged for a person.")
-        if record.stale:
-            signals.send(
-                signals.tombstone_hit,
-                org_id=keyed.org_id,
-                key=keyed.key,
-                status=record.response["status"],
-            )
+        if isinstance(outcome, _protocol.Tombstone):
             return Dropped("done long ago: its stored result has expired")
-        signals.send(
-            signals.response_replayed,
-            org_id=keyed.org_id,
-            key=keyed.key,
-            status=record.response["status"],
-        )
-        return Done(_record_result(record.response), replayed=True)
+        if outcome.failed:
+            raise JobGivenUp(f"Task {self.spec.name} was given up before and is flagged for a person.")
+        return Done(task_result(outcome.document), replayed=True)
 
 
-def _take_over_stranded(
-    state: IdemState,
-    conn: psycopg.Connection[TupleRow],
-    record: KeyRecord | None,
-    keyed: KeyedRequest,
-    flow: str,
-    lease: Lease,
-) -> bool:
-    """Take the task ``record`` is over, under ``lease``, if it is stranded: processing in ``flow``, its
-    lease lapsed, and the same arguments (as a retry takes a request over in :mod:`._view`)."""
-    return (
-        record is not None
-        and record.status == "processing"
-        and record.flow == flow
-        and not record.lease_live
-        and hmac.compare_digest(record.request_sha, keyed.request_sha)
-        and state.store.take_over(conn, lease)
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class _Existing:
-    """The key was taken: what the reservation found (carried out of the transaction, which commits)."""
-
-    record: KeyRecord | None
-
-
-def _result_record(result: Any) -> dict[str, Any]:
-    """An atomic task's result as the key table stores a response: a 200 with a JSON body."""
-    try:
-        body = json.dumps(result)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"An idempotent task must return a JSON-serialisable value: {e}") from None
-    return {"status": 200, "headers": [["Content-Type", "application/json"]], "body": body}
-
-
-def _record_result(record: Mapping[str, Any]) -> Any:
-    """The result stored in ``record`` (a task's, or a flow's finish step's answer)."""
-    body = record.get("body")
-    if body is None:
-        return None
-    headers = {name.lower(): value for name, value in record.get("headers", ())}
-    if headers.get("content-type", "").split(";")[0].strip().endswith("json"):
-        return json.loads(body)
-    return body
-
-
-def _response_result(response: Response) -> Any:
-    if response.is_json:
-        return response.get_json()
-    return response.get_data(as_text=True)
+_TASK_DOOR = TaskDoor()

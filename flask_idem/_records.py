@@ -8,10 +8,11 @@ from __future__ import annotations
 import hashlib
 import uuid
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 __all__ = [
     "RECORD_FIELDS",
+    "Final",
     "KeyRecord",
     "KeyRef",
     "KeyedRequest",
@@ -27,6 +28,8 @@ __all__ = [
 #: Advisory locks share one namespace with the application's own. Mixing this constant into the lock id
 #: keeps ours apart from ids an application derives from small integers.
 _LOCK_SALT = b"flask-idem/v1"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,3 +176,19 @@ def lock_id(org_id: int, key: uuid.UUID) -> int:
         org_id.to_bytes(8, "big", signed=True) + key.bytes, digest_size=8, key=_LOCK_SALT
     ).digest()
     return int.from_bytes(digest, "big", signed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Final(Generic[T]):
+    """How one door's work ended: its own answer, and what the key table keeps of it.
+
+    ``value`` is the door's (a request's :class:`~flask.Response`, a task's result). ``document`` is
+    stored as the key's final answer and replayed to later attempts; ``None`` when the work failed
+    (``failed``: its writes are rolled back and the key is left to a retry) or keeps nothing.
+    """
+
+    value: T
+    document: dict[str, Any] | None
+    #: The status a later attempt is told (a response's status code; a task's result is 200).
+    status: int
+    failed: bool = False

@@ -23,9 +23,10 @@ from typing import Any, Literal, TypeAlias
 from flask import Response
 
 from ._codec import ResponseCodec
-from .errors import ResponseNotStored, StoredResponseUnreadable
+from .errors import OperationFailed, ResponseNotStored, StoredResponseUnreadable
 
 __all__ = [
+    "failure_document",
     "NEVER_REPLAYED",
     "REPLAYED_HEADER",
     "STORE_CHOICES",
@@ -206,3 +207,13 @@ def _decrypt(token: str, codec: ResponseCodec | None) -> bytes:
         )
         raise StoredResponseUnreadable()
     return body
+
+
+def failure_document() -> dict[str, Any]:
+    """What is stored for a run given up (flagged for a person): the 500 a later retry is answered."""
+    error = OperationFailed()
+    return {
+        "status": error.code,
+        "headers": [["Content-Type", "application/problem+json"]],
+        "body": error.get_body(),
+    }

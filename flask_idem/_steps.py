@@ -1,49 +1,47 @@
-"""Advancing a multi-step request: the steps after the intent, each guarded by the lease.
+"""Advancing a multi-step run: the steps after the intent, each guarded by the lease.
 
-Used by the view (right after the intent is recorded, or when a retry takes a request over) and by the
-recovery job. Every transaction here is short and no connection is held during a call step.
+Used by every door of the key protocol (:mod:`._protocol`) once a run began or was taken over: a request
+(:mod:`._view`), a background job (:mod:`._jobs`) and the recovery job. Every transaction here is short
+and no connection is held during a call step. The engine knows nothing of HTTP: what the finish step
+answers is made into the door's :class:`._records.Final` by the door (:class:`Door`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
-from collections.abc import Mapping
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import psycopg
-from flask import Response, current_app
 from psycopg.rows import TupleRow
-from werkzeug.exceptions import HTTPException
 
 from . import signals, tracing
-from ._records import Lease
-from ._replay import record_response
+from ._protocol import LeaseLost, Pending, release
+from ._records import Final, Lease
 from ._state import IdemState
-from ._transactions import entering_app_code, in_transaction, render
-from .errors import KeyInUse, OutcomePending, ResponseNotStored
+from ._transactions import entering_app_code, in_transaction
 from .flow import Flow, OutcomeUnknown, Run, Step
 
-__all__ = ["advance", "sent_stored"]
+__all__ = ["Door", "advance"]
 
 logger = logging.getLogger("flask_idem")
 
-#: The detail of the 500 when a flow's answer is over ``IDEM_MAX_RESPONSE_BYTES``: unlike an atomic
-#: request's, the earlier steps stand (an outside call may have been made) and the request stays open.
-_FLOW_NOT_STORED = (
-    "This request was started and its earlier steps were carried out (a call to another service may have"
-    " been made), but its answer is larger than the server keeps for retries, so the last step was undone"
-    " and the request is not finished. Do not send it again under a new Idempotency-Key: that would carry"
-    " the operation out a second time. A retry with the same key does not repeat the finished steps, but"
-    " meets the same server-side limit until the server is changed; until then the server keeps trying to"
-    " finish it, and after its recovery deadline marks it failed for a person to look at."
-)
+T = TypeVar("T")
 
 
-class _LeaseLost(Exception):
-    """Another attempt or the recovery job took the request over; this worker must stop."""
+class Door(Protocol[T]):
+    """What a door of the protocol makes of a run's end, in the finish step's transaction."""
+
+    def finish(self, call: Callable[[], Any]) -> Final[T]:
+        """The final answer of the run: ``call`` calls its finisher (stored unless failed)."""
+        ...
+
+    def refused(self, error: Exception) -> Final[T] | None:
+        """The final answer of a database step that raised ``error``, when the door takes it for an
+        answer (a request's 4xx); ``None``: a failure, the step is rolled back and the error raised."""
+        ...
 
 
 class _Unknown(Exception):
@@ -51,22 +49,18 @@ class _Unknown(Exception):
 
 
 def advance(
-    state: IdemState,
-    flow: Flow,
-    run: Run,
-    lease: Lease,
-    *,
-    retry_in: float,
-    request: Mapping[str, Any] | None = None,
-) -> Response:
-    """Run the steps of ``run`` that have not finished, then its finish step; return the response.
+    state: IdemState, flow: Flow, run: Run, lease: Lease, door: Door[T], *, retry_in: float
+) -> Final[T]:
+    """Run the steps of ``run`` that have not finished, then its finish step; return its final answer.
 
-    :param lease: the lease this worker holds on the request.
+    A failed answer (:attr:`._records.Final.failed`) was rolled back and the lease given up: a retry or
+    the recovery job finishes the run.
+
+    :param lease: the lease this worker holds on the run.
+    :param door: makes the finisher's value (or a database step's refusal) the door's final answer.
     :param retry_in: when the outcome of a call stays unknown, seconds before the recovery job may try.
-    :param request: what the route's fingerprint policy keeps of the request (its part digests), stored
-        with the answer; ``None`` for the default policy and for the recovery job, which has no request.
-    :raises KeyInUse: the lease was lost to another attempt, which will finish the request.
-    :raises OutcomePending: a call step ended without a known outcome; the lease is given up.
+    :raises LeaseLost: the lease was lost to another attempt, which will finish the run.
+    :raises Pending: a call step ended without a known outcome; the lease is given up.
     """
     source = state.source
     try:
@@ -84,9 +78,9 @@ def advance(
                 in_transaction(source, partial(_record, state, lease, step.name, result))
                 run.results[step.name] = result
             else:
-                early = in_transaction(source, partial(_db_step, state, step, run, lease, request))
+                early = in_transaction(source, partial(_db_step, state, step, run, lease, door))
                 if early is not None:
-                    sent_stored(run.org_id, run.key, run.flow, early)
+                    _stored(run, early)
                     return early
                 duration = time.perf_counter() - started
             signals.send(
@@ -99,26 +93,25 @@ def advance(
                 duration=duration,
             )
             run.last_step = step.name
-        response = in_transaction(source, partial(_finish, state, flow, run, lease, request))
-    except _LeaseLost:
+        final = in_transaction(source, partial(_finish, state, flow, run, lease, door))
+    except LeaseLost:
         signals.send(signals.lease_lost, org_id=run.org_id, key=run.key, flow=run.flow)
-        raise KeyInUse(retry_after=state.settings.retry_after) from None
-    except _Unknown as e:
-        _release(state, lease, str(e), retry_in)
-        raise OutcomePending(retry_after=state.settings.retry_after) from None
-    except BaseException as e:
-        _release(state, lease, type(e).__name__, retry_in)
         raise
-    if response.status_code >= 500:  # rolled back: let a retry or the recovery job finish it
-        _release(state, lease, f"HTTP {response.status_code}", retry_in)
+    except _Unknown as e:
+        release(state, lease, str(e), retry_in)
+        raise Pending() from None
+    except BaseException as e:
+        release(state, lease, type(e).__name__, retry_in)
+        raise
+    if final.failed:  # rolled back: let a retry or the recovery job finish it
+        release(state, lease, f"HTTP {final.status}", retry_in)
     else:
-        sent_stored(run.org_id, run.key, run.flow, response)
-    return response
+        _stored(run, final)
+    return final
 
 
-def sent_stored(org_id: int, key: uuid.UUID, flow: str | None, response: Response) -> None:
-    """Send :data:`.signals.response_stored` for a response committed just now."""
-    signals.send(signals.response_stored, org_id=org_id, key=key, flow=flow, status=response.status_code)
+def _stored(run: Run, final: Final[Any]) -> None:
+    signals.send(signals.response_stored, org_id=run.org_id, key=run.key, flow=run.flow, status=final.status)
 
 
 def _sent_unknown(run: Run, step: Step, cause: BaseException | None) -> None:
@@ -139,7 +132,7 @@ def _record(
 ) -> None:
     """Record the result of a call step, if this worker still holds the lease."""
     if not state.store.record_step(conn, lease, step, result):
-        raise _LeaseLost()
+        raise LeaseLost()
 
 
 def _db_step(
@@ -147,77 +140,57 @@ def _db_step(
     step: Step,
     run: Run,
     lease: Lease,
-    request: Mapping[str, Any] | None,
+    door: Door[T],
     conn: psycopg.Connection[TupleRow],
-) -> Response | None:
-    """One database step in the caller's transaction; a 4xx it raises ends the request with that answer."""
+) -> Final[T] | None:
+    """One database step in the caller's transaction; an error the door takes for an answer ends the
+    run with it (a request's 4xx)."""
     if not state.store.hold(conn, lease):
-        raise _LeaseLost()
+        raise LeaseLost()
     run._connection = conn
     entering_app_code()
     try:
         result = step.func(run)
-    except HTTPException as e:
-        if e.code is None or e.code >= 500:
+    except Exception as e:
+        final = door.refused(e)
+        if final is None:
             raise
-        response = current_app.make_response(current_app.handle_user_exception(e))
-        _store_final(state, conn, lease, response, request)
-        return response
+        _store_final(state, conn, lease, final)
+        return final
     finally:
         run._connection = None
     if not state.store.record_step(conn, lease, step.name, result):
-        raise _LeaseLost()
+        raise LeaseLost()
     state.fire(step.name, conn)
     run.results[step.name] = result
     return None
 
 
 def _finish(
-    state: IdemState,
-    flow: Flow,
-    run: Run,
-    lease: Lease,
-    request: Mapping[str, Any] | None,
-    conn: psycopg.Connection[TupleRow],
-) -> Response:
+    state: IdemState, flow: Flow, run: Run, lease: Lease, door: Door[T], conn: psycopg.Connection[TupleRow]
+) -> Final[T]:
     if not state.store.hold(conn, lease):
-        raise _LeaseLost()
-    assert flow.finisher is not None
+        raise LeaseLost()
     finisher = flow.finisher
+    assert finisher is not None
     run._connection = conn
     try:
-        response: Response = current_app.make_response(render(lambda: finisher(run)))
+        entering_app_code()
+        final = door.finish(lambda: finisher(run))
     finally:
         run._connection = None
-    if response.status_code < 500:
-        _store_final(state, conn, lease, response, request)
+    if not final.failed:
+        _store_final(state, conn, lease, final)
     state.fire("finish", conn)
-    return response
+    return final
 
 
 def _store_final(
-    state: IdemState,
-    conn: psycopg.Connection[TupleRow],
-    lease: Lease,
-    response: Response,
-    request: Mapping[str, Any] | None,
+    state: IdemState, conn: psycopg.Connection[TupleRow], lease: Lease, final: Final[Any]
 ) -> None:
-    """Store the flow's answer and complete the key, or refuse an answer over the size limit (its step
-    is rolled back; the steps before it stand)."""
-    settings = state.settings
-    try:
-        document = record_response(
-            response, settings.replay_headers, max_bytes=settings.max_response_bytes, request=request
-        )
-    except ResponseNotStored as e:
-        logger.warning(
-            "That answer is a multi-step request's: only its last step was rolled back; the steps before"
-            " it stand, and the request stays in progress until the limit or the answer changes or its"
-            " recovery deadline passes."
-        )
-        raise ResponseNotStored(_FLOW_NOT_STORED) from e
-    if not state.store.complete(conn, lease, document):
-        raise _LeaseLost()
+    """Complete the key with the run's final answer, if this worker still holds the lease."""
+    if final.document is not None and not state.store.complete(conn, lease, final.document):
+        raise LeaseLost()
 
 
 def _call_outside(step: Step, run: Run) -> Any:
@@ -244,13 +217,3 @@ def _call_outside(step: Step, run: Run) -> Any:
             exc_info=e,
         )
         raise _Unknown(f"{type(e).__name__} (error in step)") from e
-
-
-def _release(state: IdemState, lease: Lease, error: str, retry_in: float) -> None:
-    """Give the lease up so a retry can take over at once; best effort (the lease expires anyway)."""
-    try:
-        in_transaction(
-            state.source, lambda conn: state.store.release(conn, lease, error=error, retry_in=retry_in)
-        )
-    except psycopg.Error as e:
-        logger.warning("Could not release a lease: %s (SQLSTATE %s).", type(e).__name__, e.sqlstate)

@@ -6,9 +6,10 @@ promise (:doc:`/jobs`).
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 import psycopg
 from psycopg.rows import TupleRow
 
+from ._records import Final
 from ._settings import parse_seconds
 from .errors import ConfigurationError
 from .flow import Run
@@ -30,8 +32,11 @@ __all__ = [
     "JobPolicy",
     "Message",
     "Publisher",
+    "TaskDoor",
     "task_key",
+    "task_final",
     "task_path",
+    "task_result",
 ]
 
 #: The ``method`` of a task's row in the key table (a request's is its HTTP method).
@@ -215,3 +220,44 @@ class JobPolicy:
             value: float | timedelta = config.get(setting, getattr(default, name))
             seconds[name] = parse_seconds(setting, value)
         return cls(attempts=attempts, **seconds)
+
+
+class TaskDoor:
+    """What a task's run makes of its end (:class:`flask_idem._steps.Door`): its finisher's value is the
+    task's result, stored as JSON. Also the recovery job's, for the tasks it finishes."""
+
+    __slots__ = ()
+
+    def finish(self, call: Callable[[], Any]) -> Final[Any]:
+        return task_final(call())
+
+    def refused(self, error: Exception) -> Final[Any] | None:
+        """A database step's error is the task's failure: rolled back, and the delivery retried."""
+        return None
+
+
+def task_final(result: Any) -> Final[Any]:
+    """A task's ``result`` as the key table stores it (as a response of status 200 with a JSON body, the
+    stored form of layout 3).
+
+    :raises TypeError: the result is not JSON-serialisable.
+    """
+    try:
+        body = json.dumps(result)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"An idempotent task must return a JSON-serialisable value: {e}") from None
+    return Final(
+        result, {"status": 200, "headers": [["Content-Type", "application/json"]], "body": body}, 200
+    )
+
+
+def task_result(document: Mapping[str, Any]) -> Any:
+    """The result stored in ``document`` (a task's, or a response of a flow's finish step stored by an
+    earlier release, whose body is JSON or text)."""
+    body = document.get("body")
+    if body is None:
+        return None
+    headers = {name.lower(): value for name, value in document.get("headers", ())}
+    if headers.get("content-type", "").split(";")[0].strip().endswith("json"):
+        return json.loads(body)
+    return body

@@ -18,6 +18,7 @@ from psycopg.rows import TupleRow
 from werkzeug.exceptions import HTTPException
 
 from ._pool import ConnectionSource
+from ._records import Final
 from .errors import DatabaseFailed
 
 __all__ = ["entering_app_code", "in_transaction", "render"]
@@ -64,7 +65,8 @@ def in_transaction(
     ``COMMIT``) where the source can (:class:`._pool.Batched`): ``body`` must begin with a statement of
     the key store.
 
-    The transaction is rolled back instead when ``body`` raises, when it returns a 5xx response, and
+    The transaction is rolled back instead when ``body`` raises, when it returns a 5xx response or a
+    failed :class:`._records.Final`, and
     when application code inside it swallowed a database error (the transaction is then unusable, so
     whatever success it reports is false: :class:`.DatabaseFailed`). The result is returned only after
     COMMIT succeeded, so a client never hears "created" for writes that were rolled back.
@@ -88,7 +90,12 @@ def in_transaction(
                         request.endpoint if has_request_context() else "a command",
                     )
                     raise DatabaseFailed()
-                if isinstance(result, Response) and result.status_code >= 500:
+                if (
+                    isinstance(result, Final)
+                    and result.failed
+                    or isinstance(result, Response)
+                    and result.status_code >= 500
+                ):
                     raise _Discard(result)
                 progress.committing = True
             return result

@@ -16,12 +16,13 @@ from typing import Any
 import psycopg
 from flask import Request, Response, current_app, g, request
 from psycopg.rows import TupleRow
+from werkzeug.exceptions import HTTPException
 
-from . import _steps, signals
+from . import _protocol, _steps, signals
 from ._fingerprint import fingerprint
 from ._keys import HEADER, parse_key
 from ._policy import Fingerprint, Fingerprinted, RequestParts, describe_mismatch
-from ._records import KeyedRequest, KeyRecord, Lease
+from ._records import Final, KeyedRequest, KeyRecord, Lease
 from ._replay import StoreResponse, record_response, replay_response
 from ._settings import OnMismatch, ScopeFunc, Settings
 from ._state import IdemState
@@ -29,17 +30,18 @@ from ._transactions import in_transaction, render
 from .errors import (
     ConfigurationError,
     DatabaseUnavailable,
-    IdempotencyError,
     KeyExpired,
     KeyInUse,
     KeyMismatch,
     MissingKey,
     NoScope,
+    OutcomePending,
+    ResponseNotStored,
     database_error,
 )
-from .flow import INTENT, Flow, Run, run_from_record
+from .flow import Flow, Run
 
-__all__ = ["SAFE_METHODS", "Current", "ViewOptions", "current", "handle"]
+__all__ = ["SAFE_METHODS", "Current", "RequestDoor", "ViewOptions", "current", "handle"]
 
 #: Methods that are passed through untouched: they must not change state, so retrying them is harmless.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
@@ -52,6 +54,17 @@ _HEADER_ENVIRON = "HTTP_" + HEADER.upper().replace("-", "_")  # where the WSGI e
 OPTIONS_ATTR = "_flask_idem"
 
 logger = logging.getLogger("flask_idem")
+
+#: The detail of the 500 when a flow's answer is over ``IDEM_MAX_RESPONSE_BYTES``: unlike an atomic
+#: request's, the earlier steps stand (an outside call may have been made) and the request stays open.
+_FLOW_NOT_STORED = (
+    "This request was started and its earlier steps were carried out (a call to another service may have"
+    " been made), but its answer is larger than the server keeps for retries, so the last step was undone"
+    " and the request is not finished. Do not send it again under a new Idempotency-Key: that would carry"
+    " the operation out a second time. A retry with the same key does not repeat the finished steps, but"
+    " meets the same server-side limit until the server is changed; until then the server keeps trying to"
+    " finish it, and after its recovery deadline marks it failed for a person to look at."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,54 +269,40 @@ def _parts(req: Request, policy: Fingerprint) -> RequestParts:
     )
 
 
-def _same_request(record: KeyRecord, keyed: KeyedRequest, printed: _Printed | None) -> bool:
-    """Whether a key's first request and this one are the same request, under the policy of the first."""
-    if hmac.compare_digest(record.request_sha, keyed.request_sha):
-        return True
-    return printed is not None and printed.earlier(record.request_sha)
+def _claim(options: ViewOptions, settings: Settings, attempt: _Attempt) -> _protocol.Claim:
+    """The protocol's claim of a keyed request, under the route's ttl, mismatch rule and policy."""
+    on_mismatch = settings.on_mismatch if options.on_mismatch is None else options.on_mismatch
+    printed = attempt.printed
+    return _protocol.Claim(
+        attempt.request,
+        options.key_ttl(settings),
+        replay_mismatch=on_mismatch == "replay",
+        earlier=None if printed is None or not printed.policy.previous else printed.earlier,
+    )
 
 
 def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Response:
     """Reserve, run the view and store its response in one transaction."""
-    keyed, settings = attempt.request, state.settings
-    stored = False
     if options.store_response == "encrypted" and state.codec is None:
         raise ConfigurationError(
             f"{request.endpoint} keeps its answers encrypted (store_response='encrypted'), and"
             " IDEM_RESPONSE_KEYS is not set: make a key with 'flask idem new-response-key'."
         )
 
-    def body(conn: psycopg.Connection[TupleRow]) -> Response | IdempotencyError:
-        nonlocal stored
-        found = state.store.reserve(conn, keyed, ttl=options.key_ttl(settings))
-        if not found.reserved:
-            return _answer_existing(state, options, found.record, attempt)
-        signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=None)
+    def work(conn: psycopg.Connection[TupleRow]) -> Final[Response]:
         response, document = attempt.respond(state, options, conn)
-        if document is not None:
-            state.store.complete(conn, keyed, document)
-            stored = True
-        state.fire("view", conn)
-        return response
+        return _final(response, document)
 
-    try:
-        answer = in_transaction(state.source, body, batched=True)
-    except psycopg.errors.UniqueViolation as e:
-        if e.diag.table_name != settings.table.rpartition(".")[2]:
-            raise
-        # The key's row, written with COMMIT, met one committed meanwhile (under REPEATABLE READ, whose
-        # snapshot predates the key's lock): nothing of this attempt was kept, and the next finds it.
-        raise _in_flight(settings, keyed, _retention(options, settings)) from None
-    if stored and isinstance(answer, Response):
-        _steps.sent_stored(keyed.org_id, keyed.key, None, answer)
-    return _raise_errors(answer)
+    outcome = _protocol.atomic(state, _claim(options, state.settings, attempt), work)
+    if isinstance(outcome, Final):
+        return outcome.value
+    return _answer_existing(state, options, outcome, attempt)
 
 
-def _raise_errors(answer: Response | IdempotencyError) -> Response:
-    """Raise an error answer once its transaction has ended; pass a response through."""
-    if isinstance(answer, IdempotencyError):
-        raise answer
-    return answer
+def _final(response: Response, document: dict[str, Any] | None) -> Final[Response]:
+    """A response as the protocol's final answer: a 5xx is a failure (rolled back, not stored)."""
+    status = response.status_code
+    return Final(response, document, status, failed=status >= 500)
 
 
 def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Attempt) -> Response:
@@ -312,58 +311,71 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
     A retry finding the request processing under an expired lease takes it over (one winner) and
     resumes it after its last finished step.
     """
-    flow.check()
     settings, keyed = state.settings, attempt.request
     seconds = flow.lease_timeout or settings.lease_timeout
     lease = Lease(keyed.org_id, keyed.key, token=uuid.uuid4(), seconds=seconds)
-    stored = False
 
-    def begin(conn: psycopg.Connection[TupleRow]) -> Response | IdempotencyError | Run:
-        nonlocal stored
-        found = state.store.reserve(conn, keyed, ttl=options.key_ttl(settings), flow=flow.name, lease=lease)
-        if found.reserved:
-            signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=flow.name)
-            intent = attempt.call(conn)
-            if not isinstance(intent, dict):  # the view answered at once, e.g. abort(404)
-                response = current_app.make_response(intent)
-                if response.status_code < 500:
-                    state.store.complete(conn, lease, _record(state, options, response, attempt.printed))
-                    stored = True
-                return response
-            state.store.record_step(conn, lease, INTENT, intent)
-            state.fire("view", conn)
-            return Run(
-                flow=flow.name, org_id=keyed.org_id, key=keyed.key, results={INTENT: intent}, last_step=INTENT
-            )
-        record = found.record
-        if (
-            record is not None
-            and record.status == "processing"
-            and record.flow == flow.name
-            and not record.lease_live
-            and _same_request(record, keyed, attempt.printed)
-            and state.store.take_over(conn, lease)
-        ):
-            return run_from_record(
-                flow, org_id=keyed.org_id, key=keyed.key, step=record.step, state=record.state
-            )
-        return _answer_existing(state, options, record, attempt)
+    def start(conn: psycopg.Connection[TupleRow]) -> Mapping[str, Any] | Final[Response]:
+        intent = attempt.call(conn)
+        if isinstance(intent, dict):
+            return intent
+        response = current_app.make_response(intent)  # the view answered at once, e.g. abort(404)
+        if response.status_code >= 500:
+            return _final(response, None)
+        return _final(response, _record(state, options, response, attempt.printed))
 
-    started = in_transaction(state.source, begin, batched=True)
+    started = _protocol.begin(state, _claim(options, settings, attempt), flow, lease, start)
+    if isinstance(started, Final):
+        return started.value
     if not isinstance(started, Run):
-        if stored and isinstance(started, Response):
-            _steps.sent_stored(keyed.org_id, keyed.key, flow.name, started)
-        return _raise_errors(started)
-    if started.resumed:
-        signals.send(
-            signals.lease_taken_over,
-            org_id=keyed.org_id,
-            key=keyed.key,
-            flow=flow.name,
-            step=started.last_step,
-        )
+        return _answer_existing(state, options, started, attempt)
     stored_request = None if attempt.printed is None else attempt.printed.stored()
-    return _steps.advance(state, flow, started, lease, retry_in=seconds, request=stored_request)
+    try:
+        final = _steps.advance(
+            state, flow, started, lease, RequestDoor(settings, stored_request), retry_in=seconds
+        )
+    except _protocol.LeaseLost:
+        raise KeyInUse(retry_after=settings.retry_after) from None
+    except _protocol.Pending:
+        raise OutcomePending(retry_after=settings.retry_after) from None
+    return final.value
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDoor:
+    """What a multi-step request's finish makes of its answer (:class:`._steps.Door`): a response, stored
+    as the key's answer unless it is a 5xx. Also the recovery job's, for the requests it finishes."""
+
+    settings: Settings
+    #: What the route's fingerprint policy keeps of the request (its part digests), stored with the
+    #: answer; ``None`` for the default policy and for the recovery job, which has no request.
+    request: Mapping[str, Any] | None = None
+
+    def finish(self, call: Callable[[], Any]) -> Final[Response]:
+        return self._final(current_app.make_response(render(call)))
+
+    def refused(self, error: Exception) -> Final[Response] | None:
+        """A database step's 4xx ends the request with that answer (rendered by the error handlers)."""
+        if not isinstance(error, HTTPException) or error.code is None or error.code >= 500:
+            return None
+        return self._final(current_app.make_response(current_app.handle_user_exception(error)))
+
+    def _final(self, response: Response) -> Final[Response]:
+        if response.status_code >= 500:
+            return _final(response, None)
+        settings = self.settings
+        try:
+            document = record_response(
+                response, settings.replay_headers, max_bytes=settings.max_response_bytes, request=self.request
+            )
+        except ResponseNotStored as e:
+            logger.warning(
+                "That answer is a multi-step request's: only its last step was rolled back; the steps"
+                " before it stand, and the request stays in progress until the limit or the answer"
+                " changes or its recovery deadline passes."
+            )
+            raise ResponseNotStored(_FLOW_NOT_STORED) from e
+        return _final(response, document)
 
 
 def _whole_body(req: Request) -> bytes:
@@ -427,33 +439,20 @@ def _org_id(scope: ScopeFunc) -> int:
 
 
 def _answer_existing(
-    state: IdemState, options: ViewOptions, record: KeyRecord | None, attempt: _Attempt
-) -> Response | IdempotencyError:
-    """The answer to a request whose key is already taken: the stored response, or the 409 or 422 to raise.
-
-    The error is returned, not raised, so that the caller can end its transaction with a COMMIT: a
-    ROLLBACK would make psycopg forget the connection's prepared statements, and nothing was written.
-    """
-    settings, keyed = state.settings, attempt.request
-    retention = _retention(options, settings)
-    replayed = signals.response_replayed
-    if record is None:
-        return _in_flight(settings, keyed, retention)
-    if not _same_request(record, keyed, attempt.printed):
-        on_mismatch = settings.on_mismatch if options.on_mismatch is None else options.on_mismatch
-        if on_mismatch != "replay":
-            signals.send(signals.mismatch_rejected, org_id=keyed.org_id, key=keyed.key)
-            return _mismatch(attempt.printed, record, retention)
-        replayed = signals.mismatch_replayed
-    if record.response is None:
-        return _in_flight(settings, keyed, retention)
-    if record.stale:
-        answer = _tombstone_answer(record.response, retention)
-        status = answer.code if isinstance(answer, IdempotencyError) else answer.status_code
-        signals.send(signals.tombstone_hit, org_id=keyed.org_id, key=keyed.key, status=status)
-        return answer
-    signals.send(replayed, org_id=keyed.org_id, key=keyed.key, status=record.response["status"])
-    return replay_response(record.response, state.codec)
+    state: IdemState, options: ViewOptions, outcome: _protocol.Existing, attempt: _Attempt
+) -> Response:
+    """The answer to a request whose key is already taken: the stored response, or the error (409,
+    410, 422) raised."""
+    settings = state.settings
+    if isinstance(outcome, _protocol.Replay):
+        return replay_response(outcome.document, state.codec)
+    if isinstance(outcome, _protocol.Tombstone):
+        if outcome.location is not None:
+            return Response(status=303, headers={"Location": outcome.location})
+        raise KeyExpired(members=_retention(options, settings))
+    if isinstance(outcome, _protocol.Mismatch):
+        raise _mismatch(attempt.printed, outcome.record, _retention(options, settings))
+    raise KeyInUse(retry_after=settings.retry_after, members=_retention(options, settings))
 
 
 def _retention(options: ViewOptions, settings: Settings) -> dict[str, Any]:
@@ -477,20 +476,3 @@ def _mismatch(printed: _Printed | None, record: KeyRecord, retention: dict[str, 
         return KeyMismatch(printed.policy.mismatch_detail(), members=retention)
     detail, differs = told
     return KeyMismatch(detail, members={**retention, "differs": differs})
-
-
-def _in_flight(settings: Settings, keyed: KeyedRequest, retention: dict[str, Any]) -> KeyInUse:
-    signals.send(signals.key_in_flight, org_id=keyed.org_id, key=keyed.key)
-    return KeyInUse(retry_after=settings.retry_after, members=retention)
-
-
-def _tombstone_answer(stored: Mapping[str, Any], retention: dict[str, Any]) -> Response | IdempotencyError:
-    """The answer to a retry whose stored response expired: never a second run.
-
-    ``303 See Other`` to the ``Location`` the first answer had ("the result of your request is over
-    there"), or ``410 Gone`` when it had none.
-    """
-    for name, value in stored.get("headers", ()):
-        if name.lower() == "location":
-            return Response(status=303, headers={"Location": value})
-    return KeyExpired(members=retention)

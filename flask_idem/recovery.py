@@ -16,16 +16,22 @@ import random
 import threading
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 from flask import Flask
 
 from . import _steps, signals, tracing
+from ._protocol import LeaseLost, Pending, give_up_leased
 from ._records import Lease, Stranded
+from ._replay import failure_document
 from ._state import IdemState, get_state
+from ._task import TASK_METHOD, TaskDoor
 from ._transactions import in_transaction
-from .errors import ConfigurationError, KeyInUse, OperationFailed, OutcomePending
+from ._view import RequestDoor
+from .errors import ConfigurationError
 from .flow import run_from_record
 
 __all__ = ["RecoveryReport", "backoff", "recover", "run_forever"]
@@ -92,7 +98,7 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
                 break
             row = claimed[0]
             with (
-                app.test_request_context(row.path, method=row.method),
+                _door_context(app, row),
                 tracing.recovery_span(row.flow, row.org_id, row.key, row.attempts),
             ):
                 _recover_one(state, row, Lease(row.org_id, row.key, token, lease), report, rng)
@@ -114,39 +120,45 @@ def _recover_one(
     retry_in = backoff(
         row.attempts, base=settings.recovery_backoff, cap=settings.recovery_backoff_cap, rng=rng
     )
+    door: _steps.Door[Any] = _TASK_DOOR if row.method == TASK_METHOD else RequestDoor(settings)
     try:
-        response = _steps.advance(state, flow, run, lease, retry_in=retry_in)
-    except OutcomePending:
+        final = _steps.advance(state, flow, run, lease, door, retry_in=retry_in)
+    except Pending:
         report.pending.append((*entry, f"outcome unknown; next try within {retry_in:.1f} s"))
-    except KeyInUse:
+    except LeaseLost:
         report.lost.append((*entry, "taken over by another attempt"))
     except Exception as e:  # one bad row must not stop the pass
         logger.error("Recovery of a %s request failed: %s.", row.flow, type(e).__name__)
         report.pending.append((*entry, f"{type(e).__name__}; will be retried"))
     else:
-        if response.status_code >= 500:  # rolled back and released by the engine: still to be done
-            report.pending.append((*entry, f"finish step answered {response.status_code}; will be retried"))
+        if final.failed:  # rolled back and released by the engine: still to be done
+            report.pending.append((*entry, f"finish step answered {final.status}; will be retried"))
         else:
-            report.completed.append((*entry, f"answered {response.status_code}"))
+            report.completed.append((*entry, f"answered {final.status}"))
             signals.send(
                 signals.recovered,
                 org_id=row.org_id,
                 key=row.key,
                 flow=row.flow,
-                status=response.status_code,
+                status=final.status,
                 attempts=row.attempts,
             )
 
 
+_TASK_DOOR = TaskDoor()
+
+
+def _door_context(app: Flask, row: Stranded) -> AbstractContextManager[object]:
+    """Where a stranded run is finished: a request's in a request context like its first attempt's (its
+    finisher may read ``request``), a task's in the application context it already has."""
+    if row.method == TASK_METHOD:
+        return nullcontext()
+    return app.test_request_context(row.path, method=row.method)
+
+
 def _give_up(state: IdemState, row: Stranded, lease: Lease, reason: str) -> None:
     """Mark the request failed, store the answer a retry will get, and flag it for a person."""
-    error = OperationFailed()
-    record = {
-        "status": error.code,
-        "headers": [["Content-Type", "application/problem+json"]],
-        "body": error.get_body(),
-    }
-    in_transaction(state.source, lambda conn: state.store.complete(conn, lease, record, failed=reason))
+    give_up_leased(state, lease, failure_document(), reason)
     # Sent (and logged at ERROR) once the row is marked: a person is needed.
     signals.send(
         signals.given_up, org_id=row.org_id, key=row.key, flow=row.flow, reason=reason, attempts=row.attempts
