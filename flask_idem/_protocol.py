@@ -1,5 +1,5 @@
 """The key protocol, written once for every door: a request (:mod:`._view`), a background job
-(:mod:`._jobs`) and the recovery job.
+(:mod:`._delivery`) and the recovery job.
 
 It reserves a key (atomically, in the transaction of the work's writes, or under a lease for a
 multi-step run), sorts what is already there into an outcome (:class:`InFlight`, :class:`Mismatch`,

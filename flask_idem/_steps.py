@@ -1,7 +1,7 @@
 """Advancing a multi-step run: the steps after the intent, each guarded by the lease.
 
 Used by every door of the key protocol (:mod:`._protocol`) once a run began or was taken over: a request
-(:mod:`._view`), a background job (:mod:`._jobs`) and the recovery job. Every transaction here is short
+(:mod:`._view`), a background job (:mod:`._delivery`) and the recovery job. Every transaction here is short
 and no connection is held during a call step. The engine knows nothing of HTTP: what the finish step
 answers is made into the door's :class:`._records.Final` by the door (:class:`Door`).
 """

@@ -107,10 +107,10 @@ def handle(
     req = request._get_current_object()  # type: ignore[attr-defined]  # one proxy lookup, not one per use
     if req.method in SAFE_METHODS:
         return current_app.make_response(view(*args, **kwargs))
-    return _keyed(state, req, view, args, kwargs, options)  # within the request's database time
+    return _answer_write(state, req, view, args, kwargs, options)  # within the request's database time
 
 
-def _keyed(
+def _answer_write(
     state: IdemState,
     req: Request,
     view: Callable[..., Any],
@@ -138,7 +138,7 @@ def _keyed(
                 state.source,
                 lambda conn: current_app.make_response(_call_view(conn, None, None, view, args, kwargs)),
             )
-        printed: _Printed | None = None
+        printed: _PolicyPrint | None = None
         if options.fingerprint is None:  # the default policy, as it always was: nothing more to do
             request_sha = fingerprint(
                 method=req.method,
@@ -148,7 +148,7 @@ def _keyed(
                 body=_whole_body(req),
             )
         else:
-            printed = _Printed.of(req, options.fingerprint)
+            printed = _PolicyPrint.of(req, options.fingerprint)
             request_sha = printed.now.sha
         keyed = KeyedRequest(_org_id(options.scope), key, request_sha, req.method, req.path)
         _ready(state)
@@ -191,7 +191,7 @@ class _Attempt:
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
     request: KeyedRequest
-    printed: _Printed | None = None
+    printed: _PolicyPrint | None = None
 
     def call(self, conn: psycopg.Connection[TupleRow]) -> Any:
         """Call the view on ``conn`` (:func:`_call_view`)."""
@@ -215,7 +215,7 @@ class _Attempt:
 
 
 def _record(
-    state: IdemState, options: ViewOptions, response: Response, printed: _Printed | None
+    state: IdemState, options: ViewOptions, response: Response, printed: _PolicyPrint | None
 ) -> dict[str, Any]:
     """What is stored of ``response``, by the route's ``store_response`` and ``IDEM_MAX_RESPONSE_BYTES``."""
     settings = state.settings
@@ -230,7 +230,7 @@ def _record(
 
 
 @dataclass(frozen=True, slots=True)
-class _Printed:
+class _PolicyPrint:
     """A request fingerprinted under its route's policy, kept to compare it under earlier policies."""
 
     policy: Fingerprint
@@ -238,7 +238,7 @@ class _Printed:
     now: Fingerprinted
 
     @classmethod
-    def of(cls, req: Request, policy: Fingerprint) -> _Printed:
+    def of(cls, req: Request, policy: Fingerprint) -> _PolicyPrint:
         return cls(policy, req, policy.compute(_parts(req, policy)))
 
     def stored(self) -> dict[str, Any] | None:
@@ -465,7 +465,7 @@ def _retention(options: ViewOptions, settings: Settings) -> dict[str, Any]:
     }
 
 
-def _mismatch(printed: _Printed | None, record: KeyRecord, retention: dict[str, Any]) -> KeyMismatch:
+def _mismatch(printed: _PolicyPrint | None, record: KeyRecord, retention: dict[str, Any]) -> KeyMismatch:
     """The 422, naming the parts of the request that differ when the route's policy can tell."""
     if printed is None:
         return KeyMismatch(members=retention)

@@ -14,7 +14,7 @@ from flask import current_app
 from flask.cli import AppGroup
 from psycopg.conninfo import conninfo_to_dict
 
-from . import _jobs, _layout, _migrate, relay
+from . import _delivery, _layout, _migrate, relay
 from ._codec import new_key
 from ._outbox import outbox_table
 from ._pool import ProcessPool
@@ -273,7 +273,7 @@ def relay_command(limit: int, loop: bool, interval: float) -> None:
     """
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     try:
-        _jobs.get_jobs(app)
+        _delivery.get_jobs(app)
     except Exception as e:
         raise click.ClickException(str(e)) from None
     if loop:

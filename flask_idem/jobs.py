@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Flask, current_app
 
-from ._jobs import (
+from ._delivery import (
     EXTENSION_NAME,
     Defer,
     Delivery,

@@ -36,7 +36,7 @@ import psycopg
 from blinker import NamedSignal
 from flask import Flask, Response
 
-from . import _jobs, signals
+from . import _delivery, signals
 from ._state import get_state
 from .errors import ConfigurationError
 
@@ -244,7 +244,7 @@ class KeyTableCollector(Collector):
             families["stranded"].add_metric(label, found.stranded)
             families["flagged"].add_metric(label, found.flagged)
             families["oldest"].add_metric(label, found.oldest_processing_seconds)
-            jobs: _jobs.JobsState | None = app.extensions.get(_jobs.EXTENSION_NAME)
+            jobs: _delivery.JobsState | None = app.extensions.get(_delivery.EXTENSION_NAME)
             if jobs is not None:
                 try:
                     outbox = jobs.outbox.state()

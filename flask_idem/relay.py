@@ -22,7 +22,7 @@ import psycopg
 from flask import Flask
 
 from . import signals
-from ._jobs import get_jobs
+from ._delivery import get_jobs
 from ._state import get_state
 from ._task import Message
 from .recovery import backoff

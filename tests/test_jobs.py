@@ -25,7 +25,7 @@ import pytest
 from flask import Flask
 from psycopg import sql
 
-from flask_idem import _jobs
+from flask_idem import _delivery
 from flask_idem.jobs import (
     Defer,
     Delivery,
@@ -76,8 +76,8 @@ def inline_app(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask
 
 def deliver(app: Flask, task: str, *args: Any, key: uuid.UUID, failures: int = 0, **kwargs: Any) -> Any:
     """One delivery of ``task`` for organisation 1, enqueued just now."""
-    delivery = _jobs.Delivery(1, key, args, kwargs, enqueued_at=time.time(), failures=failures)
-    return _jobs.run_delivery(app, jobs.tasks[task], delivery, rng=random.Random(0))
+    delivery = _delivery.Delivery(1, key, args, kwargs, enqueued_at=time.time(), failures=failures)
+    return _delivery.run_delivery(app, jobs.tasks[task], delivery, rng=random.Random(0))
 
 
 def runs(app: Flask) -> list[str]:
@@ -115,8 +115,8 @@ def test_a_redelivered_task_returns_the_stored_result_without_running(
     key = uuid.uuid4()
     first = deliver(jobs_app, "jobs.add", 21, key=key)
     again = deliver(jobs_app, "jobs.add", 21, key=key)
-    assert first == _jobs.Done({"value": 21, "doubled": 42})
-    assert again == _jobs.Done({"value": 21, "doubled": 42}, replayed=True)
+    assert first == _delivery.Done({"value": 21, "doubled": 42})
+    assert again == _delivery.Done({"value": 21, "doubled": 42}, replayed=True)
     assert effects(db) == [("add", 21)]
     assert len(runs(jobs_app)) == 1
     row = db.execute("SELECT method, path, status FROM idempotency_keys").fetchone()
@@ -137,9 +137,9 @@ def test_a_duplicate_is_deferred_while_the_first_runs(jobs_app: Flask, db: psyco
         time.sleep(0.02)
     second = deliver(jobs_app, "jobs.add", 5, hold=1.5, key=key)
     running.join()
-    assert isinstance(second, _jobs.Defer) and not second.failed
+    assert isinstance(second, _delivery.Defer) and not second.failed
     assert 0 <= second.countdown <= 1.0  # IDEM_JOB_BACKOFF_CAP of the jobs app
-    assert first == [_jobs.Done({"value": 5, "doubled": 10})]
+    assert first == [_delivery.Done({"value": 5, "doubled": 10})]
     assert deliver(jobs_app, "jobs.add", 5, hold=1.5, key=key).replayed  # type: ignore[union-attr]
     assert effects(db) == [("add", 5)]
 
@@ -160,7 +160,7 @@ def test_failures_back_off_then_give_up_and_flag(jobs_app: Flask, db: psycopg.Co
     """
     key = uuid.uuid4()
     outcomes = [deliver(jobs_app, "jobs.add", 3, fail=9, key=key, failures=n) for n in range(2)]
-    assert all(isinstance(o, _jobs.Defer) and o.failed and 0 <= o.countdown <= 1.0 for o in outcomes)
+    assert all(isinstance(o, _delivery.Defer) and o.failed and 0 <= o.countdown <= 1.0 for o in outcomes)
     with pytest.raises(JobGivenUp):
         deliver(jobs_app, "jobs.add", 3, fail=9, key=key, failures=2)
     assert effects(db) == []
@@ -177,9 +177,9 @@ def test_past_the_deadline_a_task_is_given_up_without_running(
     jobs_app: Flask, db: psycopg.Connection[Any]
 ) -> None:
     """A delivery enqueued longer ago than IDEM_JOB_DEADLINE is flagged, not run."""
-    delivery = _jobs.Delivery(1, uuid.uuid4(), (4,), {}, enqueued_at=time.time() - 7200)
+    delivery = _delivery.Delivery(1, uuid.uuid4(), (4,), {}, enqueued_at=time.time() - 7200)
     with pytest.raises(JobGivenUp):
-        _jobs.run_delivery(jobs_app, jobs.tasks["jobs.add"], delivery, rng=random.Random(0))
+        _delivery.run_delivery(jobs_app, jobs.tasks["jobs.add"], delivery, rng=random.Random(0))
     assert runs(jobs_app) == []
     assert db.execute("SELECT status, needs_attention FROM idempotency_keys").fetchall() == [("failed", True)]
 
@@ -195,7 +195,7 @@ def test_a_flow_task_killed_after_its_call_is_finished_not_repeated(
     crash_after_send(jobs_app, "a@example.com", key)
     assert db.execute("SELECT status, step FROM idempotency_keys").fetchone() == ("processing", "intent")
     done = deliver(jobs_app, "jobs.mail", "a@example.com", key=key)
-    assert isinstance(done, _jobs.Done) and done.result["sent"].startswith("<")
+    assert isinstance(done, _delivery.Done) and done.result["sent"].startswith("<")
     assert len(receipts(jobs_app.config["JOBS_MAILDIR"])) == 1
     assert [line.split()[0] for line in runs(jobs_app)] == ["mail", "send"]
     assert effects(db) == [("mail", 1)]
@@ -222,7 +222,7 @@ def test_the_outbox_sends_what_commits_and_the_relay_publishes_at_least_once(
     from flask_idem._state import get_state
 
     recorder = Recorder()
-    jobs_app.extensions["idem_jobs"] = state = _jobs.JobsState.create(jobs_app, recorder)
+    jobs_app.extensions["idem_jobs"] = state = _delivery.JobsState.create(jobs_app, recorder)
     pool = get_state(jobs_app).source
     kept = uuid.uuid4()
     with jobs_app.app_context():
@@ -255,8 +255,10 @@ def test_the_outbox_sends_what_commits_and_the_relay_publishes_at_least_once(
 
     for message in recorder.published:  # the consumer absorbs the relay's duplicate
         env = message.envelope
-        delivery = _jobs.Delivery(env.org_id, env.key, tuple(message.args), message.kwargs, env.enqueued_at)
-        _jobs.run_delivery(jobs_app, jobs.tasks[message.task], delivery, rng=random.Random(0))
+        delivery = _delivery.Delivery(
+            env.org_id, env.key, tuple(message.args), message.kwargs, env.enqueued_at
+        )
+        _delivery.run_delivery(jobs_app, jobs.tasks[message.task], delivery, rng=random.Random(0))
     assert effects(db) == [("add", 7)]
 
 
@@ -290,7 +292,7 @@ def test_task_outcomes_are_signalled_and_counted_by_task(
 
     registry = CollectorRegistry()
     Metrics(jobs_app, registry=registry)
-    jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, Recorder())
+    jobs_app.extensions["idem_jobs"] = _delivery.JobsState.create(jobs_app, Recorder())
     deferred: list[dict[str, Any]] = []
     signals.job_deferred.connect(lambda sender, **data: deferred.append(data), sender=jobs_app, weak=False)
     key = uuid.uuid4()
@@ -322,7 +324,7 @@ def test_the_relay_claims_messages_of_every_organisation_oldest_first(
     """Messages of several organisations (several shards on Citus) are claimed together, oldest first,
     ``limit`` per pass."""
     recorder = Recorder()
-    jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, recorder)
+    jobs_app.extensions["idem_jobs"] = _delivery.JobsState.create(jobs_app, recorder)
     with jobs_app.app_context():
         for n in range(6):
             with jobs.idem.pool.connection() as conn, conn.transaction():
@@ -384,14 +386,14 @@ def test_flask_idem_recover_finishes_a_task_whose_message_never_came_back(
     assert len(receipts(jobs_app.config["JOBS_MAILDIR"])) == 1
     assert [line.split()[0] for line in runs(jobs_app)] == ["mail", "send"]
     again = deliver(jobs_app, "jobs.mail", "b@example.com", key=key)
-    assert isinstance(again, _jobs.Done) and again.replayed
+    assert isinstance(again, _delivery.Done) and again.replayed
 
 
 def test_flask_idem_relay_publishes_and_says_so(jobs_app: Flask, make_app: Any) -> None:
     """`flask idem relay` runs one pass and prints its counts; on an application without background
     jobs it says how to set them up."""
     recorder = Recorder()
-    jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, recorder)
+    jobs_app.extensions["idem_jobs"] = _delivery.JobsState.create(jobs_app, recorder)
     with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
         jobs.enqueue("jobs.add", 5, conn=conn, org_id=1, key=uuid.uuid4())
     result = jobs_app.test_cli_runner().invoke(args=["idem", "relay"])
@@ -408,7 +410,7 @@ def test_background_jobs_need_the_outbox_layout(jobs_app: Flask, db: psycopg.Con
     from flask_idem import ConfigurationError, _layout
 
     recorder = Recorder()
-    jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, recorder)
+    jobs_app.extensions["idem_jobs"] = _delivery.JobsState.create(jobs_app, recorder)
     db.execute("ALTER TABLE idempotency_keys_outbox RENAME TO outbox_away")
     db.execute(sql.SQL("COMMENT ON TABLE idempotency_keys IS {}").format(_layout.comment(2, 1)))
     try:
