@@ -8,7 +8,8 @@ behaviour. :class:`IdempotencyPlugin` does it from the routes themselves: every 
   route always requires it), with the key's retention period in its description;
 - the ``Idempotent-Replayed`` header on its success responses, and a ``200`` replay of a ``201``;
 - the ``400``, ``409``, ``422`` and ``503`` problem responses (``application/problem+json``, a shared
-  ``Problem`` schema), the ``409`` and ``503`` with their ``Retry-After`` header; while expired keys are
+  ``Problem`` schema whose ``retryable`` member tells a client whether to retry), the ``409`` and ``503``
+  with their ``Retry-After`` header; while expired keys are
   remembered (``IDEM_TOMBSTONE_TTL``), the ``410`` of a late retry, and its ``303`` when the success
   response has a ``Location``;
 - an ``x-idempotency`` object with the same facts for machines, with the route's fingerprint policy
@@ -52,13 +53,20 @@ PROBLEM_SCHEMA: dict[str, Any] = {
         "title": {"type": "string"},
         "status": {"type": "integer", "minimum": 400, "maximum": 599},
         "detail": {"type": "string"},
+        "retryable": {
+            "type": "boolean",
+            "description": (
+                "Whether the same request with the same Idempotency-Key may get another answer later (after"
+                " Retry-After, when the answer has one): true for 409 and 503, false for 400, 410 and 422."
+            ),
+        },
         "retry_after": {"type": "integer", "description": "Seconds, as in the Retry-After header."},
         "retention": {
             "type": "object",
             "description": "409, 410 and 422: how long keys are kept (response_seconds, tombstone_seconds).",
         },
     },
-    "required": ["type", "title", "status"],
+    "required": ["type", "title", "status", "retryable"],
     "additionalProperties": True,
 }
 
