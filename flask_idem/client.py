@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._keys import HEADER
-from .errors import PROBLEM_JSON
 from ._retry import (
     DEFAULT_RETRY_STATUSES,
     Attempts,
@@ -48,6 +47,7 @@ from ._retry import (
     parse_retry_after,
     set_testing,
 )
+from .errors import PROBLEM_JSON
 
 if TYPE_CHECKING:
     import requests
