@@ -1,4 +1,6 @@
-"""Every error of the shop is ``application/problem+json`` (RFC 9457)."""
+"""Every error of the shop is ``application/problem+json`` (RFC 9457), with flask-idem's ``retryable``
+member: rendered by :func:`flask_idem.errors.problem`, an error says it with a ``retryable`` attribute, or
+its status does."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class ValidationFailed(UnprocessableEntity):
                 "title": "Unprocessable Content",
                 "status": self.code,
                 "detail": self.description,
+                "retryable": False,
                 "errors": self.errors,
             }
         )

@@ -141,6 +141,10 @@ class Problem(Schema):
     title = fields.String(required=True)
     status = fields.Integer(required=True, validate=validate.Range(min=400, max=599))
     detail = fields.String()
+    retryable = fields.Boolean(
+        required=True,
+        metadata={"description": "Whether the same request with the same key may get another answer later."},
+    )
     errors = fields.Dict(metadata={"description": "422 validation errors: messages by field name."})
     retry_after = fields.Integer(metadata={"description": "Seconds, as in the Retry-After header."})
     payment_id = fields.Integer(metadata={"description": "402 and payment failures: the payment recorded."})

@@ -60,8 +60,10 @@ class RetryPolicy:
     :param cap: the longest single wait, ``Retry-After`` included.
     :param attempt_timeout: the longest single attempt, handed to the transport and lowered to the
         time left before the deadline; ``None`` leaves only the deadline.
-    :param retry_statuses: the status codes worth another attempt. 400, 401, 403, 404 and 422 are
-        refused: the same request with the same key gets the same answer again.
+    :param retry_statuses: the status codes worth another attempt, for an answer that does not say
+        itself (a problem document's ``retryable`` member, which :class:`~flask_idem.client.IdempotentClient`
+        follows when present). 400, 401, 403, 404 and 422 are refused: the same request with the same key
+        gets the same answer again.
     :raises ValueError: when a value is out of range.
     """
 

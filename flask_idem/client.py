@@ -3,7 +3,9 @@
 The server can answer a retry with the first result only if every attempt of an operation carries
 the same key. :class:`IdempotentClient` creates that key (a random UUID), sends it on every attempt,
 waits between attempts with capped exponential backoff and full jitter, honours ``Retry-After``, and
-gives up at the first of a number of attempts and a total deadline::
+gives up at the first of a number of attempts and a total deadline. Whether an answer is worth another
+attempt is what its ``application/problem+json`` body says in its ``retryable`` member, which flask-idem
+sends; for an answer without one, its status decides (``RetryPolicy.retry_statuses``)::
 
     import requests
     from flask_idem.client import IdempotentClient, RequestsTransport, RetryPolicy
@@ -24,6 +26,7 @@ and the errors it ends with. The retry policy it runs (:class:`RetryPolicy`, :cl
 
 from __future__ import annotations
 
+import json as jsonlib
 import random
 import sys
 import time
@@ -44,6 +47,7 @@ from ._retry import (
     parse_retry_after,
     set_testing,
 )
+from .errors import PROBLEM_JSON
 
 if TYPE_CHECKING:
     import requests
@@ -66,6 +70,7 @@ __all__ = [
     "Transport",
     "is_testing",
     "parse_retry_after",
+    "retryable_member",
     "set_testing",
 ]
 
@@ -204,9 +209,10 @@ class CallFailed(Exception):
 
 
 class Rejected(CallFailed):
-    """The server answered in a way no retry would change: a 4xx other than 409 and 429, or a 5xx
-    outside the policy's ``retry_statuses``. Raised right after that answer, which ``response``
-    holds with its problem details.
+    """The server answered in a way no retry would change: a problem document with ``"retryable":
+    false``, or, for an answer that does not say, a 4xx other than 409 and 429 or a 5xx outside the
+    policy's ``retry_statuses``. Raised right after that answer, which ``response`` holds with its
+    problem details.
     """
 
 
@@ -242,6 +248,29 @@ def _is_transient(error: BaseException, extra: tuple[type[BaseException], ...]) 
     if requests is not None:
         return isinstance(error, (requests.ConnectionError, requests.Timeout))
     return False
+
+
+def retryable_member(response: ResponseLike) -> bool | None:
+    """The ``retryable`` member of an ``application/problem+json`` answer, or ``None`` when it has none.
+
+    The body is read from the response's ``content`` (``requests``) or ``data`` (Flask's test client);
+    a response with neither, a body that is not a JSON object, or a member that is not a boolean gives
+    ``None``, and the status decides.
+    """
+    content_type = response.headers.get("Content-Type") or ""
+    if content_type.partition(";")[0].strip().lower() != PROBLEM_JSON:
+        return None
+    body = getattr(response, "content", None)
+    if body is None:
+        body = getattr(response, "data", None)
+    if not isinstance(body, (bytes, str)):
+        return None
+    try:
+        document = jsonlib.loads(body)
+    except ValueError:
+        return None
+    said = document.get("retryable") if isinstance(document, dict) else None
+    return said if isinstance(said, bool) else None
 
 
 class IdempotentClient(Generic[R]):
@@ -312,7 +341,9 @@ class IdempotentClient(Generic[R]):
         :param key: the key to send; a new random UUID when omitted. Pass a key stored before the
             first attempt to resume an operation after the calling process died.
         :return: the first 2xx response.
-        :raises Rejected: at once, on an answer that no retry would change.
+        :raises Rejected: at once, on an answer that no retry would change: a problem document that
+            says ``"retryable": false``, or an answer that does not say whose status is not in the
+            policy's ``retry_statuses``.
         :raises RetriesExhausted: when the attempts, the deadline or the budget run out.
         :raises ValueError: when *key* is not a UUID or *headers* already carry a key.
         """
@@ -340,10 +371,12 @@ class IdempotentClient(Generic[R]):
             if response is not None and 200 <= response.status_code < 300:
                 self._report(AttemptInfo(key, number, status, None, None))
                 return response
-            if status is not None and status not in self.policy.retry_statuses:
+            said = None if response is None else retryable_member(response)
+            if status is not None and not (status in self.policy.retry_statuses if said is None else said):
                 self._report(AttemptInfo(key, number, status, None, None))
+                why = "which no retry would change" if said is None else "which the server says is final"
                 raise Rejected(
-                    f"{method} was answered {status}, which no retry would change; {HEADER}: {key}",
+                    f"{method} was answered {status}, {why}; {HEADER}: {key}",
                     key=key,
                     attempts=number,
                     response=response,

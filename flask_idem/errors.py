@@ -7,8 +7,10 @@ it without help and an application can override the rendering for one case or fo
     def key_in_use(e):
         return {"message": "try again shortly"}, 409, {"Retry-After": str(e.retry_after)}
 
-The bodies follow RFC 9457 (Problem Details for HTTP APIs). They never carry the raw header value, the
-request body, SQL text, SQL parameters or connection settings.
+The bodies follow RFC 9457 (Problem Details for HTTP APIs). Besides the standard members, every body
+carries ``retryable``: whether the same request with the same key may get another answer later, so that a
+client needs no table of statuses (``docs/errors.rst`` lists every problem type with it). The bodies never
+carry the raw header value, the request body, SQL text, SQL parameters or connection settings.
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ PROBLEM_JSON = "application/problem+json"
 
 _TYPE_PREFIX = "urn:flask-idem:problem:"
 
+# Problems of other kinds (rendered by problem() as about:blank) are retryable by their status: a timeout,
+# too many requests, and the gateway and availability errors. 409 is not among them: a conflict with the
+# state of a resource is resolved by changing the request; flask-idem's own 409 is KeyInUse, which says
+# it is retryable itself. 500 is final: an unexpected error is a defect that a retry meets again.
+_RETRYABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
+
 
 class ConfigurationError(RuntimeError):
     """The extension is set up wrongly: raised by ``init_app`` and the decorators, never because of
@@ -81,6 +89,10 @@ class IdempotencyError(HTTPException):
     title: ClassVar[str] = "Idempotency error"
     #: Default ``detail`` member.
     default_detail: ClassVar[str] = ""
+    #: The ``retryable`` member: whether the same request with the same key may get another answer later
+    #: (after ``Retry-After``, when the error carries one). ``False`` means that a retry gets this answer
+    #: again, or that only a change of the request or on the server helps.
+    retryable: ClassVar[bool] = False
     #: Seconds for ``Retry-After`` (typed as Werkzeug's own attribute of the same name).
     retry_after: datetime | int | None
 
@@ -103,6 +115,7 @@ class IdempotencyError(HTTPException):
             "title": self.title,
             "status": self.code,
             "detail": self.description,
+            "retryable": self.retryable,
         }
         if isinstance(self.retry_after, int):
             body["retry_after"] = self.retry_after
@@ -170,6 +183,7 @@ class KeyInUse(IdempotencyError, Conflict):
     """409: an earlier request with the same key is still being processed. Retry after a moment."""
 
     problem_type = _TYPE_PREFIX + "key-in-use"
+    retryable = True
     title = "A request with this Idempotency-Key is in progress"
     default_detail = (
         "An earlier request with the same Idempotency-Key has not finished yet. Retry with the same key "
@@ -208,6 +222,7 @@ class DatabaseUnavailable(IdempotencyError, ServiceUnavailable):
     """503: the key store could not be reached or the transaction could not commit. Safe to retry."""
 
     problem_type = _TYPE_PREFIX + "store-unavailable"
+    retryable = True
     title = "Service temporarily unavailable"
     default_detail = (
         "The request could not be completed now. Retry with the same Idempotency-Key after the "
@@ -223,6 +238,7 @@ class OutcomePending(IdempotencyError, ServiceUnavailable):
     """
 
     problem_type = _TYPE_PREFIX + "outcome-pending"
+    retryable = True
     title = "Outcome not known yet"
     default_detail = (
         "The request was accepted, but a call it depends on ended without a known outcome. Retry with "
@@ -291,9 +307,10 @@ class DatabaseFailed(IdempotencyError, InternalServerError):
 def problem(error: HTTPException) -> Response:
     """Render any Werkzeug HTTP exception as an ``application/problem+json`` response.
 
-    :class:`IdempotencyError` instances keep their own type, detail and headers; other exceptions get
-    ``"type": "about:blank"`` and the standard reason phrase as title. Register it to make every error of an
-    application a problem document::
+    :class:`IdempotencyError` instances keep their own type, detail, ``retryable`` and headers; other
+    exceptions get ``"type": "about:blank"``, the standard reason phrase as title, and ``retryable`` from
+    their own ``retryable`` attribute when they have one, else from the status (``true`` for 408, 429,
+    502, 503 and 504). Register it to make every error of an application a problem document::
 
         app.register_error_handler(HTTPException, flask_idem.errors.problem)
     """
@@ -307,10 +324,17 @@ def problem(error: HTTPException) -> Response:
             "title": HTTP_STATUS_CODES.get(code, "Unknown Error"),
             "status": code,
             "detail": error.description,
+            "retryable": _retryable(error, code),
         }
         headers = [(k, v) for k, v in error.get_headers() if k.lower() != "content-type"]
         headers.append(("Content-Type", PROBLEM_JSON))
     return Response(json.dumps(body), status=body["status"], headers=headers)
+
+
+def _retryable(error: HTTPException, code: int) -> bool:
+    """An application's exception may say whether it is retryable; else its status does."""
+    said = getattr(error, "retryable", None)
+    return said if isinstance(said, bool) else code in _RETRYABLE_STATUSES
 
 
 _logger = logging.getLogger("flask_idem")

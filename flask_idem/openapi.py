@@ -8,11 +8,13 @@ behaviour. :class:`IdempotencyPlugin` does it from the routes themselves: every 
   route always requires it), with the key's retention period in its description;
 - the ``Idempotent-Replayed`` header on its success responses, and a ``200`` replay of a ``201``;
 - the ``400``, ``409``, ``422`` and ``503`` problem responses (``application/problem+json``, a shared
-  ``Problem`` schema), the ``409`` and ``503`` with their ``Retry-After`` header; while expired keys are
+  ``Problem`` schema whose ``retryable`` member tells a client whether to retry), the ``409`` and ``503``
+  with their ``Retry-After`` header; while expired keys are
   remembered (``IDEM_TOMBSTONE_TTL``), the ``410`` of a late retry, and its ``303`` when the success
   response has a ``Location``;
 - an ``x-idempotency`` object with the same facts for machines, with the route's fingerprint policy
-  (``fingerprint``: what counts; ``fingerprintPolicy``: its pointers, headers and id) and, when it is not
+  (``fingerprint``: what counts; ``fingerprintPolicy``: its pointers, headers and id), the problem types
+  of those responses with their status and ``retryable`` (``problemTypes``) and, when it is not
   ``"full"``, what a stored answer keeps (``storeResponse``);
 - for a route that keeps only the ``Location`` of its answers (``store_response="location"``), the
   ``303`` a retry gets instead of the ``200`` replay.
@@ -36,7 +38,19 @@ from ._policy import Fingerprint
 from ._replay import REPLAYED_HEADER
 from ._state import get_state
 from ._view import OPTIONS_ATTR, ViewOptions
-from .errors import PROBLEM_JSON, ConfigurationError
+from .errors import (
+    PROBLEM_JSON,
+    ConfigurationError,
+    DatabaseUnavailable,
+    IdempotencyError,
+    InvalidBody,
+    InvalidKey,
+    KeyExpired,
+    KeyInUse,
+    KeyMismatch,
+    MissingKey,
+    OutcomePending,
+)
 
 __all__ = ["PROBLEM_SCHEMA", "IdempotencyPlugin"]
 
@@ -52,13 +66,20 @@ PROBLEM_SCHEMA: dict[str, Any] = {
         "title": {"type": "string"},
         "status": {"type": "integer", "minimum": 400, "maximum": 599},
         "detail": {"type": "string"},
+        "retryable": {
+            "type": "boolean",
+            "description": (
+                "Whether the same request with the same Idempotency-Key may get another answer later (after"
+                " Retry-After, when the answer has one): true for 409 and 503, false for 400, 410 and 422."
+            ),
+        },
         "retry_after": {"type": "integer", "description": "Seconds, as in the Retry-After header."},
         "retention": {
             "type": "object",
             "description": "409, 410 and 422: how long keys are kept (response_seconds, tombstone_seconds).",
         },
     },
-    "required": ["type", "title", "status"],
+    "required": ["type", "title", "status", "retryable"],
     "additionalProperties": True,
 }
 
@@ -338,6 +359,19 @@ class _Contract:
             result["410"] = _EXPIRED
         return dict(sorted(result.items()))
 
+    def problem_types(self) -> list[type[IdempotencyError]]:
+        """The errors behind the problem responses of :meth:`problems`, in order of status."""
+        found: list[type[IdempotencyError]] = [MissingKey] if self.required else []
+        found += [InvalidKey, InvalidBody, KeyInUse]
+        if self.tombstone_ttl:
+            found.append(KeyExpired)
+        if self.on_mismatch == "reject":
+            found.append(KeyMismatch)
+        found.append(DatabaseUnavailable)
+        if self.multi_step:
+            found.append(OutcomePending)
+        return found
+
     def extension(self) -> dict[str, Any]:
         """The ``x-idempotency`` object: the policy, for machines."""
         extension: dict[str, Any] = {
@@ -348,6 +382,10 @@ class _Contract:
             "fingerprint": list(_WHOLE_REQUEST),
             "onMismatch": self.on_mismatch,
             "multiStep": self.multi_step,
+            "problemTypes": [
+                {"type": error.problem_type, "status": error.code, "retryable": error.retryable}
+                for error in self.problem_types()
+            ],
         }
         if self.policy is not None:
             extension["fingerprint"] = self.policy.counted()

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import requests
 from flask import Flask, request
+from werkzeug.exceptions import HTTPException, ServiceUnavailable, UnprocessableEntity
 
 from flask_idem._keys import HEADER
 from flask_idem.client import (
@@ -29,9 +30,10 @@ from flask_idem.client import (
     RetryPolicy,
     is_testing,
     parse_retry_after,
+    retryable_member,
     set_testing,
 )
-from flask_idem.errors import DatabaseUnavailable, KeyMismatch
+from flask_idem.errors import DatabaseUnavailable, KeyMismatch, problem
 
 from .support.servers import in_thread
 
@@ -475,8 +477,21 @@ def test_requests_transport_without_requests_names_the_extra(monkeypatch: pytest
 # Real HTTP: a tiny Flask app that answers with the extension's own problem+json errors.
 
 
+class NotYet(UnprocessableEntity):
+    """A 422, final by the status table, whose problem document says that a retry may succeed."""
+
+    retryable = True
+
+
+class ClosedForGood(ServiceUnavailable):
+    """A 503, retried by the status table, whose problem document says that no retry will succeed."""
+
+    retryable = False
+
+
 def tiny_app() -> Flask:
     app = Flask(__name__)
+    app.register_error_handler(HTTPException, problem)
     app.config["FAILURES"] = 2
     attempts: dict[str, int] = {}
     app.extensions["attempts"] = attempts
@@ -509,6 +524,22 @@ def tiny_app() -> Flask:
     def mismatch() -> str:
         count()
         raise KeyMismatch()
+
+    @app.post("/not-yet")
+    def not_yet() -> tuple[str, int]:
+        if count() <= 2:
+            raise NotYet()
+        return "", 201
+
+    @app.post("/closed")
+    def closed() -> str:
+        count()
+        raise ClosedForGood()
+
+    @app.post("/plain-json")
+    def plain_json() -> tuple[dict[str, Any], int]:
+        count()
+        return {"retryable": True}, 422
 
     return app
 
@@ -566,6 +597,52 @@ def test_requests_over_real_http(server: tuple[str, Flask]) -> None:
     assert response.json() == {"key": seen[0].key, "amount": 7}
     assert app.extensions["attempts"] == {seen[0].key: 3}
     assert [(info.number, info.status) for info in seen] == [(1, 503), (2, 503), (3, 201)]
+
+
+def test_retryable_true_beats_a_final_status(server: tuple[str, Flask]) -> None:
+    """A 422 problem saying "retryable": true is retried with the same key until the 201."""
+    url, app = server
+    seen: list[AttemptInfo] = []
+    with requests.Session() as session, set_testing(True):
+        client = IdempotentClient(RequestsTransport(session), on_attempt=seen.append)
+        assert client.post(f"{url}/not-yet", json={}).status_code == 201
+    assert [(info.number, info.status) for info in seen] == [(1, 422), (2, 422), (3, 201)]
+    assert app.extensions["attempts"] == {seen[0].key: 3}
+
+
+def test_retryable_false_beats_a_retried_status(server: tuple[str, Flask]) -> None:
+    """A 503 problem saying "retryable": false raises Rejected after the one attempt."""
+    url, app = server
+    with requests.Session() as session, set_testing(True):
+        client = IdempotentClient(RequestsTransport(session))
+        with pytest.raises(Rejected, match="the server says is final") as info:
+            client.post(f"{url}/closed", json={})
+    assert info.value.status == 503
+    assert app.extensions["attempts"] == {info.value.key: 1}
+
+
+def test_retryable_outside_a_problem_is_ignored(server: tuple[str, Flask]) -> None:
+    """A "retryable" member of a plain JSON body is not a problem's: the 422 stays final."""
+    url, app = server
+    with requests.Session() as session, set_testing(True):
+        client = IdempotentClient(RequestsTransport(session))
+        with pytest.raises(Rejected, match="no retry would change") as info:
+            client.post(f"{url}/plain-json", json={})
+    assert app.extensions["attempts"] == {info.value.key: 1}
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [("/not-yet", True), ("/closed", False), ("/mismatch", False), ("/plain-json", None), ("/busy", None)],
+    ids=["true", "false", "flask-idem-422", "plain-json", "empty-503"],
+)
+def test_retryable_member(server: tuple[str, Flask], path: str, expected: bool | None) -> None:
+    """retryable_member reads a problem's member from requests and from Flask's test client alike."""
+    url, app = server
+    headers = {HEADER: str(uuid.uuid4())}
+    with requests.Session() as session:
+        assert retryable_member(session.post(f"{url}{path}", json={}, headers=headers)) is expected
+    assert retryable_member(app.test_client().post(path, json={}, headers=headers)) is expected
 
 
 def test_requests_read_timeout_is_retried(server: tuple[str, Flask]) -> None:

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from flask import Flask
-from werkzeug.exceptions import BadRequest, Conflict, MethodNotAllowed, NotFound
+from werkzeug.exceptions import (
+    BadRequest,
+    Conflict,
+    HTTPException,
+    InternalServerError,
+    MethodNotAllowed,
+    NotFound,
+    RequestEntityTooLarge,
+    RequestTimeout,
+    ServiceUnavailable,
+    TooManyRequests,
+)
 
 from flask_idem.errors import (
     PROBLEM_JSON,
@@ -49,6 +63,76 @@ def test_problem_renders_any_http_exception() -> None:
     assert response.json["title"] == "Method Not Allowed"
     assert response.json["type"] == "about:blank"
     assert problem(NotFound()).json["status"] == 404  # type: ignore[index]
+
+
+def error_classes() -> list[type[IdempotencyError]]:
+    """Every subclass of IdempotencyError that flask-idem defines, however deep."""
+    found: list[type[IdempotencyError]] = []
+    todo = [IdempotencyError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.__module__.startswith("flask_idem"):
+                found.append(sub)
+    return sorted(found, key=lambda cls: cls.__name__)
+
+
+@pytest.mark.parametrize("cls", error_classes(), ids=lambda cls: cls.__name__)
+def test_every_problem_says_whether_it_is_retryable(cls: type[IdempotencyError]) -> None:
+    """Each error's body carries a boolean retryable: true for 409 and 503, false for every other status."""
+    error = cls(retry_after=2) if cls.code in (409, 503) else cls()
+    for body in (error.to_dict(), json.loads(error.get_body()), json.loads(problem(error).get_data())):
+        assert body["retryable"] is (error.code in (409, 503))
+        assert body["type"].startswith("urn:flask-idem:problem:")
+
+
+def test_extension_members_cannot_override_retryable() -> None:
+    """A member passed to an error does not replace the class's retryable."""
+    assert KeyMismatch(members={"retryable": True}).to_dict()["retryable"] is False
+
+
+def documented_problem_types() -> set[tuple[str, int, bool, str]]:
+    """The rows of docs/errors.rst's table of problem types: (type, status, retryable, class)."""
+    text = (Path(__file__).parent.parent / "docs" / "errors.rst").read_text()
+    row = re.compile(
+        r"\*   - ``(urn:flask-idem:problem:[a-z-]+)``\n"
+        r"\s+- ``(\d{3})``\n"
+        r"\s+- ``(true|false)``\n"
+        r"\s+- :class:`(\w+)`"
+    )
+    return {(t, int(status), said == "true", name) for t, status, said, name in row.findall(text)}
+
+
+def test_docs_table_of_problem_types_matches_the_code() -> None:
+    """docs/errors.rst lists every problem type with its status, retryable and class, and nothing else."""
+    in_code = {(cls.problem_type, cls.code, cls.retryable, cls.__name__) for cls in error_classes()}
+    assert documented_problem_types() == in_code
+
+
+class StockBeingCounted(Conflict):
+    retryable = True
+
+
+@pytest.mark.parametrize(
+    ("error", "retryable"),
+    [
+        (NotFound(), False),
+        (Conflict(), False),
+        (RequestEntityTooLarge(), False),
+        (InternalServerError(), False),
+        (RequestTimeout(), True),
+        (TooManyRequests(), True),
+        (ServiceUnavailable(), True),
+        (StockBeingCounted(), True),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, HTTPException) else str(value).lower(),
+)
+def test_problem_says_whether_other_errors_are_retryable(error: HTTPException, retryable: bool) -> None:
+    """problem() gives any exception retryable: its own attribute, else true for 408, 429, 502-504."""
+    body = problem(error).json
+    assert body is not None
+    assert body["type"] == "about:blank"
+    assert body["retryable"] is retryable
 
 
 def test_application_can_override_rendering(database_url: str, db: Any) -> None:

@@ -115,6 +115,15 @@ def test_plain_apispec_app() -> None:
         "fingerprint": ["method", "path", "query", "media type", "body"],
         "onMismatch": "reject",
         "multiStep": False,
+        "problemTypes": [
+            {"type": "urn:flask-idem:problem:missing-key", "status": 400, "retryable": False},
+            {"type": "urn:flask-idem:problem:invalid-key", "status": 400, "retryable": False},
+            {"type": "urn:flask-idem:problem:invalid-body", "status": 400, "retryable": False},
+            {"type": "urn:flask-idem:problem:key-in-use", "status": 409, "retryable": True},
+            {"type": "urn:flask-idem:problem:key-expired", "status": 410, "retryable": False},
+            {"type": "urn:flask-idem:problem:key-mismatch", "status": 422, "retryable": False},
+            {"type": "urn:flask-idem:problem:store-unavailable", "status": 503, "retryable": True},
+        ],
     }
     get = paths["/notes"]["get"]
     assert key_parameter(get) is None and "x-idempotency" not in get and set(get["responses"]) == {"200"}
@@ -122,6 +131,39 @@ def test_plain_apispec_app() -> None:
     form = paths["/form"]["post"]  # key_from=: the key is not a header
     assert key_parameter(form) is None and form["x-idempotency"]["header"] is None
     assert {"200", "409", "422"} <= set(form["responses"])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"IDEM_REQUIRE_KEY": False, "IDEM_ON_MISMATCH": "replay", "IDEM_TOMBSTONE_TTL": 0}],
+    ids=["defaults", "lenient"],
+)
+def test_problem_types_match_the_problem_responses(config: dict[str, Any]) -> None:
+    """problemTypes names one documented problem response per status, and only those, with its retryable."""
+    app, idem = make_app(**config)
+    for path, item in plain_document(app, idem)["paths"].items():
+        for method, operation in item.items():
+            if "x-idempotency" not in operation:
+                continue
+            listed = operation["x-idempotency"]["problemTypes"]
+            problems = {
+                status
+                for status, response in operation["responses"].items()
+                if PROBLEM_JSON in response.get("content", {})
+            }
+            assert {str(entry["status"]) for entry in listed} == problems, (method, path)
+            for entry in listed:
+                assert entry["retryable"] is (entry["status"] in (409, 503))
+            types = [entry["type"] for entry in listed]
+            policy = operation["x-idempotency"]
+            assert ("urn:flask-idem:problem:missing-key" in types) is policy["required"]
+            assert ("urn:flask-idem:problem:outcome-pending" in types) is policy["multiStep"]
+
+
+def test_problem_schema_documents_retryable() -> None:
+    """The Problem schema requires the boolean retryable member."""
+    assert "retryable" in PROBLEM_SCHEMA["required"]
+    assert PROBLEM_SCHEMA["properties"]["retryable"]["type"] == "boolean"
 
 
 def test_route_options_win_over_settings() -> None:

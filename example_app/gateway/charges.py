@@ -51,6 +51,7 @@ def _declined(charge: Charge) -> Response:
         "title": "Card declined",
         "status": 402,
         "detail": "The issuer declined this charge; a retry with this key gets the same answer.",
+        "retryable": False,
         "charge_id": charge.id,
     }
     return Response(json.dumps(body), status=402, content_type=PROBLEM_JSON)

@@ -96,7 +96,7 @@ def test_errors_are_problems(document: dict[str, Any], method: str, path: str) -
             assert list(response["content"]) == [PROBLEM_JSON], status
             assert response["content"][PROBLEM_JSON]["schema"] == {"$ref": "#/components/schemas/Problem"}
     problem = document["components"]["schemas"]["Problem"]
-    assert set(problem["required"]) == {"type", "title", "status"}
+    assert set(problem["required"]) == {"type", "title", "status", "retryable"}
     assert problem["additionalProperties"] is True
 
 
@@ -191,3 +191,7 @@ def test_writes_publish_the_idempotency_policy(document: dict[str, Any], path: s
         86400,
         path == "/payments",
     )
+    retryable = {entry["type"].rpartition(":")[2]: entry["retryable"] for entry in policy["problemTypes"]}
+    assert retryable["key-in-use"] is retryable["store-unavailable"] is True
+    assert not any(retryable[name] for name in ("missing-key", "invalid-key", "key-mismatch", "key-expired"))
+    assert ("outcome-pending" in retryable) is (path == "/payments")

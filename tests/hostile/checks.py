@@ -36,6 +36,7 @@ def problem_document(status: int, content_type: str | None, body: bytes) -> dict
     document: dict[str, Any] = json.loads(body)
     assert document["status"] == status
     assert isinstance(document["type"], str) and isinstance(document["title"], str)
+    assert isinstance(document["retryable"], bool), document  # a client needs no table of statuses
     return document
 
 
