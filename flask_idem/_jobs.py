@@ -31,13 +31,13 @@ from . import _layout, _steps, signals
 from ._fingerprint import fingerprint
 from ._outbox import Outbox
 from ._records import KeyedRequest, KeyRecord, Lease
+from ._retry import backoff
 from ._settings import parse_seconds
 from ._state import IdemState, get_state
 from ._task import TASK_METHOD, Envelope, Job, JobGivenUp, JobMismatch, JobPolicy, Publisher, task_path
 from ._transactions import entering_app_code, in_transaction
 from .errors import ConfigurationError, KeyInUse, OperationFailed, OutcomePending
 from .flow import INTENT, Flow, Run, run_from_record
-from .recovery import backoff
 
 __all__ = [
     "EXTENSION_NAME",

@@ -23,6 +23,7 @@ from flask import Flask
 
 from . import _steps, signals, tracing
 from ._records import Lease, Stranded
+from ._retry import backoff as backoff
 from ._state import IdemState, get_state
 from ._transactions import in_transaction
 from .errors import ConfigurationError, KeyInUse, OperationFailed, OutcomePending
@@ -46,15 +47,6 @@ class RecoveryReport:
     def claimed(self) -> int:
         """How many stranded requests this pass claimed."""
         return len(self.completed) + len(self.pending) + len(self.failed) + len(self.lost)
-
-
-def backoff(attempt: int, *, base: float, cap: float, rng: random.Random) -> float:
-    """Seconds to wait before attempt ``attempt + 1``, with full jitter.
-
-    ``uniform(0, min(cap, base * 2**attempt))``: the waits of many stranded requests spread over the whole
-    interval instead of arriving at the outside party together.
-    """
-    return rng.uniform(0, min(cap, base * 2 ** min(attempt, 62)))
 
 
 def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -> RecoveryReport:

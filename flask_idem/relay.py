@@ -23,9 +23,9 @@ from flask import Flask
 
 from . import signals
 from ._jobs import get_jobs
+from ._retry import backoff
 from ._state import get_state
 from ._task import Message
-from .recovery import backoff
 
 __all__ = ["RelayReport", "relay", "relay_forever"]
 
