@@ -19,10 +19,7 @@ inside the caller's transaction.
 
 from __future__ import annotations
 
-import functools
-import re
 import uuid
-from importlib.resources import files
 from typing import Any
 
 import psycopg
@@ -46,6 +43,7 @@ from ._records import (
     TableStats,
     lock_id,
 )
+from ._sqlfile import SqlFile
 from .signals import timed
 
 __all__ = ["Store"]
@@ -401,13 +399,8 @@ class _Statements:
             "table": name,
             "reserve_function": sql.Identifier(*parts[:-1], parts[-1] + "_reserve"),
         }
-        fragments, statements = _blocks(distributed)
-        for fragment, text in fragments.items():
-            names[fragment] = sql.SQL(text).format(**names)
-
-        def q(block: str, **more: sql.Composable) -> bytes:
-            # Rendered once: executing a Composed would compose it again on every call.
-            return sql.SQL(statements[block]).format(**names, **more).as_bytes(None)
+        q = SqlFile("_store.sql", names, distributed=distributed)
+        names = q.names
 
         self.reserve = q("reserve", lease=names["atomic"])
         self.reserve_leased = q("reserve", lease=names["leased"])
@@ -450,34 +443,3 @@ class _Statements:
             self.claim_candidates = q("claim_candidates")
             self.purge_candidates = q("purge_candidates")
             self.tombstone_candidates = q("tombstone_candidates")
-
-
-_NAME = re.compile(r"^-- name: (fragment )?(\w+)( citus)?$")
-
-
-@functools.cache
-def _blocks(distributed: bool) -> tuple[dict[str, str], dict[str, str]]:
-    """The fragments and the statements of ``_store.sql``, comments dropped and white space collapsed;
-    on Citus (``distributed``) a block named ``... citus`` replaces its plain namesake."""
-    fragments: dict[str, str] = {}
-    statements: dict[str, str] = {}
-    block: tuple[dict[str, str], str] | None = None
-    lines: list[str] = []
-
-    def close() -> None:
-        if block is not None:
-            target, name = block
-            target[name] = " ".join(" ".join(lines).split())
-
-    for line in files(__package__).joinpath("_store.sql").read_text("utf-8").splitlines():
-        match = _NAME.match(line)
-        if match is not None:
-            close()
-            fragment, name, citus = match.groups()
-            lines = []
-            keep = distributed or citus is None
-            block = ((fragments if fragment else statements), name) if keep else None
-        elif not line.lstrip().startswith("--"):
-            lines.append(line)
-    close()
-    return fragments, statements
