@@ -43,6 +43,7 @@ from ._records import (
     TableStats,
     lock_id,
 )
+from ._settings import table_parts
 from ._sqlfile import SqlFile
 from .signals import timed
 
@@ -388,9 +389,7 @@ class _Statements:
     """Every statement of the store (``_store.sql``), composed once for one table name."""
 
     def __init__(self, table: str, *, distributed: bool = False) -> None:
-        parts = table.split(".")
-        if not 1 <= len(parts) <= 2 or not all(parts):
-            raise ValueError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}")
+        parts = table_parts(table)
         self.distributed = distributed
         name = sql.Identifier(*parts)
         #: The table's name as ``regclass`` input (quoted, schema-qualified if given).
