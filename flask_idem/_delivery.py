@@ -31,7 +31,8 @@ from ._fingerprint import fingerprint
 from ._outbox import Outbox
 from ._records import Final, KeyedRequest, Lease
 from ._replay import failure_document
-from ._settings import parse_seconds
+from ._retry import backoff
+from ._settings import SETTINGS
 from ._state import IdemState, get_state
 from ._task import (
     TASK_METHOD,
@@ -49,7 +50,6 @@ from ._task import (
 from ._transactions import entering_app_code
 from .errors import ConfigurationError
 from .flow import Flow, Run
-from .recovery import backoff
 
 __all__ = [
     "EXTENSION_NAME",
@@ -103,10 +103,8 @@ class JobsState:
             policy=policy or JobPolicy.from_config(config),
             outbox=Outbox.of(state.source, state.settings),
             publisher=publisher,
-            relay_lease=parse_seconds("IDEM_OUTBOX_LEASE", config.get("IDEM_OUTBOX_LEASE", 30.0)),
-            retention=parse_seconds(
-                "IDEM_OUTBOX_RETENTION", config.get("IDEM_OUTBOX_RETENTION", 24 * 3600.0), zero=True
-            ),
+            relay_lease=SETTINGS["IDEM_OUTBOX_LEASE"].read(config),
+            retention=SETTINGS["IDEM_OUTBOX_RETENTION"].read(config),
         )
 
 

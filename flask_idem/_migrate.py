@@ -42,6 +42,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from . import _layout
 from ._layout import Found, Index, Revision
+from ._retry import backoff
 from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
 
 __all__ = ["ATTEMPTS", "Report", "connect", "grant", "pending", "upgrade"]
@@ -54,9 +55,11 @@ T = TypeVar("T")
 ATTEMPTS = 30
 #: Tries of one revision whose concurrent index build failed (left an invalid index).
 _BUILD_ATTEMPTS = 5
-#: The pause between tries grows from this to :data:`_MAX_PAUSE` seconds (full jitter).
+#: The pause between tries grows from this to :data:`_MAX_PAUSE` seconds, drawn with equal jitter (from
+#: half the ceiling to all of it): a retry waits for a lock to be let go, so none comes back at once.
 _FIRST_PAUSE = 0.1
 _MAX_PAUSE = 5.0
+_RNG = random.Random()
 
 #: Session settings of the migration's connection: no timeout for statements (index builds) or for locks
 #: outside its transactions (an index build waits for older transactions without blocking anyone).
@@ -331,7 +334,6 @@ class _Runner:
     def transaction(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """Run ``work`` in a transaction under the migration's advisory lock and a short lock timeout;
         try again, after a growing pause, when a lock could not be had in time or a deadlock broke it."""
-        pause = _FIRST_PAUSE
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 with self.conn.transaction():
@@ -347,10 +349,9 @@ class _Runner:
                     raise
                 if self.report is not None:
                     self.report.lock_retries += 1
-                wait = random.uniform(pause / 2, pause)
+                wait = backoff(attempt - 1, base=_FIRST_PAUSE, cap=_MAX_PAUSE, rng=_RNG, jitter="equal")
                 self.echo(f"{type(e).__name__}: a lock was not free in time; trying again in {wait:.1f} s.")
                 time.sleep(wait)
-                pause = min(pause * 2, _MAX_PAUSE)
         raise AssertionError("unreachable")
 
     def _drop_if_invalid(self, conn: psycopg.Connection[Any], name: str) -> None:

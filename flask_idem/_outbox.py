@@ -1,4 +1,5 @@
-"""The outbox table of background jobs: every SQL statement about it (the key table's are in :mod:`._store`).
+"""The outbox table of background jobs: every SQL statement about it (``_outbox.sql``; the key table's are
+in :mod:`._store`).
 
 A message is written in the caller's transaction (:meth:`Outbox.write`), so it exists exactly when the
 request's writes and key commit. The relay claims unsent messages under a short lease (``FOR UPDATE
@@ -13,7 +14,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, LiteralString
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -22,6 +23,7 @@ from psycopg.types.json import Jsonb
 
 from ._pool import ConnectionSource
 from ._settings import Settings
+from ._sqlfile import SqlFile
 from ._task import Envelope, Message
 
 __all__ = ["Outbox", "OutboxState", "outbox_table"]
@@ -145,67 +147,16 @@ def _message(row: dict[str, Any]) -> Message:
 
 
 class _Statements:
-    """The outbox's statements, composed once for one key table name."""
+    """The outbox's statements (``_outbox.sql``), composed once for one key table name."""
 
     def __init__(self, table: str, *, distributed: bool) -> None:
         parts = table.split(".")
         outbox = [*parts[:-1], outbox_table(parts[-1])]
-        names = {
-            "outbox": sql.Identifier(*outbox),
-            "unsent_index": sql.Identifier(outbox[-1] + "_unsent_idx"),
-            "sent_index": sql.Identifier(outbox[-1] + "_sent_idx"),
-        }
-
-        def q(text: LiteralString, **more: sql.Composable) -> bytes:
-            return sql.SQL(text).format(**names, **more).as_bytes(None)
-
-        self.write = q(
-            "INSERT INTO {outbox} (org_id, id, task, idem_key, args, kwargs)"
-            " VALUES (%(org_id)s, %(id)s, %(task)s, %(key)s, %(args)s, %(kwargs)s)"
-        )
-        due = sql.SQL("o.sent_at IS NULL AND (o.claimed_until IS NULL OR o.claimed_until <= now())")
-        # The claim: due rows locked with SKIP LOCKED in a subquery, each given the claimer's token and a
-        # lease from the database's clock.
-        claimed = (
-            "UPDATE {outbox} AS t SET claim_token = %(token)s,"
-            " claimed_until = now() + make_interval(secs => %(lease)s), attempts = t.attempts + 1"
-            " FROM ({due_rows} FOR UPDATE SKIP LOCKED) AS due"
-            " WHERE {match} AND t.org_id = due.org_id AND t.id = due.id"
-            " RETURNING t.org_id, t.id, t.task, t.idem_key AS key, t.args, t.kwargs, t.created_at"
-        )
-        self.claim_candidates = q(
-            "SELECT o.org_id, o.id FROM {outbox} AS o WHERE {due} ORDER BY o.created_at LIMIT %(limit)s",
-            due=due,
-        )
-        if not distributed:
-            due_rows = sql.SQL(
-                "SELECT o.org_id, o.id FROM {outbox} AS o WHERE {due} ORDER BY o.created_at LIMIT %(limit)s"
-            ).format(**names, due=due)
-            self.claim = q(claimed, due_rows=due_rows, match=sql.SQL("true"))
-        else:  # one organisation's candidates at a time: a router statement on its shard
-            due_rows = sql.SQL(
-                "SELECT o.org_id, o.id FROM {outbox} AS o"
-                " WHERE o.org_id = %(org)s AND o.id = ANY(%(ids)s::uuid[]) AND {due}"
-            ).format(**names, due=due)
-            self.claim = q(claimed, due_rows=due_rows, match=sql.SQL("t.org_id = %(org)s"))
-        # Writes of a relay to the messages it claimed: guarded by its token.
-        mine = sql.SQL("org_id = %(org_id)s AND id = %(id)s AND claim_token = %(token)s")
-        self.mark_sent = q(
-            "UPDATE {outbox} SET sent_at = now(), claim_token = NULL, claimed_until = NULL,"
-            " last_error = NULL WHERE {mine}",
-            mine=mine,
-        )
-        self.release = q(
-            "UPDATE {outbox} SET claim_token = NULL, last_error = %(error)s,"
-            " claimed_until = now() + make_interval(secs => %(retry_in)s) WHERE {mine}",
-            mine=mine,
-        )
-        self.purge = q(
-            "DELETE FROM {outbox} WHERE sent_at IS NOT NULL"
-            " AND sent_at <= now() - make_interval(secs => %(older_than)s)"
-        )
-        self.state = q(
-            "SELECT count(*) AS unsent,"
-            " coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest"
-            " FROM {outbox} WHERE sent_at IS NULL"
-        )
+        q = SqlFile("_outbox.sql", {"outbox": sql.Identifier(*outbox)}, distributed=distributed)
+        self.write = q("write")
+        self.claim_candidates = q("claim_candidates")
+        self.claim = q("claim")
+        self.mark_sent = q("mark_sent")
+        self.release = q("release")
+        self.purge = q("purge")
+        self.state = q("state")

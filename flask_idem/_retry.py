@@ -1,5 +1,7 @@
 """The retry policy engine: how many attempts, how long to wait between them, and when to give up.
 
+:func:`backoff` is the one jittered, capped exponential wait of the package: the client's retries, the
+recovery job, background jobs, the outbox relay and a migration's lock retries all draw from it.
 :class:`Attempts` runs one operation's schedule under a :class:`RetryPolicy`: capped exponential
 backoff with full jitter drawn from a generator the caller may seed, a server's ``Retry-After`` within
 the cap, a total deadline that no attempt starts after and no wait ends after, a per-attempt timeout
@@ -43,6 +45,30 @@ _DELTA_SECONDS = re.compile(r"[0-9]+")
 
 #: Why an operation stopped before a 2xx: the attempts, the deadline or the budget ran out.
 StopReason = Literal["attempts", "deadline", "budget"]
+
+#: How a wait is drawn below its ceiling: anywhere from 0 ("full"), or from half of it ("equal").
+Jitter = Literal["full", "equal"]
+
+
+def backoff(attempt: int, *, base: float, cap: float, rng: random.Random, jitter: Jitter = "full") -> float:
+    """Seconds to wait before attempt ``attempt + 1``: capped exponential backoff with jitter.
+
+    The ceiling is ``min(cap, base * 2**attempt)``. Full jitter (the default) draws the wait from
+    ``uniform(0, ceiling)``: the waits of many callers that failed together spread over the whole
+    interval instead of arriving together. Equal jitter draws from ``uniform(ceiling / 2, ceiling)``:
+    never much shorter than the ceiling, for a caller that waits for something (a lock) to be let go.
+
+    :param attempt: the attempts so far (or failures, or deferrals): the ceiling doubles with each.
+    :param base: the ceiling at ``attempt`` 0.
+    :param cap: the longest wait.
+    :param rng: the source of the draw, which the caller may seed; one draw per call.
+    :param jitter: ``"full"`` or ``"equal"``.
+    """
+    try:
+        ceiling = min(cap, base * 2.0**attempt)
+    except OverflowError:
+        ceiling = cap
+    return rng.uniform(ceiling / 2 if jitter == "equal" else 0.0, ceiling)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -294,12 +320,8 @@ class Attempts:
 
     def _draw(self, asked: float | None) -> float:
         policy = self.policy
-        try:
-            ceiling = min(policy.cap, policy.base * 2.0 ** (self.number - 1))
-        except OverflowError:
-            ceiling = policy.cap
         # Drawn even when Retry-After wins, so one seed gives one sequence whatever the answers.
-        wait = self.rng.uniform(0.0, ceiling)
+        wait = backoff(self.number - 1, base=policy.base, cap=policy.cap, rng=self.rng)
         if asked is not None:
             wait = min(policy.cap, max(wait, asked))
         return 0.0 if _testing else wait

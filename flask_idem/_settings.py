@@ -1,5 +1,10 @@
 """The ``IDEM_*`` settings of one application, read and checked once by ``init_app``.
 
+:data:`SETTINGS` is the table of every key: its parser and check, its default and a line on what it is
+for. :class:`Settings` (``init_app``), :meth:`JobPolicy.from_config <flask_idem.jobs.JobPolicy.from_config>`
+and the background jobs' state read their keys through it, and ``docs/config.rst`` mirrors it (a test
+holds them together).
+
 Also the types of the options a route can override (:data:`ScopeFunc`, :data:`OnMismatch`) and their
 validators, shared by the configuration and by :meth:`.Idempotency.idempotent`.
 """
@@ -20,13 +25,17 @@ from .errors import ConfigurationError
 
 __all__ = [
     "DEFAULT_REPLAY_HEADERS",
+    "SETTINGS",
+    "REQUIRED",
     "OnMismatch",
     "ScopeFunc",
+    "Setting",
     "Settings",
     "check_database_url",
     "parse_connect_options",
     "parse_on_mismatch",
     "parse_seconds",
+    "table_parts",
 ]
 
 #: The scope callable: returns the authenticated organisation's id, or ``None`` when the request is not
@@ -86,6 +95,178 @@ def parse_on_mismatch(name: str, value: Any) -> OnMismatch:
     raise ConfigurationError(f"{name} must be 'reject' or 'replay', not {value!r}.")
 
 
+def table_parts(table: object) -> list[str]:
+    """The parts of a key table's name, ``table`` or ``schema.table``.
+
+    :raises ValueError: for anything else (not a string, an empty name or part, more than one dot).
+    """
+    parts = table.split(".") if isinstance(table, str) else []
+    if not 1 <= len(parts) <= 2 or not all(parts):
+        raise ValueError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}.")
+    return parts
+
+
+def _table(name: str, value: Any) -> str:
+    try:
+        table_parts(value)
+    except ValueError as e:
+        raise ConfigurationError(str(e)) from None
+    return str(value)
+
+
+def _database_url(name: str, value: Any) -> str:
+    if not value or not isinstance(value, str):
+        raise ConfigurationError(
+            "Set IDEM_DATABASE_URL to a PostgreSQL URL such as"
+            " 'postgresql://user@localhost/app' before calling init_app()."
+        )
+    check_database_url(value)
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be true or false, not {value!r}.")
+    return value
+
+
+def _at_least_one(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be a positive integer, not {value!r}.")
+    return value
+
+
+def _seconds_or_zero(name: str, value: Any) -> float:
+    return parse_seconds(name, value, zero=True)
+
+
+def _optional(parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    """``parse``, or ``None`` for ``None``."""
+    return lambda name, value: None if value is None else parse(name, value)
+
+
+def _retry_after(name: str, value: Any) -> int:
+    return max(1, _positive_int(name, value))
+
+
+def _replay_headers(name: str, value: Any) -> frozenset[str]:
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(h, str) for h in value):
+        raise ConfigurationError(f"{name} must be a list of header names.")
+    lowered = frozenset(h.lower() for h in value)
+    if "set-cookie" in lowered:
+        raise ConfigurationError(
+            f"{name} must not include Set-Cookie: a replay would hand one client's"
+            " cookies to whoever retries."
+        )
+    if {"authorization", "proxy-authorization"} & lowered:
+        raise ConfigurationError(
+            f"{name} must not include Authorization: a replay would hand one client's"
+            " credentials to whoever retries."
+        )
+    return lowered
+
+
+def _connect_options(name: str, value: Any) -> dict[str, str | int | None]:
+    return parse_connect_options(value)
+
+
+def _response_keys(name: str, value: Any) -> tuple[str, ...]:
+    return parse_response_keys(value)
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+#: The default of a key that has none and must be set (``IDEM_DATABASE_URL``, unless ``sqlalchemy=``).
+REQUIRED: Any = _Required()
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One ``IDEM_*`` configuration key: how its value is parsed and checked, its default, and what it is
+    for. ``docs/config.rst`` has an entry for each, with the same default (a test compares them)."""
+
+    key: str
+    #: ``parse(key, value)``: the value as the code uses it; raises :class:`ConfigurationError`, naming
+    #: the key, for a value out of range.
+    parse: Callable[[str, Any], Any]
+    #: The value when the key is not set, as a user would write it in the configuration.
+    default: Any
+    #: One line on what it is for; ``docs/config.rst`` says the rest.
+    doc: str
+    #: The default as ``docs/config.rst`` shows it, where that is not a Python literal of ``default``.
+    shown: str | None = None
+
+    def read(self, config: Mapping[str, Any]) -> Any:
+        """The parsed value of this key in ``config``, or of its default."""
+        return self.parse(self.key, config.get(self.key, self.default))
+
+
+#: Every ``IDEM_*`` key, read by ``init_app`` (into :class:`Settings`) or, for background jobs, by a
+#: runner's ``init_app`` (``IDEM_JOB_*``, ``IDEM_OUTBOX_*``). The one place a default is written.
+SETTINGS: dict[str, Setting] = {
+    s.key: s
+    for s in (
+        Setting("IDEM_DATABASE_URL", _database_url, REQUIRED, "The PostgreSQL server of the key table."),
+        Setting("IDEM_TABLE", _table, "idempotency_keys", "The key table's name, table or schema.table."),
+        Setting("IDEM_KEY_TTL", parse_seconds, 24 * 3600.0, "How long a key's stored response is kept."),
+        Setting("IDEM_ON_MISMATCH", parse_on_mismatch, "reject", "A reused key with another request."),
+        Setting("IDEM_REQUIRE_KEY", _bool, True, "Whether a write without a key is refused (400)."),
+        Setting("IDEM_RETRY_AFTER", _retry_after, 1, "Retry-After of 409 and 503, whole seconds."),
+        Setting(
+            "IDEM_REPLAY_HEADERS",
+            _replay_headers,
+            DEFAULT_REPLAY_HEADERS,
+            "Response headers stored and replayed.",
+            shown=", ".join(f"``{h}``" for h in DEFAULT_REPLAY_HEADERS),
+        ),
+        Setting("IDEM_POOL_MIN_SIZE", _positive_int, 1, "Connections each process's pool keeps open."),
+        Setting("IDEM_POOL_MAX_SIZE", _positive_int, 10, "Most connections each process's pool opens."),
+        Setting("IDEM_POOL_TIMEOUT", parse_seconds, 5.0, "Wait for a pooled connection before a 503."),
+        Setting(
+            "IDEM_PREPARE_THRESHOLD", _optional(_positive_int), 5, "psycopg's prepare_threshold; None: off."
+        ),
+        Setting("IDEM_DISTRIBUTED", _bool, False, "The key table is a Citus distributed table."),
+        Setting("IDEM_LEASE_TIMEOUT", parse_seconds, 30.0, "A multi-step request's lease between steps."),
+        Setting("IDEM_RECOVERY_DEADLINE", parse_seconds, 3600.0, "Past it, recovery gives a request up."),
+        Setting("IDEM_RECOVERY_BACKOFF", parse_seconds, 2.0, "The base of the recovery job's backoff."),
+        Setting("IDEM_RECOVERY_BACKOFF_CAP", parse_seconds, 300.0, "The longest wait of that backoff."),
+        Setting(
+            "IDEM_TOMBSTONE_TTL", _seconds_or_zero, 30 * 24 * 3600.0, "How long an expired key is remembered."
+        ),
+        Setting("IDEM_CONNECT_OPTIONS", _connect_options, {}, "libpq parameters over the pool's defaults."),
+        Setting(
+            "IDEM_DATABASE_DEADLINE", _optional(parse_seconds), 10.0, "A request's database time; None: none."
+        ),
+        Setting("IDEM_MAX_RESPONSE_BYTES", _positive_int, 1024 * 1024, "The largest response body kept."),
+        Setting(
+            "IDEM_RESPONSE_KEYS",
+            _response_keys,
+            None,
+            "Fernet keys of encrypted routes, the first encrypting.",
+            shown="none",
+        ),
+        Setting(
+            "IDEM_MIGRATION_LOCK_TIMEOUT", parse_seconds, 2.0, "A migration statement's wait for a lock."
+        ),
+        Setting("IDEM_JOB_ATTEMPTS", _at_least_one, 10, "Failed attempts of a task before it is given up."),
+        Setting("IDEM_JOB_DEADLINE", parse_seconds, 3600.0, "Past it, a task is given up."),
+        Setting("IDEM_JOB_BACKOFF", parse_seconds, 2.0, "The base of the backoff between a task's attempts."),
+        Setting("IDEM_JOB_BACKOFF_CAP", parse_seconds, 300.0, "The longest wait of that backoff."),
+        Setting("IDEM_OUTBOX_LEASE", parse_seconds, 30.0, "How long a relay holds the messages it claimed."),
+        Setting("IDEM_OUTBOX_RETENTION", _seconds_or_zero, 24 * 3600.0, "How long sent messages are kept."),
+    )
+}
+
+
+def _default(key: str) -> Any:
+    """The parsed default of ``key``: a dataclass field's default, from :data:`SETTINGS`."""
+    setting = SETTINGS[key]
+    return setting.parse(key, setting.default)
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """The ``IDEM_*`` configuration of one application, read and checked once by ``init_app``; the current
@@ -97,33 +278,35 @@ class Settings:
     """
 
     database_url: str = field(repr=False)
-    table: str = "idempotency_keys"
-    key_ttl: float = 24 * 3600.0
-    on_mismatch: OnMismatch = "reject"
-    require_key: bool = True
-    retry_after: int = 1
-    replay_headers: frozenset[str] = frozenset(h.lower() for h in DEFAULT_REPLAY_HEADERS)
-    pool_min_size: int = 1
-    pool_max_size: int = 10
-    pool_timeout: float = 5.0
-    prepare_threshold: int | None = 5
-    distributed: bool = False
-    lease_timeout: float = 30.0
-    recovery_deadline: float = 3600.0
-    recovery_backoff: float = 2.0
-    recovery_backoff_cap: float = 300.0
+    table: str = _default("IDEM_TABLE")
+    key_ttl: float = _default("IDEM_KEY_TTL")
+    on_mismatch: OnMismatch = _default("IDEM_ON_MISMATCH")
+    require_key: bool = _default("IDEM_REQUIRE_KEY")
+    retry_after: int = _default("IDEM_RETRY_AFTER")
+    replay_headers: frozenset[str] = _default("IDEM_REPLAY_HEADERS")
+    pool_min_size: int = _default("IDEM_POOL_MIN_SIZE")
+    pool_max_size: int = _default("IDEM_POOL_MAX_SIZE")
+    pool_timeout: float = _default("IDEM_POOL_TIMEOUT")
+    prepare_threshold: int | None = _default("IDEM_PREPARE_THRESHOLD")
+    distributed: bool = _default("IDEM_DISTRIBUTED")
+    lease_timeout: float = _default("IDEM_LEASE_TIMEOUT")
+    recovery_deadline: float = _default("IDEM_RECOVERY_DEADLINE")
+    recovery_backoff: float = _default("IDEM_RECOVERY_BACKOFF")
+    recovery_backoff_cap: float = _default("IDEM_RECOVERY_BACKOFF_CAP")
     #: How long a key is remembered after its stored response expired (``IDEM_TOMBSTONE_TTL``).
-    tombstone_ttl: float = 30 * 24 * 3600.0
+    tombstone_ttl: float = _default("IDEM_TOMBSTONE_TTL")
     #: libpq parameters over the pool's defaults (``IDEM_CONNECT_OPTIONS``); ``None`` removes a default.
-    connect_options: Mapping[str, str | int | None] = field(default_factory=dict, repr=False)
+    connect_options: Mapping[str, str | int | None] = field(
+        default_factory=lambda: _default("IDEM_CONNECT_OPTIONS"), repr=False
+    )
     #: A request's database time in all, kept by the client (``IDEM_DATABASE_DEADLINE``); ``None``: none.
-    database_deadline: float | None = 10.0
+    database_deadline: float | None = _default("IDEM_DATABASE_DEADLINE")
     #: The largest response body kept for retries (``IDEM_MAX_RESPONSE_BYTES``).
-    max_response_bytes: int = 1024 * 1024
+    max_response_bytes: int = _default("IDEM_MAX_RESPONSE_BYTES")
     #: Keys of ``store_response="encrypted"`` routes (``IDEM_RESPONSE_KEYS``), the first encrypting.
-    response_keys: tuple[str, ...] = field(default=(), repr=False)
+    response_keys: tuple[str, ...] = field(default=_default("IDEM_RESPONSE_KEYS"), repr=False)
     #: How long a migration's statement waits for a lock before its transaction is tried again.
-    migration_lock_timeout: float = 2.0
+    migration_lock_timeout: float = _default("IDEM_MIGRATION_LOCK_TIMEOUT")
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -136,86 +319,15 @@ class Settings:
         :param database_url: the database when it does not come from ``IDEM_DATABASE_URL`` (the
             SQLAlchemy engine's).
         """
-        url = database_url or config.get("IDEM_DATABASE_URL")
-        if not url or not isinstance(url, str):
-            raise ConfigurationError(
-                "Set IDEM_DATABASE_URL to a PostgreSQL URL such as"
-                " 'postgresql://user@localhost/app' before calling init_app()."
-            )
-        check_database_url(url)
-        defaults = cls(database_url=url)
-        min_size = _positive_int("IDEM_POOL_MIN_SIZE", config.get("IDEM_POOL_MIN_SIZE", 1))
-        max_size = _positive_int("IDEM_POOL_MAX_SIZE", config.get("IDEM_POOL_MAX_SIZE", 10))
-        if max_size < max(min_size, 1):
+        url = _database_url("IDEM_DATABASE_URL", database_url or config.get("IDEM_DATABASE_URL"))
+        values = {
+            f.name: SETTINGS[f"IDEM_{f.name.upper()}"].read(config)
+            for f in fields(cls)
+            if f.name != "database_url"
+        }
+        if values["pool_max_size"] < max(values["pool_min_size"], 1):
             raise ConfigurationError("IDEM_POOL_MAX_SIZE must be at least 1 and IDEM_POOL_MIN_SIZE.")
-        headers = config.get("IDEM_REPLAY_HEADERS", DEFAULT_REPLAY_HEADERS)
-        if not isinstance(headers, (list, tuple, set, frozenset)) or not all(
-            isinstance(h, str) for h in headers
-        ):
-            raise ConfigurationError("IDEM_REPLAY_HEADERS must be a list of header names.")
-        if "set-cookie" in (h.lower() for h in headers):
-            raise ConfigurationError(
-                "IDEM_REPLAY_HEADERS must not include Set-Cookie: a replay would hand one client's"
-                " cookies to whoever retries."
-            )
-        if {"authorization", "proxy-authorization"} & {h.lower() for h in headers}:
-            raise ConfigurationError(
-                "IDEM_REPLAY_HEADERS must not include Authorization: a replay would hand one client's"
-                " credentials to whoever retries."
-            )
-        table = config.get("IDEM_TABLE", defaults.table)
-        parts = table.split(".") if isinstance(table, str) else []
-        if not 1 <= len(parts) <= 2 or not all(parts):
-            raise ConfigurationError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}.")
-        require_key = config.get("IDEM_REQUIRE_KEY", defaults.require_key)
-        if not isinstance(require_key, bool):
-            raise ConfigurationError(f"IDEM_REQUIRE_KEY must be true or false, not {require_key!r}.")
-        distributed = config.get("IDEM_DISTRIBUTED", defaults.distributed)
-        if not isinstance(distributed, bool):
-            raise ConfigurationError(f"IDEM_DISTRIBUTED must be true or false, not {distributed!r}.")
-        threshold = config.get("IDEM_PREPARE_THRESHOLD", defaults.prepare_threshold)
-        if threshold is not None:
-            threshold = _positive_int("IDEM_PREPARE_THRESHOLD", threshold)
-        deadline = config.get("IDEM_DATABASE_DEADLINE", defaults.database_deadline)
-        if deadline is not None:
-            deadline = parse_seconds("IDEM_DATABASE_DEADLINE", deadline)
-        return cls(
-            database_url=url,
-            table=table,
-            key_ttl=parse_seconds("IDEM_KEY_TTL", config.get("IDEM_KEY_TTL", defaults.key_ttl)),
-            on_mismatch=parse_on_mismatch(
-                "IDEM_ON_MISMATCH", config.get("IDEM_ON_MISMATCH", defaults.on_mismatch)
-            ),
-            require_key=require_key,
-            distributed=distributed,
-            prepare_threshold=threshold,
-            retry_after=max(1, _positive_int("IDEM_RETRY_AFTER", config.get("IDEM_RETRY_AFTER", 1))),
-            replay_headers=frozenset(h.lower() for h in headers),
-            pool_min_size=min_size,
-            pool_max_size=max_size,
-            pool_timeout=parse_seconds("IDEM_POOL_TIMEOUT", config.get("IDEM_POOL_TIMEOUT", 5.0)),
-            tombstone_ttl=parse_seconds(
-                "IDEM_TOMBSTONE_TTL", config.get("IDEM_TOMBSTONE_TTL", defaults.tombstone_ttl), zero=True
-            ),
-            connect_options=parse_connect_options(config.get("IDEM_CONNECT_OPTIONS", {})),
-            database_deadline=deadline,
-            max_response_bytes=_positive_int(
-                "IDEM_MAX_RESPONSE_BYTES", config.get("IDEM_MAX_RESPONSE_BYTES", defaults.max_response_bytes)
-            ),
-            response_keys=parse_response_keys(config.get("IDEM_RESPONSE_KEYS")),
-            **{
-                name: parse_seconds(
-                    f"IDEM_{name.upper()}", config.get(f"IDEM_{name.upper()}", getattr(defaults, name))
-                )
-                for name in (
-                    "lease_timeout",
-                    "recovery_deadline",
-                    "recovery_backoff",
-                    "recovery_backoff_cap",
-                    "migration_lock_timeout",
-                )
-            },
-        )
+        return cls(database_url=url, **values)
 
 
 def parse_connect_options(value: Any) -> dict[str, str | int | None]:

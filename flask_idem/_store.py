@@ -19,10 +19,7 @@ inside the caller's transaction.
 
 from __future__ import annotations
 
-import functools
-import re
 import uuid
-from importlib.resources import files
 from typing import Any
 
 import psycopg
@@ -46,6 +43,8 @@ from ._records import (
     TableStats,
     lock_id,
 )
+from ._settings import table_parts
+from ._sqlfile import SqlFile
 from .signals import timed
 
 __all__ = ["Store"]
@@ -390,9 +389,7 @@ class _Statements:
     """Every statement of the store (``_store.sql``), composed once for one table name."""
 
     def __init__(self, table: str, *, distributed: bool = False) -> None:
-        parts = table.split(".")
-        if not 1 <= len(parts) <= 2 or not all(parts):
-            raise ValueError(f"IDEM_TABLE must be 'table' or 'schema.table', not {table!r}")
+        parts = table_parts(table)
         self.distributed = distributed
         name = sql.Identifier(*parts)
         #: The table's name as ``regclass`` input (quoted, schema-qualified if given).
@@ -401,13 +398,8 @@ class _Statements:
             "table": name,
             "reserve_function": sql.Identifier(*parts[:-1], parts[-1] + "_reserve"),
         }
-        fragments, statements = _blocks(distributed)
-        for fragment, text in fragments.items():
-            names[fragment] = sql.SQL(text).format(**names)
-
-        def q(block: str, **more: sql.Composable) -> bytes:
-            # Rendered once: executing a Composed would compose it again on every call.
-            return sql.SQL(statements[block]).format(**names, **more).as_bytes(None)
+        q = SqlFile("_store.sql", names, distributed=distributed)
+        names = q.names
 
         self.reserve = q("reserve", lease=names["atomic"])
         self.reserve_leased = q("reserve", lease=names["leased"])
@@ -450,34 +442,3 @@ class _Statements:
             self.claim_candidates = q("claim_candidates")
             self.purge_candidates = q("purge_candidates")
             self.tombstone_candidates = q("tombstone_candidates")
-
-
-_NAME = re.compile(r"^-- name: (fragment )?(\w+)( citus)?$")
-
-
-@functools.cache
-def _blocks(distributed: bool) -> tuple[dict[str, str], dict[str, str]]:
-    """The fragments and the statements of ``_store.sql``, comments dropped and white space collapsed;
-    on Citus (``distributed``) a block named ``... citus`` replaces its plain namesake."""
-    fragments: dict[str, str] = {}
-    statements: dict[str, str] = {}
-    block: tuple[dict[str, str], str] | None = None
-    lines: list[str] = []
-
-    def close() -> None:
-        if block is not None:
-            target, name = block
-            target[name] = " ".join(" ".join(lines).split())
-
-    for line in files(__package__).joinpath("_store.sql").read_text("utf-8").splitlines():
-        match = _NAME.match(line)
-        if match is not None:
-            close()
-            fragment, name, citus = match.groups()
-            lines = []
-            keep = distributed or citus is None
-            block = ((fragments if fragment else statements), name) if keep else None
-        elif not line.lstrip().startswith("--"):
-            lines.append(line)
-    close()
-    return fragments, statements

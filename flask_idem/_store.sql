@@ -1,11 +1,12 @@
 -- Every statement flask-idem runs on its key table, for a reviewer to read as SQL.
 --
--- Each block starts with "-- name: <name>"; flask_idem/_store.py loads the blocks once, in this order,
--- drops the comments, and fills in the braces: {table} (the key table, IDEM_TABLE) and its index names,
--- and the fragments (blocks whose names start with "fragment ") by name. %(name)s are parameters: their
--- values travel apart from the text, in Bind messages. A block whose name ends with "citus" replaces the
--- block of the same name on a Citus distributed table (IDEM_DISTRIBUTED), where FOR UPDATE cannot span
--- shards, nor a LIMIT stand under it, and UPDATE and DELETE refuse STABLE functions of a column.
+-- Each block starts with "-- name: <name>"; flask_idem/_store.py loads the blocks once, in this order (with
+-- flask_idem/_sqlfile.py, as flask_idem/_outbox.py loads _outbox.sql), drops the comments, and fills in the
+-- braces: {table} (the key table, IDEM_TABLE) and its index names, and the fragments (blocks whose names
+-- start with "fragment ") by name. %(name)s are parameters: their values travel apart from the text, in Bind
+-- messages. A block whose name ends with "citus" replaces the block of the same name on a Citus distributed
+-- table (IDEM_DISTRIBUTED), where FOR UPDATE cannot span shards, nor a LIMIT stand under it, and UPDATE and
+-- DELETE refuse STABLE functions of a column.
 
 -- name: fragment finished
 -- A row whose request ended, and that no person has to look at.

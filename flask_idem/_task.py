@@ -11,14 +11,13 @@ import math
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Protocol
 
 import psycopg
 from psycopg.rows import TupleRow
 
 from ._records import Final
-from ._settings import parse_seconds
+from ._settings import SETTINGS, parse_seconds
 from .errors import ConfigurationError
 from .flow import Run
 
@@ -189,14 +188,14 @@ class JobPolicy:
     message was enqueued. A duplicate deferred while another delivery runs the task is not a failure,
     but stops waiting at the deadline too. Nothing is retried forever.
 
-    Defaults: ``IDEM_JOB_ATTEMPTS`` (10), ``IDEM_JOB_DEADLINE`` (3600 s), ``IDEM_JOB_BACKOFF`` (2 s),
-    ``IDEM_JOB_BACKOFF_CAP`` (300 s).
+    Defaults: ``IDEM_JOB_ATTEMPTS``, ``IDEM_JOB_DEADLINE``, ``IDEM_JOB_BACKOFF`` and
+    ``IDEM_JOB_BACKOFF_CAP`` (:doc:`/config`), as the signature shows them.
     """
 
-    attempts: int = 10
-    deadline: float = 3600.0
-    backoff: float = 2.0
-    backoff_cap: float = 300.0
+    attempts: int = SETTINGS["IDEM_JOB_ATTEMPTS"].default
+    deadline: float = SETTINGS["IDEM_JOB_DEADLINE"].default
+    backoff: float = SETTINGS["IDEM_JOB_BACKOFF"].default
+    backoff_cap: float = SETTINGS["IDEM_JOB_BACKOFF_CAP"].default
 
     def __post_init__(self) -> None:
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
@@ -210,16 +209,10 @@ class JobPolicy:
 
         :raises ConfigurationError: for a value out of range, naming the key.
         """
-        default = cls()
-        attempts = config.get("IDEM_JOB_ATTEMPTS", default.attempts)
-        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-            raise ConfigurationError(f"IDEM_JOB_ATTEMPTS must be a positive integer, not {attempts!r}.")
-        seconds: dict[str, float] = {}
-        for name in ("deadline", "backoff", "backoff_cap"):
-            setting = f"IDEM_JOB_{name.upper()}"
-            value: float | timedelta = config.get(setting, getattr(default, name))
-            seconds[name] = parse_seconds(setting, value)
-        return cls(attempts=attempts, **seconds)
+        return cls(**{name: SETTINGS[f"IDEM_JOB_{name.upper()}"].read(config) for name in _JOB_KEYS})
+
+
+_JOB_KEYS = ("attempts", "deadline", "backoff", "backoff_cap")
 
 
 class TaskDoor:

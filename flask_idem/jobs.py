@@ -43,6 +43,7 @@ from ._delivery import (
     get_jobs,
     run_delivery,
 )
+from ._retry import backoff
 from ._settings import parse_seconds
 from ._state import get_state
 from ._task import (
@@ -61,7 +62,6 @@ from ._task import (
 from ._view import current
 from .errors import ConfigurationError
 from .flow import Flow
-from .recovery import backoff
 
 if TYPE_CHECKING:
     from ._extension import Idempotency

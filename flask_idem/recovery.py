@@ -20,18 +20,18 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
 from flask import Flask
 
 from . import _steps, signals, tracing
+from ._loop import run_passes
 from ._protocol import LeaseLost, Pending, give_up_leased
 from ._records import Lease, Stranded
 from ._replay import failure_document
+from ._retry import backoff as backoff
 from ._state import IdemState, get_state
 from ._task import TASK_METHOD, TaskDoor
 from ._transactions import in_transaction
 from ._view import RequestDoor
-from .errors import ConfigurationError
 from .flow import run_from_record
 
 __all__ = ["RecoveryReport", "backoff", "recover", "run_forever"]
@@ -52,15 +52,6 @@ class RecoveryReport:
     def claimed(self) -> int:
         """How many stranded requests this pass claimed."""
         return len(self.completed) + len(self.pending) + len(self.failed) + len(self.lost)
-
-
-def backoff(attempt: int, *, base: float, cap: float, rng: random.Random) -> float:
-    """Seconds to wait before attempt ``attempt + 1``, with full jitter.
-
-    ``uniform(0, min(cap, base * 2**attempt))``: the waits of many stranded requests spread over the whole
-    interval instead of arriving at the outside party together.
-    """
-    return rng.uniform(0, min(cap, base * 2 ** min(attempt, 62)))
 
 
 def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -> RecoveryReport:
@@ -173,28 +164,26 @@ def run_forever(
     stop: threading.Event | None = None,
     on_pass: Callable[[RecoveryReport], None] | None = None,
 ) -> None:
-    """Run :func:`recover` every ``interval`` seconds until ``stop`` is set (a worker process).
+    """Run :func:`recover` until ``stop`` is set (a worker process): a pass every ``interval`` seconds, or
+    at once after a pass that claimed ``limit`` requests (more are waiting).
+
+    A pass that fails on a database error or a configuration error (the key table is not ready yet), or
+    on any other exception, is logged and the loop goes on; ``KeyboardInterrupt`` ends it. The relay's
+    loop (:func:`flask_idem.relay.relay_forever`) is the same one.
 
     :param on_pass: called with the report of every pass that claimed something.
     """
-    stop = stop or threading.Event()
     rng = random.Random()
-    while not stop.is_set():
-        try:
-            report = recover(app, limit=limit, rng=rng)
-        except psycopg.Error as e:
-            logger.warning("Recovery pass failed: %s (SQLSTATE %s).", type(e).__name__, e.sqlstate)
-        except ConfigurationError as e:  # the key table is not ready yet: the migration may come
-            logger.error("Recovery pass skipped: %s", e)
-        else:
-            if report.claimed and on_pass is not None:
-                on_pass(report)
-            if report.claimed:
-                logger.info(
-                    "Recovery: %d completed, %d pending, %d failed, %d lost.",
-                    len(report.completed),
-                    len(report.pending),
-                    len(report.failed),
-                    len(report.lost),
-                )
-        stop.wait(interval)
+    run_passes(
+        lambda: recover(app, limit=limit, rng=rng),
+        what="Recovery",
+        interval=interval,
+        limit=limit,
+        stop=stop,
+        on_pass=on_pass,
+        handled=lambda report: report.claimed,
+        describe=lambda report: (
+            f"{len(report.completed)} completed, {len(report.pending)} pending,"
+            f" {len(report.failed)} failed, {len(report.lost)} lost"
+        ),
+    )

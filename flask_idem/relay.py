@@ -18,14 +18,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psycopg
 from flask import Flask
 
 from . import signals
 from ._delivery import get_jobs
+from ._loop import run_passes
+from ._retry import backoff
 from ._state import get_state
 from ._task import Message
-from .recovery import backoff
 
 __all__ = ["RelayReport", "relay", "relay_forever"]
 
@@ -103,18 +103,22 @@ def relay_forever(
     """Run :func:`relay` until ``stop`` is set: a pass every ``interval`` seconds, or at once after a
     pass that found ``limit`` messages (more are waiting).
 
+    Errors are handled as :func:`flask_idem.recovery.run_forever` handles them (the same loop): a pass
+    that fails is logged and the loop goes on; ``KeyboardInterrupt`` ends it.
+
     :param on_pass: called with the report of every pass that published or failed something.
     """
-    stop = stop or threading.Event()
     rng = random.Random()
-    while not stop.is_set():
-        try:
-            report = relay(app, limit=limit, rng=rng)
-        except psycopg.Error as e:
-            logger.warning("Relay pass failed: %s (SQLSTATE %s).", type(e).__name__, e.sqlstate)
-            stop.wait(interval)
-            continue
-        if on_pass is not None and (report.published or report.failed or report.lost):
-            on_pass(report)
-        if report.published + report.failed + report.lost < limit:
-            stop.wait(interval)
+    run_passes(
+        lambda: relay(app, limit=limit, rng=rng),
+        what="Relay",
+        interval=interval,
+        limit=limit,
+        stop=stop,
+        on_pass=on_pass,
+        handled=lambda report: report.published + report.failed + report.lost,
+        describe=lambda report: (
+            f"{report.published} published, {report.failed} failed, {report.lost} taken over;"
+            f" {report.purged} purged"
+        ),
+    )

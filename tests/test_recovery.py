@@ -69,6 +69,40 @@ def test_recovery_loop_finishes_stranded_requests(
     assert post(flow_app, "/transfers", key, {"amount": 3}).status_code == 200
 
 
+def test_recovery_loop_runs_the_next_pass_at_once_after_a_full_one(
+    flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]
+) -> None:
+    """A pass that claimed ``limit`` requests is followed by the next at once, not after ``interval``:
+    three stranded requests, one per pass, are all finished long before one interval of an hour."""
+    import threading
+
+    from flask_idem.recovery import run_forever
+
+    keys = [uuid.uuid4() for _ in range(3)]
+    for key in keys:
+        ledger.lose_answer = True
+        assert post(flow_app, "/transfers", key, {"amount": 3}).status_code == 503
+        db.execute("DELETE FROM notes")  # its bodies are unique; recovery writes none
+    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
+    stop = threading.Event()
+    reports: list[Any] = []
+    worker = threading.Thread(
+        target=run_forever,
+        args=(flow_app,),
+        kwargs={"interval": 3600.0, "limit": 1, "stop": stop, "on_pass": reports.append},
+    )
+    worker.start()
+    try:
+        wait_for(lambda: len(reports) == 3, timeout=10)
+    finally:
+        stop.set()
+        worker.join(10)
+    assert not worker.is_alive()
+    assert sorted(report.completed[0][1] for report in reports) == sorted(keys)
+    statuses = db.execute("SELECT status FROM idempotency_keys").fetchall()
+    assert statuses == [("completed",)] * 3
+
+
 def test_stuck_lists_slow_processing_rows(
     flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]
 ) -> None:
