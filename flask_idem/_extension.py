@@ -207,7 +207,8 @@ class Idempotency:
 
         The view may be ``async def`` (with ``flask[async]`` installed): Flask runs it to completion, with
         its awaitables, inside the key's transaction, and ``idem.connection`` works in it.
-        :raises ConfigurationError: at decoration time, when there is no scope or an option is invalid.
+        :raises ConfigurationError: at decoration time, when there is no scope, an option is invalid, or the
+            view is ``async def`` and asgiref (``flask-idem[async]``) is not installed.
         """
         scope = scope or self.scope
         if scope is None:
