@@ -207,6 +207,7 @@ class Idempotency:
 
         The view may be ``async def`` (with ``flask[async]`` installed): Flask runs it to completion, with
         its awaitables, inside the key's transaction, and ``idem.connection`` works in it.
+
         :raises ConfigurationError: at decoration time, when there is no scope, an option is invalid, or the
             view is ``async def`` and asgiref (``flask-idem[async]``) is not installed.
         """
