@@ -369,6 +369,7 @@ idem = Idempotency(scope=lambda: g.get("org_id"))
 def create_app():
     app = Flask(__name__)
     app.config["IDEM_DATABASE_URL"] = "postgresql://localhost/shop"
+    app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
     app.config.from_prefixed_env()
     idem.init_app(app)
 

@@ -87,6 +87,66 @@ def test_a_correct_app_passes_the_check(make_app: Any, db: Any) -> None:
     assert post(app, "/notes", uuid.uuid4(), {"body": "a"}).status_code == 201
 
 
+# -- a decorated route that only reads ----------------------------------------------------------------
+
+
+def test_a_get_only_route_is_named_in_a_warning(
+    database_url: str, db: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """@idem.idempotent() under @bp.get does nothing (reads pass through): the first request logs a
+    warning naming that endpoint, and only that one; routes with a write method are not named."""
+    idem = Idempotency(scope=lambda: 1)
+    bp = Blueprint("shop", __name__)
+
+    @bp.get("/orders")
+    @idem.idempotent()
+    def list_orders() -> Any:
+        return {"orders": []}
+
+    @bp.route("/orders/<int:id>", methods=["GET", "PUT"])
+    @idem.idempotent()
+    def order(id: int) -> Any:  # noqa: A002 (the route's variable)
+        return {"id": id}
+
+    @bp.post("/orders")
+    @idem.idempotent()
+    def create() -> Any:
+        return {}, 201
+
+    app = new_app(IDEM_DATABASE_URL=database_url, MAX_CONTENT_LENGTH=1024)
+    idem.init_app(app)
+    app.register_blueprint(bp)
+    try:
+        with caplog.at_level(logging.WARNING, "flask_idem"):
+            assert app.test_client().get("/orders").status_code == 200
+            assert app.test_client().get("/orders").status_code == 200
+    finally:
+        close_pool(app)
+    [warning] = [r for r in caplog.records if "does nothing" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
+    message = warning.getMessage()
+    assert "'shop.list_orders'" in message and "GET" in message
+    assert "shop.order" not in message and "shop.create" not in message
+
+
+# -- MAX_CONTENT_LENGTH ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("limit", "warned"), [(None, True), (64 * 1024, False)], ids=["unset", "set"])
+def test_init_app_warns_when_max_content_length_is_unset(
+    database_url: str, caplog: pytest.LogCaptureFixture, limit: int | None, warned: bool
+) -> None:
+    """Without MAX_CONTENT_LENGTH every keyed body, however large, is read and fingerprinted: init_app
+    logs a warning that names the setting; with it, nothing is logged."""
+    app = new_app(IDEM_DATABASE_URL=database_url, MAX_CONTENT_LENGTH=limit)
+    with caplog.at_level(logging.WARNING, "flask_idem"):
+        Idempotency(app, scope=lambda: 1)
+    found = [r for r in caplog.records if "MAX_CONTENT_LENGTH" in r.getMessage()]
+    assert len(found) == (1 if warned else 0), [r.getMessage() for r in caplog.records]
+    if warned:
+        assert found[0].levelno == logging.WARNING
+
+
 # -- IDEM_DATABASE_URL ----------------------------------------------------------------------------------
 
 
