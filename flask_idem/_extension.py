@@ -7,6 +7,7 @@ This is the top floor: it puts together the settings (:mod:`._settings`), the pe
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import uuid
 import weakref
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 __all__ = ["Idempotency"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+_logger = logging.getLogger("flask_idem")
 
 
 class Idempotency:
@@ -98,7 +101,12 @@ class Idempotency:
 
         The first request the application handles checks that every decorated view is the one its route
         calls (:meth:`idempotent` placed below ``@app.post``); a misplaced decorator fails every request
-        with a :class:`ConfigurationError` that names the view, rather than leaving it unprotected.
+        with a :class:`ConfigurationError` that names the view, rather than leaving it unprotected. It
+        also logs a warning for each decorated endpoint whose routes answer only ``GET``, ``HEAD``,
+        ``OPTIONS`` or ``TRACE``, where the decorator does nothing.
+
+        When Flask's ``MAX_CONTENT_LENGTH`` is not set, a warning is logged on the ``flask_idem`` logger:
+        the whole body of every keyed request is then read into memory and fingerprinted, however large.
 
         :raises ConfigurationError: when the configuration is invalid, or when ``app`` was already
             initialised by an :class:`Idempotency` instance.
@@ -130,13 +138,23 @@ class Idempotency:
         if settings.database_deadline is not None:
             app.wsgi_app = _deadline.RequestDeadline(app.wsgi_app, settings.database_deadline)  # type: ignore[method-assign]
         self._apps.add(app)
+        if app.config.get("MAX_CONTENT_LENGTH") is None:
+            _logger.warning(
+                "MAX_CONTENT_LENGTH is not set in application %r: flask-idem reads the whole body of every"
+                " keyed request into memory to fingerprint it, however large. Set"
+                " app.config['MAX_CONTENT_LENGTH'] (in bytes; the shop uses 64 KiB) so that a larger body"
+                " is refused with 413 before any database work.",
+                app.name,
+            )
 
     def _placement_check(self, app: Flask) -> Callable[[], None]:
         """A ``before_request`` hook that refuses to serve while a decorated view is not its route's view.
 
         ``@idem.idempotent()`` placed above ``@app.post(...)`` lets Flask register the undecorated view
         and returns a wrapper that nothing calls: the route would run with no idempotency at all. The
-        views are compared once, at the first request, when every blueprint is registered.
+        views are compared once, at the first request, when every blueprint is registered. Then too, a
+        decorated endpoint whose routes answer no write method is named in a warning: the decorator
+        runs before the route decorator, so the methods are known only now.
         """
         misplaced: list[str] | None = None
 
@@ -149,6 +167,7 @@ class Idempotency:
                     for view, wrapper in self._wrappers.items()
                     if view in routed and wrapper not in routed
                 )
+                _warn_read_only(app)
             if misplaced:
                 raise ConfigurationError(_misplaced_message(misplaced))
 
@@ -207,7 +226,9 @@ class Idempotency:
 
         The view may be ``async def`` (with ``flask[async]`` installed): Flask runs it to completion, with
         its awaitables, inside the key's transaction, and ``idem.connection`` works in it.
-        :raises ConfigurationError: at decoration time, when there is no scope or an option is invalid.
+
+        :raises ConfigurationError: at decoration time, when there is no scope, an option is invalid, or the
+            view is ``async def`` and asgiref (``flask-idem[async]``) is not installed.
         """
         scope = scope or self.scope
         if scope is None:
@@ -379,6 +400,26 @@ class Idempotency:
                 " of its own. Use db.session, or db.engine for connections."
             )
         return source.pool
+
+
+def _warn_read_only(app: Flask) -> None:
+    """Log a warning for each decorated endpoint of ``app`` whose routes answer only methods that pass
+    through the decorator untouched (``GET``, ``HEAD``, ``OPTIONS``, ``TRACE``)."""
+    methods: dict[str, set[str]] = {}
+    for rule in app.url_map.iter_rules():
+        view = app.view_functions.get(rule.endpoint)
+        if view is not None and hasattr(view, _view.OPTIONS_ATTR):
+            # A rule without methods answers every method, writes included.
+            methods.setdefault(rule.endpoint, set()).update(rule.methods or {"POST"})
+    for endpoint, answered in sorted(methods.items()):
+        if answered <= _view.SAFE_METHODS:
+            _logger.warning(
+                "@idem.idempotent() on endpoint %r does nothing: its routes answer only %s, which pass"
+                " through untouched (no key, no transaction). Route a write method to it (@app.post,"
+                " put, patch or delete), or remove the decorator.",
+                endpoint,
+                ", ".join(sorted(answered)),
+            )
 
 
 def _misplaced_message(views: list[str]) -> str:

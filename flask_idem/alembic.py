@@ -15,6 +15,10 @@ second adds flask-idem's folder to ``version_locations`` (:func:`configure`). ``
 creates and upgrades the key table with the application's tables. The upgrades page of the documentation
 tells the whole story, with the case of two heads after a flask-idem release that adds a revision.
 
+An application without Flask-SQLAlchemy (plain psycopg, as in the quickstart) uses Alembic itself: its
+``alembic.ini`` lists ``flask_idem:migrations`` in ``version_locations``, and its ``env.py`` calls
+:func:`run_migrations` inside the application's context, which connects to :data:`IDEM_DATABASE_URL`.
+
 Alembic is imported by the functions that use it: importing this module needs none.
 """
 
@@ -28,6 +32,8 @@ from psycopg import sql
 
 from . import _layout
 from ._layout import Revision
+from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
+from .errors import ConfigurationError
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -41,6 +47,7 @@ __all__ = [
     "include_object",
     "process_revision_directives",
     "run_downgrade",
+    "run_migrations",
     "run_upgrade",
 ]
 
@@ -120,6 +127,108 @@ MIGRATE_OPTIONS: dict[str, Any] = {
     "include_object": include_object,
     "process_revision_directives": process_revision_directives,
 }
+
+
+def run_migrations(url: str | None = None, *, target_metadata: Any = None, **options: Any) -> None:
+    """Run the migrations of a plain Alembic project: the body of its ``env.py``.
+
+    For an application that talks to PostgreSQL through flask-idem's psycopg connections, without
+    Flask-SQLAlchemy or Flask-Migrate. Call it inside the application's context, so that it connects
+    to the application's :data:`IDEM_DATABASE_URL` (with :data:`IDEM_CONNECT_OPTIONS`) and upgrades the
+    key table named by :data:`IDEM_TABLE`::
+
+        from flask_idem import alembic as idem_alembic
+        from myapp import create_app
+
+        with create_app().app_context():
+            idem_alembic.run_migrations()
+
+    Online, it connects through SQLAlchemy's psycopg 3 dialect, configures Alembic's context with
+    :func:`include_object` and :func:`process_revision_directives`, and runs the migrations in Alembic's
+    transaction. Offline (``alembic upgrade --sql``), it prints PostgreSQL's statements without
+    connecting. The project's ``alembic.ini`` must list ``flask_idem:migrations`` in
+    ``version_locations`` (Alembic reads that before ``env.py`` runs); the upgrades page shows one.
+
+    :param url: the database, a PostgreSQL URL or libpq string, for an ``env.py`` without a Flask
+        application (``os.environ["DATABASE_URL"]``); default: the current application's
+        :data:`IDEM_DATABASE_URL`.
+    :param target_metadata: the application's SQLAlchemy ``MetaData``, for autogenerate, if it has one.
+    :param options: more keyword arguments for Alembic's ``context.configure``; they override the
+        defaults, ``include_object`` included (chain :func:`include_object` into a hook of your own).
+    :raises ConfigurationError: with no ``url`` outside an application that uses flask-idem, or when
+        flask-idem's revisions are not in ``version_locations``.
+    """
+    from alembic import context
+
+    _check_locations(context.script)
+    conninfo, connect_options = _database(url)
+    settings: dict[str, Any] = {
+        "target_metadata": target_metadata,
+        "include_object": include_object,
+        "process_revision_directives": process_revision_directives,
+        **options,
+    }
+    if context.is_offline_mode():
+        context.configure(dialect_name="postgresql", literal_binds=True, **settings)
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+
+    import psycopg
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    conninfo = with_connect_options(conninfo, {**DEFAULT_CONNECT_OPTIONS, **connect_options})
+    # The connection string goes to psycopg alone: SQLAlchemy's URL would need its own driver prefix
+    # and escaping, and a libpq key=value string is no URL at all.
+    engine = create_engine(
+        "postgresql+psycopg://", creator=lambda: psycopg.connect(conninfo), poolclass=NullPool
+    )
+    try:
+        with engine.connect() as connection:
+            context.configure(connection=connection, **settings)
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
+
+
+def _database(url: str | None) -> tuple[str, dict[str, str | int | None]]:
+    """The connection string and libpq options :func:`run_migrations` connects with."""
+    if url is not None:
+        return url, {}
+    from flask import current_app, has_app_context
+
+    from ._state import EXTENSION_NAME
+
+    state = current_app.extensions.get(EXTENSION_NAME) if has_app_context() else None
+    if state is None:
+        raise ConfigurationError(
+            "run_migrations() needs the database: call it inside the application's context"
+            " (with create_app().app_context(): ...), where flask-idem's IDEM_DATABASE_URL is known,"
+            " or pass url=..."
+        )
+    settings = state.settings
+    return settings.database_url, dict(settings.connect_options)
+
+
+def _check_locations(script: Any) -> None:
+    """Refuse to run when flask-idem's revisions are not among the project's: an upgrade would apply the
+    application's revisions and leave the key table missing without a word."""
+    from alembic.util import CommandError
+
+    try:
+        script.get_revision(_FIRST_REVISION)
+    except CommandError:  # ResolutionError: not among the revisions Alembic found
+        raise ConfigurationError(
+            "flask-idem's revisions are not in this Alembic project: add flask_idem:migrations to"
+            " version_locations in alembic.ini (with path_separator = space, for example"
+            " 'version_locations = %(here)s/migrations/versions flask_idem:migrations')."
+        ) from None
+
+
+#: The first of flask-idem's revisions, which every layout's chain starts from.
+_FIRST_REVISION = "flask_idem_0001"
 
 
 def configure(config: Config) -> Config:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import traceback
 from collections.abc import Mapping
 from datetime import datetime
@@ -339,6 +340,10 @@ def _retryable(error: HTTPException, code: int) -> bool:
 
 _logger = logging.getLogger("flask_idem")
 
+#: What psycopg says (and flask_idem._connection, in psycopg's words, for a batched transaction) when code
+#: inside a transaction block commits or rolls back the connection: a message without values.
+_REFUSED = re.compile(r"Explicit (commit|rollback)\(\) forbidden within a Transaction context")
+
 
 def database_error(
     error: psycopg.Error, *, retry_after: int = 1, key_table: str | None = None
@@ -347,9 +352,11 @@ def database_error(
 
     The error is logged by class and SQLSTATE only. Its message is never logged or sent, because
     PostgreSQL quotes row values in it (``DETAIL: Key (...)=(...) already exists``) and libpq quotes
-    connection settings. The 500 case logs the stack frames, which hold code, not values. A missing
-    table is the exception: its message names the table only, and is logged, with the fix when the
-    table is ``key_table`` (the extension's). Applications can route their own database errors
+    connection settings. The 500 case logs the stack frames, which hold code, not values. Two
+    exceptions: a missing table, whose message names the table only, is logged with that message (and
+    the fix when the table is ``key_table``, the extension's); and a ``commit()`` or ``rollback()``
+    refused inside the extension's transaction (psycopg's ``ProgrammingError``, no SQLSTATE) is logged
+    as such, with why it is refused. Applications can route their own database errors
     through it::
 
         @app.errorhandler(psycopg.Error)
@@ -357,6 +364,18 @@ def database_error(
             return flask_idem.errors.problem(flask_idem.errors.database_error(e))
     """
     where = (request.endpoint or request.path) if has_request_context() else "a command"
+    refused = _REFUSED.match(str(error)) if type(error) is psycopg.ProgrammingError else None
+    if refused is not None:
+        _logger.error(
+            "Database error in %s: the view's own %s() on idem.connection was refused: the key record"
+            " and the view's writes commit together, when the view returns, or not at all. Remove the"
+            " call; raise an exception or abort() to fail the request, and use a nested"
+            " 'with conn.transaction():' for a savepoint. Rolled back and answered 500.\n%s",
+            where,
+            refused.group(1),
+            "".join(traceback.format_tb(error.__traceback__)),
+        )
+        return DatabaseFailed()
     if isinstance(error, psycopg.errors.UndefinedTable):
         _logger.error(
             "Database error in %s: UndefinedTable, %s (SQLSTATE 42P01)%s; rolled back and answered 500.",

@@ -1,4 +1,6 @@
-"""flask-idem's revisions in a scratch Flask-Migrate project: `flask db init`, `migrate`, `upgrade`.
+"""flask-idem's revisions in a scratch Flask-Migrate project: `flask db init`, `migrate`, `upgrade`; and in
+a plain Alembic project (tests/support/plain_alembic, the files the upgrades page shows), run by the
+``alembic`` command in a process of its own.
 
 Each test builds a Flask-SQLAlchemy application with ``Idempotency(sqlalchemy=db)`` and the two lines of
 the upgrades page, in a PostgreSQL schema of its own (the engine's ``search_path``), so that Alembic's
@@ -11,8 +13,12 @@ undoes afterwards.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
+import subprocess
+import sys
+import textwrap
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -35,6 +41,7 @@ from flask_idem import alembic as idem_alembic
 
 from .support import citus
 from .support.layouts import check_distributed, create_first_release, layout_of
+from .support.servers import ROOT
 
 
 @contextmanager
@@ -345,3 +352,152 @@ def test_include_object_leaves_only_flask_idem_tables_out() -> None:
     assert hook(Reflected("flask-idem key table, layout 9"), "renamed", "table", True, None) is False
     assert hook(Reflected("orders of the shop"), "orders", "table", True, None) is True
     assert hook(Reflected(None), "idempotency_keys_expires_at_idx", "index", True, None) is True
+
+
+#: The plain Alembic project of the upgrades page: alembic.ini, migrations/env.py, script.py.mako.
+PLAIN_ALEMBIC = ROOT / "tests" / "support" / "plain_alembic"
+
+#: The application the plain project's env.py imports: the quickstart's shape, plain psycopg.
+QUICKSTART = """
+from flask import Flask, g, request
+
+from flask_idem import Idempotency
+
+idem = Idempotency(scope=lambda: g.get("org_id"))
+
+
+def create_app():
+    app = Flask(__name__)
+    app.config["IDEM_DATABASE_URL"] = "postgresql://localhost/shop"
+    app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
+    app.config.from_prefixed_env()
+    idem.init_app(app)
+
+    @app.before_request
+    def authenticate():
+        g.org_id = 1
+
+    @app.post("/orders")
+    @idem.idempotent()
+    def create_order():
+        row = idem.connection.execute(
+            "INSERT INTO orders (org_id, note) VALUES (%s, %s) RETURNING id",
+            (g.org_id, request.get_json()["note"]),
+        ).fetchone()
+        return {"id": row[0]}, 201
+
+    return app
+"""
+
+
+def plain_project(directory: Path, *, ini: str | None = None) -> Path:
+    """The plain Alembic project copied into ``directory``, with the quickstart-like application."""
+    shutil.copytree(PLAIN_ALEMBIC, directory)
+    (directory / "migrations" / "versions").mkdir()
+    (directory / "quickstart").mkdir()
+    (directory / "quickstart" / "__init__.py").write_text(QUICKSTART)
+    if ini is not None:
+        (directory / "alembic.ini").write_text(ini)
+    return directory
+
+
+def alembic(project: Path, conninfo: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``alembic ARGS`` run in ``project``, the application pointed at ``conninfo`` as a deployment
+    would (``FLASK_IDEM_DATABASE_URL``)."""
+    env = {**os.environ, "FLASK_IDEM_DATABASE_URL": conninfo}
+    if citus.ENABLED:
+        env["FLASK_IDEM_DISTRIBUTED"] = "true"
+    return subprocess.run(
+        [sys.executable, "-m", "alembic", *args],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def checked_app(conninfo: str) -> tuple[Flask, Idempotency]:
+    """An application on ``conninfo`` whose layout check and idempotent route the test calls."""
+    app = Flask(__name__)
+    app.config.update(IDEM_DATABASE_URL=conninfo, IDEM_DISTRIBUTED=citus.ENABLED)
+    idem = Idempotency(app, scope=lambda: 1)
+
+    @app.post("/orders")
+    @idem.idempotent()
+    def create() -> Any:
+        row = idem.connection.execute(
+            "INSERT INTO orders (org_id, note) VALUES (1, %s) RETURNING id", (request.get_json()["note"],)
+        ).fetchone()
+        assert row is not None
+        return {"id": row[0]}, 201
+
+    return app, idem
+
+
+def test_plain_alembic_project(scratch: str, tmp_path: Path) -> None:
+    """An application without Flask-SQLAlchemy: `alembic revision` writes into the project's folder,
+    after flask-idem's newest revision; `alembic upgrade heads` makes the key table in the latest layout
+    and the application's table; then the application's layout check passes and a key replays."""
+    project = plain_project(tmp_path / "project")
+    app, idem = checked_app(scratch)
+    with app.app_context(), pytest.raises(ConfigurationError, match="does not exist"):
+        idem.check_layout()
+
+    offline = alembic(project, scratch, "upgrade", "heads", "--sql")
+    assert offline.returncode == 0, offline.stderr
+    assert 'CREATE TABLE IF NOT EXISTS "idempotency_keys"' in offline.stdout
+
+    made = alembic(project, scratch, "revision", "-m", "orders")
+    assert made.returncode == 0, made.stderr
+    [revision] = sorted((project / "migrations" / "versions").glob("*.py"))
+    text = revision.read_text()
+    assert (
+        f"down_revision: Union[str, Sequence[str], None] = '{_layout.alembic_id(_layout.latest())}'" in text
+    )
+    create_orders = textwrap.indent(
+        'op.execute("CREATE TABLE orders (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,'
+        ' org_id bigint NOT NULL, note text NOT NULL)")',
+        "    ",
+    )
+    upgrade = '    """Upgrade schema."""\n'
+    revision.write_text(text.replace(upgrade, upgrade + create_orders + "\n", 1))
+
+    upgraded = alembic(project, scratch, "upgrade", "heads")
+    assert upgraded.returncode == 0, upgraded.stderr
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == _layout.latest()
+        if citus.ENABLED:
+            check_distributed(conn, "idempotency_keys")
+    with app.app_context():
+        idem.check_layout()
+    key = str(uuid.uuid4())
+    client = app.test_client()
+    try:
+        first = client.post("/orders", json={"note": "a"}, headers={"Idempotency-Key": key})
+        again = client.post("/orders", json={"note": "a"}, headers={"Idempotency-Key": key})
+    finally:
+        with app.app_context():
+            idem.close()
+    assert first.status_code == 201, first.json
+    assert (again.status_code, again.json) == (200, first.json)
+
+    current = alembic(project, scratch, "current")
+    assert current.returncode == 0, current.stderr
+    assert current.stdout.split() == [revision.stem.partition("_")[0], "(head)"]
+
+
+def test_plain_alembic_without_flask_idem_revisions_is_refused(scratch: str, tmp_path: Path) -> None:
+    """An alembic.ini that does not list flask_idem:migrations fails with what to add, and changes
+    nothing, instead of upgrading the application's tables and leaving the key table missing."""
+    ini = (PLAIN_ALEMBIC / "alembic.ini").read_text()
+    ini = ini.replace(" flask_idem:migrations", "")
+    assert "flask_idem" not in ini
+    project = plain_project(tmp_path / "project", ini=ini)
+    result = alembic(project, scratch, "upgrade", "heads")
+    assert result.returncode != 0
+    assert "add flask_idem:migrations to version_locations" in result.stderr, result.stderr
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") is None
+        assert conn.execute("SELECT to_regclass('alembic_version')").fetchone() == (None,)

@@ -8,6 +8,7 @@ tests/test_served.py; this module looks at what is particular to a coroutine.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,9 @@ from typing import Any
 import psycopg
 import pytest
 from flask import Flask
+
+from flask_idem import Idempotency
+from flask_idem.errors import ConfigurationError
 
 from .support.helpers import app_factory, count
 from .support.policy_app import ORG, build_policy_app
@@ -75,3 +79,23 @@ def test_an_async_view_called_where_an_event_loop_runs(async_app: Flask, db: psy
     assert first.json["reservation_visible"] is True
     assert again.status_code == 200 and again.data == first.data
     assert count(db, "notes") == 1
+
+
+def test_an_async_view_without_asgiref_is_refused_at_decoration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without asgiref (the async extra) the decorator refuses an async def view and says what to
+    install; a synchronous view is still accepted."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "asgiref" else find_spec(name, *a)
+    )
+    idem = Idempotency(scope=lambda: 1)
+
+    async def create() -> dict[str, int]:
+        return {}
+
+    def create_sync() -> dict[str, int]:
+        return {}
+
+    with pytest.raises(ConfigurationError, match=r"async view.*flask-idem\[async\]"):
+        idem.idempotent()(create)
+    idem.idempotent()(create_sync)

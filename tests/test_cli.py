@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import psycopg
 from flask import Flask
 
 from flask_idem import Idempotency
+from flask_idem.cli import idem_cli
 
 from .support.helpers import close_pool
+from .support.servers import ROOT
 
 
 def test_init_db_is_idempotent(app: Flask) -> None:
@@ -108,3 +111,12 @@ def test_stats_of_an_empty_table(app: Flask) -> None:
     assert "  (none)                0" in output
     assert "Multi-step rows" not in output
     assert output.endswith("Oldest processing request: none\n")
+
+
+def test_the_docs_table_lists_every_command() -> None:
+    """docs/cli.rst's table of commands names each command of the group, in the group's order, and no
+    other, so that a page read as a file (where sphinx-click renders nothing) lists what there is."""
+    text = (ROOT / "docs" / "cli.rst").read_text("utf-8")
+    table = text.split(".. list-table::", 1)[1].split(".. click::", 1)[0]
+    listed = re.findall(r"^    \*   - ``([a-z-]+)``$", table, flags=re.MULTILINE)
+    assert listed == list(idem_cli.commands)

@@ -62,3 +62,24 @@ def test_malformed(values: list[str]) -> None:
     for value in values:
         if value.strip():
             assert value not in info.value.to_dict()["detail"]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [f"{KEY}, {KEY}"],
+        [f"{KEY},{KEY}"],
+        [f'"{KEY}", "{KEY}"'],
+        [f"{KEY}, {uuid.uuid4()}, {uuid.uuid4()}"],
+        [KEY, KEY],
+    ],
+    ids=["joined-by-a-server", "joined-without-space", "joined-sf-strings", "three-joined", "several"],
+)
+def test_more_than_one_key(values: list[str]) -> None:
+    """Two keys, whether as two header lines or as the one value a WSGI server joins them into with
+    ", " (longer than MAX_LENGTH), are reported as more than one key, not as too long."""
+    with pytest.raises(InvalidKey) as info:
+        parse_key(values)
+    detail = info.value.to_dict()["detail"]
+    assert "more than one Idempotency-Key" in detail
+    assert "too long" not in detail

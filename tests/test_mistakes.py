@@ -14,6 +14,7 @@ from psycopg.conninfo import make_conninfo
 
 from flask_idem import ConfigurationError, Idempotency, OutcomeUnknown, scope_id
 from flask_idem._settings import Settings
+from flask_idem.errors import database_error
 
 from .support.flow_app import Ledger, build_flow_app
 from .support.helpers import close_pool, count
@@ -85,6 +86,114 @@ def test_a_correct_app_passes_the_check(make_app: Any, db: Any) -> None:
     """The placement check leaves correctly decorated routes alone (the notes app has a dozen)."""
     app = make_app()
     assert post(app, "/notes", uuid.uuid4(), {"body": "a"}).status_code == 201
+
+
+# -- a decorated route that only reads ----------------------------------------------------------------
+
+
+def test_a_get_only_route_is_named_in_a_warning(
+    database_url: str, db: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """@idem.idempotent() under @bp.get does nothing (reads pass through): the first request logs a
+    warning naming that endpoint, and only that one; routes with a write method are not named."""
+    idem = Idempotency(scope=lambda: 1)
+    bp = Blueprint("shop", __name__)
+
+    @bp.get("/orders")
+    @idem.idempotent()
+    def list_orders() -> Any:
+        return {"orders": []}
+
+    @bp.route("/orders/<int:id>", methods=["GET", "PUT"])
+    @idem.idempotent()
+    def order(id: int) -> Any:  # noqa: A002 (the route's variable)
+        return {"id": id}
+
+    @bp.post("/orders")
+    @idem.idempotent()
+    def create() -> Any:
+        return {}, 201
+
+    app = new_app(IDEM_DATABASE_URL=database_url, MAX_CONTENT_LENGTH=1024)
+    idem.init_app(app)
+    app.register_blueprint(bp)
+    try:
+        with caplog.at_level(logging.WARNING, "flask_idem"):
+            assert app.test_client().get("/orders").status_code == 200
+            assert app.test_client().get("/orders").status_code == 200
+    finally:
+        close_pool(app)
+    [warning] = [r for r in caplog.records if "does nothing" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
+    message = warning.getMessage()
+    assert "'shop.list_orders'" in message and "GET" in message
+    assert "shop.order" not in message and "shop.create" not in message
+
+
+# -- commit() or rollback() inside the view ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ["commit", "rollback"])
+def test_the_views_own_commit_is_named_in_the_log(
+    database_url: str, db: Any, caplog: pytest.LogCaptureFixture, action: str
+) -> None:
+    """idem.connection.commit() (or rollback()) in a view is a 500 whose log says that the view's own
+    commit was refused and why, not a bare "ProgrammingError (SQLSTATE none)"; nothing is committed."""
+    app = new_app(IDEM_DATABASE_URL=database_url, MAX_CONTENT_LENGTH=1024)
+    idem = Idempotency(app, scope=lambda: 1)
+
+    @app.post("/notes")
+    @idem.idempotent()
+    def create() -> Any:
+        idem.connection.execute("INSERT INTO notes (org_id, body) VALUES (1, 'x')")
+        getattr(idem.connection, action)()
+        return {}, 201
+
+    try:
+        with caplog.at_level(logging.ERROR, "flask_idem"):
+            answer = app.test_client().post("/notes", json={}, headers=KEY)
+    finally:
+        close_pool(app)
+    assert answer.status_code == 500 and answer.content_type == "application/problem+json"
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    message = record.getMessage()
+    assert f"in create: the view's own {action}() on idem.connection was refused" in message, message
+    assert "commit together" in message and "SQLSTATE none" not in message
+    assert "getattr(idem.connection, action)()" in message  # the frames point at the line
+    assert count(db, "notes") == 0
+    assert count(db, "idempotency_keys") == 0
+
+
+def test_psycopgs_own_refusal_is_named_too(
+    direct_database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """psycopg's own refusal inside ``with conn.transaction():`` (the path of transactions that are not
+    batched) is reported the same way by database_error."""
+    with psycopg.connect(direct_database_url) as conn, conn.transaction():
+        with pytest.raises(psycopg.ProgrammingError) as refused:
+            conn.commit()
+    with caplog.at_level(logging.ERROR, "flask_idem"):
+        database_error(refused.value)
+    [record] = caplog.records
+    assert "the view's own commit() on idem.connection was refused" in record.getMessage()
+
+
+# -- MAX_CONTENT_LENGTH ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("limit", "warned"), [(None, True), (64 * 1024, False)], ids=["unset", "set"])
+def test_init_app_warns_when_max_content_length_is_unset(
+    database_url: str, caplog: pytest.LogCaptureFixture, limit: int | None, warned: bool
+) -> None:
+    """Without MAX_CONTENT_LENGTH every keyed body, however large, is read and fingerprinted: init_app
+    logs a warning that names the setting; with it, nothing is logged."""
+    app = new_app(IDEM_DATABASE_URL=database_url, MAX_CONTENT_LENGTH=limit)
+    with caplog.at_level(logging.WARNING, "flask_idem"):
+        Idempotency(app, scope=lambda: 1)
+    found = [r for r in caplog.records if "MAX_CONTENT_LENGTH" in r.getMessage()]
+    assert len(found) == (1 if warned else 0), [r.getMessage() for r in caplog.records]
+    if warned:
+        assert found[0].levelno == logging.WARNING
 
 
 # -- IDEM_DATABASE_URL ----------------------------------------------------------------------------------

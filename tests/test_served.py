@@ -9,6 +9,8 @@ reserved, before its write.
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import threading
@@ -17,6 +19,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 import psycopg
@@ -143,3 +146,31 @@ def test_one_key_hammered(served: tuple[str, Any], db: psycopg.Connection[Any], 
     assert orders(db) == 1
     created = next(r for r in responses if r.status_code == 201)
     assert all(r.content == created.content for r in responses if r.status_code == 200)
+
+
+def test_two_key_headers(served: tuple[str, Any], db: psycopg.Connection[Any]) -> None:
+    """Two Idempotency-Key header lines, which gunicorn joins into one value with ", ", are a 400 that
+    says the request carried more than one key; nothing is stored or written."""
+    base, _ = served
+    url = urlsplit(base)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=30)
+    body = json.dumps({"amount": 1250}).encode()
+    try:
+        conn.putrequest("POST", "/orders")
+        for name, value in [
+            ("X-Org", ORG["X-Org"]),
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+            ("Idempotency-Key", str(uuid.uuid4())),
+            ("Idempotency-Key", str(uuid.uuid4())),
+        ]:
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        response = conn.getresponse()
+        problem = json.loads(response.read())
+    finally:
+        conn.close()
+    assert response.status == 400 and response.getheader("Content-Type") == "application/problem+json"
+    assert problem["type"] == "urn:flask-idem:problem:invalid-key"
+    assert "more than one Idempotency-Key" in problem["detail"], problem
+    assert orders(db) == 0
