@@ -26,7 +26,7 @@ from flask_idem import (
     _deadline,
     _probe,
 )
-from flask_idem._pool import FAIL_FAST_TIMEOUT, ProcessPool
+from flask_idem._pool import FAIL_FAST_TIMEOUT, ForkSafeConnectionPool
 from flask_idem._settings import Settings
 from flask_idem._state import get_state
 
@@ -51,8 +51,8 @@ def proxy(database_url: str) -> Iterator[FaultProxy]:
         yield proxy
 
 
-def make_pool(url: str, **options: Any) -> ProcessPool:
-    return ProcessPool(url, prepare_threshold=PREPARE_THRESHOLD, **options)
+def make_pool(url: str, **options: Any) -> ForkSafeConnectionPool:
+    return ForkSafeConnectionPool(url, prepare_threshold=PREPARE_THRESHOLD, **options)
 
 
 def test_connections_get_the_default_timeouts(database_url: str) -> None:
