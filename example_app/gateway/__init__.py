@@ -43,7 +43,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     :meth:`flask.Config.from_prefixed_env`), then from ``test_config``.
     """
     from .. import problems
-    from ..db import embedded_url
+    from ..embedded import embedded_url
     from . import charges, faults
     from .store import Store
 
