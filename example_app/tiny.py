@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from flask import Blueprint, Flask, current_app, g, request
-from werkzeug.exceptions import BadRequest, HTTPException, NotFound
+from werkzeug.exceptions import BadRequest, HTTPException, NotFound, UnprocessableEntity
 
 from flask_idem import Flow, Idempotency, Run
 from flask_idem.errors import problem
@@ -106,10 +106,12 @@ def create_invite() -> tuple[dict[str, Any], int]:
     if not isinstance(data, dict) or not isinstance(data.get("email"), str) or "@" not in data["email"]:
         raise BadRequest('The body must be a JSON object with an "email" address.')
     row = idem.connection.execute(
-        "INSERT INTO invites (org_id, idempotency_key, email) VALUES (%s, %s, %s) RETURNING id",
+        "INSERT INTO invites (org_id, idempotency_key, email) VALUES (%s, %s, %s)"
+        " ON CONFLICT (org_id, idempotency_key) DO NOTHING RETURNING id",
         (g.org_id, idem.key, data["email"]),
     ).fetchone()
-    assert row is not None
+    if row is None:  # the key's record is long gone (IDEM_TOMBSTONE_TTL), its invite is not
+        raise UnprocessableEntity("This Idempotency-Key was used for another invite.")
     return {"id": row[0], "email": data["email"]}, 201
 
 
