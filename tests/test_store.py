@@ -18,7 +18,7 @@ from flask_idem._records import KeyedRequest, KeyRef, Lease, lock_id
 from flask_idem._store import Store
 
 from .support import citus
-from .support.helpers import PREPARE_THRESHOLD
+from .support.helpers import PREPARE_THRESHOLD, wait_for
 
 SHA = b"\x01" * 32
 
@@ -76,10 +76,10 @@ def test_concurrent_reservations_have_one_winner(store: Store) -> None:
     threads = [threading.Thread(target=attempt) for _ in range(10)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while len(outcomes) < 10 and time.monotonic() < deadline:  # the losers must not wait for the winner
-        time.sleep(0.01)
-    release.set()
+    try:  # the losers must answer while the winner holds its reservation, not wait for it
+        wait_for(lambda: len(outcomes) == 10, 10, 0.01, message=lambda: f"only {outcomes} answered")
+    finally:
+        release.set()
     for t in threads:
         t.join(10)
     assert sorted(outcomes) == ["in flight"] * 9 + ["won"]
