@@ -1,13 +1,12 @@
 """The shop plus baseline routes: ``POST /bench/orders`` is ``POST /orders`` without the decorator.
 
-``POST /bench/orders`` is made by the same function as the shop's route
-(:func:`example_app.orders.order_route`, with ``idempotent=False``): the same webargs parsing of
+``POST /bench/orders`` has the decorators of the shop's route (:func:`example_app.orders.create_order`)
+but ``@idem.idempotent()`` (:func:`order_route`): the same webargs parsing of
 :class:`~example_app.schemas.OrderIn`, the same marshmallow dump of :class:`~example_app.schemas.Order`,
-the same problems, authentication and
-``INSERT`` (:func:`example_app.orders.place_order`, with dict rows), in one transaction on a pooled
-connection. The only differences are the ones idempotency makes: no key row is reserved, completed or
-looked up, and the order's ``idempotency_key`` is a fresh ``uuid4()``. Any ``Idempotency-Key`` header the
-client sends is ignored.
+the same problems, authentication and ``INSERT`` (:func:`example_app.orders.place_order`, with dict
+rows), in one transaction on a pooled connection. The only differences are the ones idempotency makes: no
+key row is reserved, completed or looked up, and the order's ``idempotency_key`` is a fresh ``uuid4()``.
+Any ``Idempotency-Key`` header the client sends is ignored.
 
 ``POST /bench/floor`` and ``POST /bench/floor-batched`` are that baseline plus two statements that do
 nothing: the least any idempotency layer that short-circuits retries must add (their docstrings say why).
@@ -31,11 +30,11 @@ from flask import Blueprint as FlaskBlueprint
 from flask import Flask, g, request, url_for
 
 from example_app import create_app as create_shop
-from example_app.api import Blueprint
+from example_app.api import LOCATION, Blueprint
 from example_app.auth import authenticate
 from example_app.extensions import idem
-from example_app.orders import order_route, place_order
-from example_app.schemas import OrderIn, load
+from example_app.orders import place_order
+from example_app.schemas import Order, OrderIn, load
 from flask_idem._pool import batched
 from flask_idem._state import get_state
 from flask_idem._wire import Statement
@@ -55,6 +54,18 @@ def _no_op(conn: psycopg.Connection[Any]) -> None:
 
 
 Answer = tuple[dict[str, Any], int, dict[str, str]]
+
+
+def order_route(rule: str, body: Callable[[dict[str, Any]], Answer]) -> None:
+    """Register ``body`` at ``POST /bench<rule>`` with the decorators of the shop's ``POST /orders``
+    (:func:`example_app.orders.create_order`), in the same order, less ``@idem.idempotent()``.
+
+    Keep the two in step: the baseline must differ from the shop's route by that decorator only.
+    """
+    view: Any = bp.problems(401, 413, 415, 422, 500)(body)
+    view = bp.response(201, Order, description="Created.", headers=LOCATION)(view)
+    view = bp.arguments(OrderIn, example={"amount": 1250, "currency": "EUR"})(view)
+    bp.post(rule)(view)
 
 
 def _pooled(
@@ -105,9 +116,9 @@ def floor_batched_order(data: dict[str, Any]) -> tuple[dict[str, Any], int, dict
     return answer
 
 
-order_route(bp, "/orders", baseline_order, idempotent=False)
-order_route(bp, "/floor", floor_order, idempotent=False)
-order_route(bp, "/floor-batched", floor_batched_order, idempotent=False)
+order_route("/orders", baseline_order)
+order_route("/floor", floor_order)
+order_route("/floor-batched", floor_batched_order)
 
 _order_in = OrderIn()
 

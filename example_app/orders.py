@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -19,24 +18,6 @@ from .schemas import Order, OrderIn, OrderList
 
 bp = Blueprint("orders", __name__, description="Orders, created once per Idempotency-Key.")
 bp.before_request(authenticate)
-
-
-def order_route(
-    blueprint: Blueprint, rule: str, body: Callable[[dict[str, Any]], Any], *, idempotent: bool = True
-) -> Callable[[dict[str, Any]], Any]:
-    """Register ``body`` as the order route at ``rule`` on ``blueprint``, with the shop's decorators: the
-    body validated with :class:`.schemas.OrderIn`, the 201 dumped with :class:`.schemas.Order` and its
-    ``Location``, the problems it may answer, and ``@idem.idempotent()`` unless ``idempotent`` is false.
-
-    The shop's ``POST /orders`` is made here, and so is the benchmark's baseline (``bench/app.py``), the
-    same route without ``@idem.idempotent()``: the two differ by the decorator and nothing else.
-    """
-    view: Any = blueprint.problems(401, 413, 415, 422, 500)(body)
-    view = blueprint.response(201, Order, description="Created.", headers=LOCATION)(view)
-    view = blueprint.arguments(OrderIn, example={"amount": 1250, "currency": "EUR"})(view)
-    if idempotent:
-        view = idem.idempotent()(view)
-    return blueprint.route(rule, methods=["POST"])(view)  # type: ignore[no-any-return]
 
 
 def place_order(
@@ -56,15 +37,17 @@ def place_order(
     return order, 201, {"Location": url_for("orders.get_order", order_id=order["id"])}
 
 
+@bp.post("/orders")
+@idem.idempotent()
+@bp.arguments(OrderIn, example={"amount": 1250, "currency": "EUR"})
+@bp.response(201, Order, description="Created.", headers=LOCATION)
+@bp.problems(401, 413, 415, 422, 500)
 def create_order(data: dict[str, Any]) -> tuple[dict[str, Any], int, dict[str, str]]:
     """Create an order
 
     A retry with the same ``Idempotency-Key`` gets the first answer again.
     """
     return place_order(idem.connection, idem.key, data)
-
-
-order_route(bp, "/orders", create_order)
 
 
 @bp.route("/orders/<int:order_id>", parameters=[path_id("order_id")])

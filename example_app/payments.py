@@ -52,7 +52,7 @@ class PaymentFailed(UnprocessableEntity):
     description = "The payment gateway refused this payment."
 
 
-@bp.route("/payments", methods=["POST"])
+@bp.post("/payments")
 @idem.idempotent(flow=pay)
 @bp.arguments(PaymentIn, example={"order_id": 1, "source": "tok_visa"})
 @bp.alt_response(201, schema=Payment, description="Created.", headers=LOCATION, success=True)

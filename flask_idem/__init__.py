@@ -1,10 +1,13 @@
 """flask-idem: idempotency keys for Flask, backed by PostgreSQL."""
 
+import typing as t
+import warnings
+
 from ._deadline import DeadlineExceeded as DeadlineExceeded
 from ._extension import Idempotency as Idempotency
 from ._keys import HEADER as HEADER
 from ._policy import Fingerprint as Fingerprint
-from ._pool import ProcessPool as ProcessPool
+from ._pool import ForkSafeConnectionPool as ForkSafeConnectionPool
 from ._replay import REPLAYED_HEADER as REPLAYED_HEADER
 from ._replay import StoreResponse as StoreResponse
 from ._scopes import scope_id as scope_id
@@ -43,6 +46,7 @@ __all__ = [
     "DeadlineExceeded",
     "Fingerprint",
     "Flow",
+    "ForkSafeConnectionPool",
     "Idempotency",
     "IdempotencyError",
     "InvalidBody",
@@ -56,7 +60,6 @@ __all__ = [
     "OperationFailed",
     "OutcomePending",
     "OutcomeUnknown",
-    "ProcessPool",
     "ResponseNotStored",
     "Run",
     "ScopeFunc",
@@ -65,3 +68,19 @@ __all__ = [
     "StoredResponseUnreadable",
     "scope_id",
 ]
+
+if t.TYPE_CHECKING:
+    ProcessPool = ForkSafeConnectionPool  # deprecated; see __getattr__
+
+
+def __getattr__(name: str) -> t.Any:
+    """The deprecated names, which still work and warn."""
+    if name == "ProcessPool":
+        warnings.warn(
+            "flask_idem.ProcessPool is renamed flask_idem.ForkSafeConnectionPool; the old name will be"
+            " removed in flask-idem 0.2.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ForkSafeConnectionPool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

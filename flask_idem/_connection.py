@@ -1,11 +1,10 @@
 """The extension's psycopg connections, and the transaction that sends BEGIN and COMMIT with statements.
 
-:class:`PooledConnection` is what :class:`._pool.ProcessPool` opens: a psycopg connection that keeps one
-cursor for the key store, knows when it was opened and under which deadline it is lent, refuses
+:class:`PooledConnection` is what :class:`._pool.ForkSafeConnectionPool` opens: a psycopg connection that
+keeps one cursor for the key store, knows when it was opened and under which deadline it is lent, refuses
 ``commit()`` and ``rollback()`` inside the extension's transaction, and tells its pool whether connecting
-worked. The attributes it adds to psycopg's class start with ``_idem_``, so that they cannot meet
-psycopg's own; the one psycopg hook it overrides, ``_deallocate``, is named with the other internals in
-:mod:`._wire`.
+worked. The attributes it adds to psycopg's class start with ``_idem_``, so that they cannot meet psycopg's
+own; the one psycopg hook it overrides, ``_deallocate``, is named with the other internals in :mod:`._wire`.
 :class:`Batched` is that transaction for the atomic path (see its docstring and :mod:`._wire`).
 """
 
@@ -34,7 +33,8 @@ class _Owner(Protocol):
 
 
 class PooledConnection(psycopg.Connection[TupleRow]):
-    """The connections of a :class:`._pool.ProcessPool`: psycopg connections with one cursor for the store.
+    """The connections of a :class:`._pool.ForkSafeConnectionPool`: psycopg connections with one cursor
+    for the store.
 
     psycopg gives every new cursor an empty cache of parameter adapters, so the first statement on a new
     cursor looks up how to send each parameter again. The store's statements run on every write request,
@@ -48,7 +48,7 @@ class PooledConnection(psycopg.Connection[TupleRow]):
     _idem_armed: _deadline.Armed | None = None
     #: Whether it talks to the server itself, not through a pooler (its server process can be probed).
     _idem_direct: bool = False
-    #: The batched transaction open on it, if any (:meth:`ProcessPool.transaction`).
+    #: The batched transaction open on it, if any (:meth:`ForkSafeConnectionPool.transaction`).
     _idem_batched: Batched | None = None
     #: What batches need of it: adapters, and the names of the statements they prepared on it.
     _idem_transformer: Transformer | None = None
@@ -56,7 +56,8 @@ class PooledConnection(psycopg.Connection[TupleRow]):
 
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
-        """Connect as psycopg does, telling the :class:`._pool.ProcessPool` that asked whether it worked."""
+        """Connect as psycopg does, telling the :class:`._pool.ForkSafeConnectionPool` that asked whether
+        it worked."""
         owner: _Owner | None = kwargs.pop(OWNER, None)
         try:
             return super().connect(conninfo, **kwargs)
@@ -97,7 +98,7 @@ class PooledConnection(psycopg.Connection[TupleRow]):
 
 
 def batched(conn: psycopg.Connection[Any]) -> Batched | None:
-    """The batched transaction open on ``conn``, if it is one (:meth:`ProcessPool.transaction`)."""
+    """The batched transaction open on ``conn``, if it is one (:meth:`ForkSafeConnectionPool.transaction`)."""
     return conn._idem_batched if isinstance(conn, PooledConnection) else None
 
 

@@ -24,7 +24,7 @@ from psycopg_pool import ConnectionPool
 from . import _deadline, _layout, _migrate, _view
 from ._async import synchronous
 from ._policy import Fingerprint
-from ._pool import ConnectionSource, PooledConnection, ProcessPool
+from ._pool import ConnectionSource, ForkSafeConnectionPool, PooledConnection
 from ._replay import StoreResponse, parse_store_response
 from ._settings import OnMismatch, ScopeFunc, Settings, parse_on_mismatch, parse_seconds
 from ._state import EXTENSION_NAME, IdemState, get_state
@@ -394,7 +394,7 @@ class Idempotency:
         :raises ConfigurationError: with ``sqlalchemy=``, where the application's engine is the pool.
         """
         source = get_state().source
-        if not isinstance(source, ProcessPool):
+        if not isinstance(source, ForkSafeConnectionPool):
             raise ConfigurationError(
                 "This application uses SQLAlchemy (Idempotency(sqlalchemy=...)): flask-idem has no pool"
                 " of its own. Use db.session, or db.engine for connections."

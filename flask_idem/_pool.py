@@ -1,9 +1,9 @@
 """Where the extension's connections and transactions come from, and the per-process pool that gives them.
 
 :class:`ConnectionSource` is what the rest of the extension asks for a connection or a transaction. The
-default source is :class:`ProcessPool`: one psycopg pool in each process, opened on first use, shared by the
-key store and by an application's own database work (:attr:`.Idempotency.pool`); the shop's payment
-gateway simulator uses it too. An application built on SQLAlchemy uses :class:`.sqla.SessionSource`
+default source is :class:`ForkSafeConnectionPool`: one psycopg pool in each process, opened on first use,
+shared by the key store and by an application's own database work (:attr:`.Idempotency.pool`); the shop's
+payment gateway simulator uses it too. An application built on SQLAlchemy uses :class:`.sqla.SessionSource`
 instead, so that the key and the view's ORM work share the session's transaction.
 
 A database restart (or a failover, or a PgBouncer restart) leaves every idle pooled connection dead. The
@@ -11,7 +11,7 @@ pool notices that without a round trip: an idle connection has nothing to read, 
 readable when the connection is handed out means the server closed it or is closing it
 (:func:`_usable`, one ``poll()`` system call). Such a connection is replaced before anyone uses it, and
 the first one found makes the pool drop its other idle connections of that age at once
-(:meth:`ProcessPool.connection_lost`).
+(:meth:`ForkSafeConnectionPool.connection_lost`).
 
 A database can also go silent without closing anything (a dead host, a hung server or pooler). Every
 connection is opened with a connect timeout, TCP keepalives and a TCP user timeout
@@ -54,7 +54,7 @@ __all__ = [
     "PooledConnection",
     "ConnectionSource",
     "DeadlineExceeded",
-    "ProcessPool",
+    "ForkSafeConnectionPool",
     "batched",
     "with_connect_options",
 ]
@@ -85,8 +85,8 @@ class ConnectionSource(Protocol):
         """A connection inside a new transaction, committed when the block ends and rolled back when it
         raises. Application code in the block writes through the same transaction.
 
-        With ``batched``, a source that can (:class:`ProcessPool`) sends ``BEGIN`` together with the
-        transaction's first statement and ``COMMIT`` together with the statements deferred to it
+        With ``batched``, a source that can (:class:`ForkSafeConnectionPool`) sends ``BEGIN`` together with
+        the transaction's first statement and ``COMMIT`` together with the statements deferred to it
         (:func:`batched`); others ignore it.
         """
         ...
@@ -131,7 +131,7 @@ class _Pool(ConnectionPool[PooledConnection]):
     """psycopg's pool, which hands out no connection that the server has already closed, lends each one
     under a deadline, and waits for one only briefly while the database cannot be reached."""
 
-    def __init__(self, *args: Any, owner: ProcessPool, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, owner: ForkSafeConnectionPool, **kwargs: Any) -> None:
         self._owner = owner
         super().__init__(*args, **kwargs)
 
@@ -187,7 +187,7 @@ class _Pool(ConnectionPool[PooledConnection]):
         super().putconn(conn)
 
 
-class ProcessPool:
+class ForkSafeConnectionPool:
     """A psycopg :class:`~psycopg_pool.ConnectionPool` per process, opened on first use.
 
     The pool is created on first use and created again when the process id changes, so a pre-fork server

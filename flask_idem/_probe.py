@@ -18,9 +18,9 @@ replaces its idle connections of that age (a silent path usually silences them a
 cannot connect at all, the pool learns that the database is unreachable, and stops making requests wait
 long for a connection.
 
-Only connections that reach the server directly are probed: behind a pooler (PgBouncer), the process id
-the client knows is the pooler's, not the server's (:class:`._pool.ProcessPool` finds out when it opens a
-connection). The probes cost nothing while no connection waits long: the prober thread wakes once per
+Only connections that reach the server directly are probed: behind a pooler (PgBouncer), the process id the
+client knows is the pooler's, not the server's (:class:`._pool.ForkSafeConnectionPool` finds out when it opens
+a connection). The probes cost nothing while no connection waits long: the prober thread wakes once per
 :data:`PROBE_INTERVAL` and looks at the pool's lent connections; a round opens one short connection.
 """
 

@@ -7,7 +7,7 @@ What a stored response may hold is the route's choice (``store_response``):
 - ``"full"``: status, the allow-listed headers and the body, byte for byte;
 - ``"location"``: for a 2xx, its status and ``Location`` only, replayed as ``303 See Other`` there: for
   answers that carry a secret the retry must not get again (other statuses are kept in full);
-- ``"encrypted"``: as ``"full"``, with the body encrypted at rest (:mod:`._codec`).
+- ``"encrypted"``: as ``"full"``, with the body encrypted at rest (:mod:`._cipher`).
 
 A body larger than ``IDEM_MAX_RESPONSE_BYTES`` is never stored cut short, nor left unstored while the
 request's writes commit: the request is refused with :class:`.ResponseNotStored` (500) and rolled back.
@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeAlias
 
 from flask import Response
 
-from ._codec import ResponseCodec
+from ._cipher import ResponseCipher
 from .errors import OperationFailed, ResponseNotStored, StoredResponseUnreadable
 
 __all__ = [
@@ -67,7 +67,7 @@ def record_response(
     *,
     max_bytes: int | None = None,
     store: StoreResponse = "full",
-    codec: ResponseCodec | None = None,
+    codec: ResponseCipher | None = None,
     request: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON document stored for a response: status, the headers worth replaying, and the body.
@@ -174,7 +174,7 @@ def _too_large(size: str, max_bytes: int) -> ResponseNotStored:
     )
 
 
-def replay_response(record: Mapping[str, Any], codec: ResponseCodec | None = None) -> Response:
+def replay_response(record: Mapping[str, Any], codec: ResponseCipher | None = None) -> Response:
     """Rebuild a stored response, marked with ``Idempotent-Replayed: true``.
 
     A stored 201 is replayed as 200: the resource was created by the first request, not by this one. A
@@ -198,8 +198,8 @@ def replay_response(record: Mapping[str, Any], codec: ResponseCodec | None = Non
     return response
 
 
-def _decrypt(token: str, codec: ResponseCodec | None) -> bytes:
-    body = None if codec is None else codec.decrypt(token)
+def _decrypt(token: str, cipher: ResponseCipher | None) -> bytes:
+    body = None if cipher is None else cipher.decrypt(token)
     if body is None:
         logger.error(
             "A stored response is encrypted with a key that is not in IDEM_RESPONSE_KEYS (any more);"

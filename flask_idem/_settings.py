@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeAlias
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ._codec import parse_response_keys
+from ._cipher import parse_response_keys
 from .errors import ConfigurationError
 
 __all__ = [

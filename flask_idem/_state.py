@@ -18,8 +18,8 @@ from flask import Flask, current_app
 from psycopg.rows import TupleRow
 
 from . import _layout
-from ._codec import ResponseCodec
-from ._pool import ConnectionSource, ProcessPool
+from ._cipher import ResponseCipher
+from ._pool import ConnectionSource, ForkSafeConnectionPool
 from ._settings import Settings
 from ._store import Store
 from .flow import Flow
@@ -51,7 +51,7 @@ class IdemState:
     hooks: list[Hook] = field(default_factory=list)
     #: Encrypts the stored bodies of ``store_response="encrypted"`` routes; ``None`` without
     #: ``IDEM_RESPONSE_KEYS``.
-    codec: ResponseCodec | None = None
+    codec: ResponseCipher | None = None
     #: Set once the key table was found in a layout this code runs on (:meth:`check_layout`).
     layout_checked: threading.Event = field(default_factory=threading.Event)
 
@@ -102,7 +102,7 @@ class IdemState:
         Its connections come from ``source`` when given, and otherwise from a pool of its own, opened on
         first use.
         """
-        source = source or ProcessPool(
+        source = source or ForkSafeConnectionPool(
             settings.database_url,
             min_size=settings.pool_min_size,
             max_size=settings.pool_max_size,
@@ -117,7 +117,7 @@ class IdemState:
             tombstone_ttl=settings.tombstone_ttl,
             distributed=settings.distributed,
         )
-        codec = ResponseCodec(settings.response_keys) if settings.response_keys else None
+        codec = ResponseCipher(settings.response_keys) if settings.response_keys else None
         return cls(settings=settings, source=source, store=store, flows=flows, codec=codec)
 
 

@@ -15,9 +15,9 @@ from flask.cli import AppGroup
 from psycopg.conninfo import conninfo_to_dict
 
 from . import _delivery, _layout, _migrate, relay
-from ._codec import new_key
+from ._cipher import new_key
 from ._outbox import outbox_table
-from ._pool import ProcessPool
+from ._pool import ForkSafeConnectionPool
 from ._settings import Settings
 from ._state import get_state
 from ._task import TASK_METHOD
@@ -63,7 +63,7 @@ def _check_connection() -> None:
     state = get_state()
     params = conninfo_to_dict(state.settings.database_url)
     try:
-        if isinstance(state.source, ProcessPool):
+        if isinstance(state.source, ForkSafeConnectionPool):
             psycopg.connect(_check_conninfo(state.settings)).close()
         else:
             with state.source.connection():

@@ -18,7 +18,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb
 
 from example_app import create_app
-from flask_idem._pool import PooledConnection, ProcessPool
+from flask_idem._pool import ForkSafeConnectionPool, PooledConnection
 from flask_idem._records import KeyedRequest, KeyRef, Lease, Reservation, lock_id
 from flask_idem._state import get_state
 from flask_idem._store import Store
@@ -85,7 +85,7 @@ def is_data_statement(query: Any) -> bool:
 
 @pytest.fixture
 def store(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Store]:
-    store = Store(ProcessPool(database_url, max_size=4), distributed=True, tombstone_ttl=3600.0)
+    store = Store(ForkSafeConnectionPool(database_url, max_size=4), distributed=True, tombstone_ttl=3600.0)
     yield store
     store.source.close()
 
@@ -145,7 +145,7 @@ def test_plain_reserve_statement_is_multi_step(
     database_url: str, recorded: list[tuple[Any, Any]], db: psycopg.Connection[Any]
 ) -> None:
     """Why the function exists: the single-statement reserve of plain PostgreSQL is not a router query."""
-    plain = Store(ProcessPool(database_url, max_size=1))
+    plain = Store(ForkSafeConnectionPool(database_url, max_size=1))
     try:
         with plain.source.connection() as conn, conn.transaction():
             plain.reserve(conn, KeyedRequest(7, uuid.uuid4(), SHA, "P", "/"), ttl=1.0)

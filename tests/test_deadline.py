@@ -26,14 +26,14 @@ from flask_idem import (
     _deadline,
     _probe,
 )
-from flask_idem._pool import FAIL_FAST_TIMEOUT, ProcessPool
+from flask_idem._pool import FAIL_FAST_TIMEOUT, ForkSafeConnectionPool
 from flask_idem._settings import Settings
 from flask_idem._state import get_state
 
 from .support import pgbouncer
 from .support.faultproxy import FaultProxy, running_proxy
 from .support.helpers import PREPARE_THRESHOLD
-from .support.servers import free_port
+from .support.servers import free_port, wait_for
 
 #: Slack over an expected time for a busy machine, in seconds.
 SLACK = 3.0
@@ -51,8 +51,8 @@ def proxy(database_url: str) -> Iterator[FaultProxy]:
         yield proxy
 
 
-def make_pool(url: str, **options: Any) -> ProcessPool:
-    return ProcessPool(url, prepare_threshold=PREPARE_THRESHOLD, **options)
+def make_pool(url: str, **options: Any) -> ForkSafeConnectionPool:
+    return ForkSafeConnectionPool(url, prepare_threshold=PREPARE_THRESHOLD, **options)
 
 
 def test_connections_get_the_default_timeouts(database_url: str) -> None:
@@ -245,10 +245,14 @@ def test_the_prober_cuts_a_silent_connection_and_ends_its_transaction(
             conn.execute("SELECT 1")
         waited = time.monotonic() - started
         assert waited < _probe.PROBE_AFTER + 2 * _probe.PROBE_INTERVAL + 2 * SLACK, waited
-        deadline = time.monotonic() + 10
-        while db.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() != (0,):
-            assert time.monotonic() < deadline, "the silent connection's server process was not ended"
-            time.sleep(0.1)
+        wait_for(
+            lambda: (
+                db.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() == (0,)
+            ),
+            10,
+            0.1,
+            message="the silent connection's server process was not ended",
+        )
         assert db.execute("SELECT pg_try_advisory_lock(4242), pg_advisory_unlock(4242)").fetchone() == (
             True,
             True,

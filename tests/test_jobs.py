@@ -131,10 +131,7 @@ def test_a_duplicate_is_deferred_while_the_first_runs(jobs_app: Flask, db: psyco
         target=lambda: first.append(deliver(jobs_app, "jobs.add", 5, hold=1.5, key=key))
     )
     running.start()
-    deadline = time.monotonic() + 15
-    while not runs(jobs_app):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for(lambda: bool(runs(jobs_app)), 15, 0.02, message="the first delivery never ran")
     second = deliver(jobs_app, "jobs.add", 5, hold=1.5, key=key)
     running.join()
     assert isinstance(second, _delivery.Defer) and not second.failed

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ from flask_idem.metrics import Metrics
 from flask_idem.recovery import recover
 
 from .support.flow_app import Ledger, build_flow_app
-from .support.helpers import ROOT, close_pool, gunicorn, headers
+from .support.helpers import ROOT, close_pool, gunicorn, headers, wait_for
 from .support.notes_app import build_app, post
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -265,13 +264,6 @@ def _get_metrics(base: str) -> Samples:
     return samples(response.text)
 
 
-def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 def test_scrapes_count_what_happened(
     metrics_shop: tuple[str, dict[str, str]],
@@ -322,7 +314,7 @@ def test_scrapes_count_what_happened(
     first: dict[str, requests.Response] = {}
     thread = threading.Thread(target=lambda: first.setdefault("r", pay(order_ids[0], key)))
     thread.start()
-    _wait_for(lambda: charges() == 1)
+    wait_for(lambda: charges() == 1, timeout=10.0)
     assert pay(order_ids[0], key).status_code == 409
     thread.join(20)
     assert first["r"].status_code == 201

@@ -27,7 +27,6 @@ import shlex
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +43,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .support import citus
-from .support.servers import ROOT
+from .support.servers import ROOT, wait_for
 
 # The quickstart documents one PostgreSQL server and creates its database with createdb; on Citus the
 # layout differs (docs/scaling.rst, tests/test_citus.py).
@@ -309,13 +308,15 @@ def test_quickstart_in_flight_is_409(quickstart: Quickstart, quickstart_app: Fla
         locker.execute("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")  # the view's INSERT waits here
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(quickstart_app.test_client().post, "/orders", json=order, headers=headers)
-            deadline = time.monotonic() + 60
-            while observer.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                " AND wait_event_type = 'Lock'"
-            ).fetchone() != (1,):
-                assert time.monotonic() < deadline and not first.done(), "the first attempt never waited"
-                time.sleep(0.02)
+
+            def waiting() -> bool:
+                assert not first.done(), "the first attempt never waited"
+                return observer.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'"
+                ).fetchone() == (1,)
+
+            wait_for(waiting, 60, 0.02, message="the first attempt never waited")
             second = quickstart_app.test_client().post("/orders", json=order, headers=headers)
             locker.rollback()
             assert first.result(timeout=60).status_code == 201

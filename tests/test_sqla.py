@@ -28,7 +28,7 @@ from flask_idem.sqla import SessionCommitRefused
 
 from .support import sqla_app
 from .support.faultproxy import running_proxy
-from .support.helpers import count, gunicorn, headers
+from .support.helpers import count, gunicorn, headers, wait_for
 from .test_concurrency import fire
 
 ORDER = {"amount": 1250, "currency": "EUR"}
@@ -352,12 +352,16 @@ def test_crash_after_the_write_then_retry(
         )
     assert count(db, "orders") == 0
     assert count(db, "idempotency_keys") == 0
-    deadline = time.monotonic() + 15
-    while True:  # 409 until PostgreSQL has seen the dead worker's connection close and rolled it back
-        retry = requests.post(sqla_server + "/orders", json=ORDER, headers=headers(org_key, key), timeout=30)
-        if retry.status_code != 409 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    retries: list[requests.Response] = []
+
+    def retried() -> bool:  # 409 until PostgreSQL has seen the dead worker's connection end, rolled back
+        retries.append(
+            requests.post(sqla_server + "/orders", json=ORDER, headers=headers(org_key, key), timeout=30)
+        )
+        return retries[-1].status_code != 409
+
+    wait_for(retried, 15, 0.2, message="the key stayed in flight")
+    retry = retries[-1]
     assert retry.status_code == 201, retry.text
     again = requests.post(sqla_server + "/orders", json=ORDER, headers=headers(org_key, key), timeout=30)
     assert (again.status_code, again.json()) == (200, retry.json())
@@ -404,10 +408,8 @@ def test_a_silent_session_connection_is_cut_at_the_deadline(
         assert answer.mimetype == PROBLEM_JSON and int(answer.headers["Retry-After"]) >= 1
         assert time.monotonic() - started < 2.0 + 3.0
         assert post(app, "/orders", org_key, uuid.uuid4()).status_code == 201
-    deadline = time.monotonic() + 30  # the silent transaction ends when its server side is closed
-    while count(db, "orders") != 2:
-        assert time.monotonic() < deadline, "the order of the cut transaction was kept"
-        time.sleep(0.2)
+    # The silent transaction ends when its server side is closed.
+    wait_for(lambda: count(db, "orders") == 2, 30, 0.2, message="the order of the cut transaction was kept")
 
 
 def test_an_async_view_writes_through_the_session(

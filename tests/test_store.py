@@ -13,19 +13,19 @@ import psycopg
 import pytest
 
 from flask_idem._migrate import upgrade
-from flask_idem._pool import PooledConnection, ProcessPool
+from flask_idem._pool import ForkSafeConnectionPool, PooledConnection
 from flask_idem._records import KeyedRequest, KeyRef, Lease, lock_id
 from flask_idem._store import Store
 
 from .support import citus
-from .support.helpers import PREPARE_THRESHOLD
+from .support.helpers import PREPARE_THRESHOLD, wait_for
 
 SHA = b"\x01" * 32
 
 
 @pytest.fixture
 def store(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Store]:
-    pool = ProcessPool(database_url, max_size=20, prepare_threshold=PREPARE_THRESHOLD)
+    pool = ForkSafeConnectionPool(database_url, max_size=20, prepare_threshold=PREPARE_THRESHOLD)
     store = Store(pool, distributed=citus.ENABLED)
     yield store
     store.source.close()
@@ -38,7 +38,7 @@ def reserve(store: Store, conn: Any, key: uuid.UUID, **extra: Any) -> Any:
 def test_init_schema_twice_and_custom_table(database_url: str, db: psycopg.Connection[Any]) -> None:
     """The DDL is idempotent and honours a schema-qualified table name."""
     db.execute("CREATE SCHEMA IF NOT EXISTS idem_custom")
-    pool = ProcessPool(database_url, prepare_threshold=PREPARE_THRESHOLD)
+    pool = ForkSafeConnectionPool(database_url, prepare_threshold=PREPARE_THRESHOLD)
     custom = Store(pool, table="idem_custom.keys", distributed=citus.ENABLED)
     try:
         for _ in range(2):
@@ -55,7 +55,7 @@ def test_init_schema_twice_and_custom_table(database_url: str, db: psycopg.Conne
 def test_bad_table_names(table: str) -> None:
     """A table name that is not 'table' or 'schema.table' is refused."""
     with pytest.raises(ValueError):
-        Store(ProcessPool("postgresql://unused"), table=table)
+        Store(ForkSafeConnectionPool("postgresql://unused"), table=table)
 
 
 def test_concurrent_reservations_have_one_winner(store: Store) -> None:
@@ -76,10 +76,10 @@ def test_concurrent_reservations_have_one_winner(store: Store) -> None:
     threads = [threading.Thread(target=attempt) for _ in range(10)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while len(outcomes) < 10 and time.monotonic() < deadline:  # the losers must not wait for the winner
-        time.sleep(0.01)
-    release.set()
+    try:  # the losers must answer while the winner holds its reservation, not wait for it
+        wait_for(lambda: len(outcomes) == 10, 10, 0.01, message=lambda: f"only {outcomes} answered")
+    finally:
+        release.set()
     for t in threads:
         t.join(10)
     assert sorted(outcomes) == ["in flight"] * 9 + ["won"]

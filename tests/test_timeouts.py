@@ -16,7 +16,7 @@ from psycopg.conninfo import make_conninfo
 
 from example_app.gateway import create_app as gateway_create_app
 from flask_idem import DEFAULT_CONNECT_OPTIONS, _migrate, cli
-from flask_idem._pool import ProcessPool
+from flask_idem._pool import ForkSafeConnectionPool
 from flask_idem._state import get_state
 
 #: IDEM_CONNECT_OPTIONS of the "settings" and "url" cases: one default changed, one removed, a timeout.
@@ -36,7 +36,7 @@ def cli_check(app: Flask) -> dict[str, str]:
 
 def prober(app: Flask) -> dict[str, str]:
     source = get_state(app).source
-    assert isinstance(source, ProcessPool)
+    assert isinstance(source, ForkSafeConnectionPool)
     with source._prober._connection() as conn:
         return conn.info.get_parameters()
 

@@ -17,7 +17,7 @@ from flask.testing import FlaskClient
 from psycopg import pq
 
 from flask_idem import Idempotency, _wire
-from flask_idem._pool import PooledConnection, ProcessPool
+from flask_idem._pool import ForkSafeConnectionPool, PooledConnection
 from flask_idem._state import get_state
 
 from .support.helpers import close_pool, count
@@ -368,7 +368,7 @@ def connect_twice(database_url: str) -> None:
     other, _ = build_app(database_url, IDEM_POOL_MIN_SIZE=2, IDEM_POOL_MAX_SIZE=2)
     try:
         source = get_state(other).source
-        assert isinstance(source, ProcessPool)
+        assert isinstance(source, ForkSafeConnectionPool)
         source.pool.wait(timeout=10)
     finally:
         close_pool(other)

@@ -31,7 +31,7 @@ from typing import Any
 
 from flask import Flask
 
-from flask_idem import ProcessPool
+from flask_idem import ForkSafeConnectionPool
 
 __all__ = ["create_app"]
 
@@ -43,7 +43,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     :meth:`flask.Config.from_prefixed_env`), then from ``test_config``.
     """
     from .. import problems
-    from ..db import embedded_url
+    from ..embedded import embedded_url
     from . import charges, faults
     from .store import Store
 
@@ -57,7 +57,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     if not app.config.get("DATABASE_URL"):
         app.config["DATABASE_URL"] = embedded_url(Path(app.instance_path) / "pgdata")
 
-    pool = ProcessPool(
+    pool = ForkSafeConnectionPool(
         app.config["DATABASE_URL"],
         name="gateway",
         prepare_threshold=app.config["PREPARE_THRESHOLD"],

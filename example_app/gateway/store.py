@@ -10,7 +10,7 @@ from typing import Any
 from flask import current_app
 from psycopg.rows import class_row
 
-from flask_idem import ProcessPool
+from flask_idem import ForkSafeConnectionPool
 
 __all__ = ["Charge", "Fault", "Store", "current_store"]
 
@@ -62,10 +62,10 @@ class Fault:
 class Store:
     """The gateway's tables, and the per-process pool their connections come from.
 
-    :param pool: flask-idem's :class:`~flask_idem.ProcessPool`, one pool per worker process.
+    :param pool: flask-idem's :class:`~flask_idem.ForkSafeConnectionPool`, one pool per worker process.
     """
 
-    def __init__(self, pool: ProcessPool) -> None:
+    def __init__(self, pool: ForkSafeConnectionPool) -> None:
         self.pool = pool
 
     def close(self) -> None:

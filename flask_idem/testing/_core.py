@@ -99,11 +99,6 @@ def client_of(target: Flask | FlaskClient) -> FlaskClient:
     return target.test_client() if isinstance(target, Flask) else target
 
 
-def app_of(target: Flask | FlaskClient) -> Flask:
-    """The application of a test client, or ``target`` itself."""
-    return target if isinstance(target, Flask) else target.application
-
-
 @dataclass(frozen=True)
 class Call:
     """One request, sent again with a key of the kit's choosing.

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ import psutil
 import psycopg
 import pytest
 
-from ..support.helpers import ROOT, count
+from ..support.helpers import ROOT, count, wait_for
 from ..support.shop_actions import add_fault, charges, payment_statuses
 
 pytestmark = pytest.mark.slow
@@ -88,10 +87,12 @@ def test_buy_converges_through_a_killed_worker(
     _, api_key = make_org("buyer")
     add_fault(gateway_url, "delay", delay=8.0)
     proc = buy(base, api_key, database_url)
-    deadline = time.monotonic() + 30
-    while len(charges(gateway_url)) < 1:
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
+
+    def charged() -> bool:
+        assert proc.poll() is None, "the helper ended before the gateway charged"
+        return len(charges(gateway_url)) >= 1
+
+    wait_for(charged, 30, message="the gateway was never called")
     for worker in psutil.Process(master.pid).children():
         os.kill(worker.pid, signal.SIGKILL)
     output = proc.communicate(timeout=90)[0]

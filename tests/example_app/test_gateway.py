@@ -25,7 +25,7 @@ from psycopg.conninfo import make_conninfo
 from example_app.gateway import create_app
 from example_app.gateway.store import Store
 
-from ..support.servers import in_thread
+from ..support.servers import in_thread, wait_for
 from ..support.shop_actions import add_fault
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,15 +102,18 @@ def gunicorn_gateway(gateway_db_url: str, tmp_path_factory: pytest.TempPathFacto
             stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + 30
-        port = None
-        while port is None or len(list(tmp.glob("ready-*"))) < 2:
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("gunicorn did not start:\n" + log.read_text())
-            time.sleep(0.05)
-            found = re.search(r"Listening at: http://127\.0\.0\.1:(\d+)", log.read_text())
-            port = port or (found and int(found[1]))
-        yield f"http://127.0.0.1:{port}"
+
+        def listening() -> re.Match[str] | None:
+            return re.search(r"Listening at: http://127\.0\.0\.1:(\d+)", log.read_text())
+
+        def ready() -> bool:
+            assert process.poll() is None, "gunicorn exited:\n" + log.read_text()
+            return listening() is not None and len(list(tmp.glob("ready-*"))) >= 2
+
+        wait_for(ready, 30, message=lambda: "gunicorn did not start:\n" + log.read_text())
+        found = listening()
+        assert found is not None
+        yield f"http://127.0.0.1:{found[1]}"
     finally:
         process.terminate()
         try:

@@ -15,7 +15,6 @@ import random
 import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from example_app.db import init_db
 from ..support import citus as citus_cluster
 from ..support.faultproxy import FaultProxy, can_drop_packets, running_proxy
 from ..support.helpers import close_pool
-from ..support.servers import gunicorn
+from ..support.servers import gunicorn, wait_for
 from ..support.shop_actions import add_fault
 
 #: Lease and gateway timeout of the shop under test: short, so crashes are resolved within a run.
@@ -113,10 +112,12 @@ class Cluster:
 
     def heal(self, timeout: float = 30.0) -> None:
         """Clear queued gateway faults, retrying while the gateway's database comes back."""
-        deadline = time.monotonic() + timeout
-        while requests.delete(self.gateway_url + "/_faults", timeout=5).status_code != 204:
-            assert time.monotonic() < deadline, "the gateway did not come back"
-            time.sleep(0.2)
+        wait_for(
+            lambda: requests.delete(self.gateway_url + "/_faults", timeout=5).status_code == 204,
+            timeout,
+            0.2,
+            message="the gateway did not come back",
+        )
 
     def app_config(self) -> dict[str, Any]:
         """Configuration of an in-process shop on the same database and gateway (for recovery)."""
@@ -215,13 +216,12 @@ def running_cluster(
 
 def wait_until_postgres_answers(url: str, timeout: float = 30.0) -> None:
     """Block until the database accepts a query again (after a restart)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with psycopg.connect(url, connect_timeout=2) as conn:
-                conn.execute("SELECT 1")
-            return
-        except psycopg.OperationalError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+
+    def answers() -> bool:
+        with psycopg.connect(url, connect_timeout=2) as conn:
+            conn.execute("SELECT 1")
+        return True
+
+    wait_for(
+        answers, timeout, 0.2, message="PostgreSQL did not answer again", ignore=psycopg.OperationalError
+    )

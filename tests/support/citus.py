@@ -15,7 +15,6 @@ import os
 import pwd
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .servers import free_port
+from .servers import free_port, wait_for
 
 ENV = "FLASK_IDEM_TEST_CITUS"
 ENABLED = os.environ.get(ENV) == "1"
@@ -207,12 +206,14 @@ def start(workdir: Path, *, workers: int = 2) -> Cluster:
 
 
 def _wait_until_ready(node: Node, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with node.connect():
-                return
-        except psycopg.OperationalError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    def ready() -> bool:
+        with node.connect():
+            return True
+
+    wait_for(
+        ready,
+        timeout,
+        0.1,
+        message=f"Citus node {node.name} did not accept connections",
+        ignore=psycopg.OperationalError,
+    )

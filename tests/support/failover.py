@@ -32,6 +32,7 @@ from ..history.checker import Report, check, settle
 from ..history.cluster import Cluster, running_cluster
 from ..history.workload import Op, client_loop
 from .replication import Pair, running_pair
+from .servers import wait_for
 
 #: What gunicorn's access log says of each request: "<pid> status probe-number".
 ACCESS_LOG_FORMAT = "%(p)s %(s)s %({x-probe}i)s"
@@ -288,12 +289,17 @@ def fail_over(pair: Pair, prober: Prober, *, gap: float, answer_within: float = 
     promote_started = time.monotonic()
     pair.promote()
     timeline = Timeline(killed, promote_started, time.monotonic(), clock)
-    deadline = timeline.promoted + answer_within
-    while prober.answered_since(timeline.promoted) is None:
-        if time.monotonic() > deadline:
-            timeline.probes = prober.snapshot()
-            raise AssertionError(f"the shop did not answer again:\n{timeline.summary()}")
-        time.sleep(0.02)
+
+    def unanswered() -> str:
+        timeline.probes = prober.snapshot()
+        return f"the shop did not answer again:\n{timeline.summary()}"
+
+    wait_for(
+        lambda: prober.answered_since(timeline.promoted) is not None,
+        timeline.promoted + answer_within - time.monotonic(),
+        0.02,
+        message=unanswered,
+    )
     return timeline
 
 

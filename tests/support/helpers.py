@@ -6,7 +6,6 @@ conftest module.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ from psycopg import sql
 from flask_idem._state import get_state
 
 from . import pgbouncer
-from .servers import ROOT, free_port, gunicorn, wait_for_http
+from .servers import ROOT, free_port, gunicorn, wait_for, wait_for_http
 
 __all__ = [
     "PREPARE_THRESHOLD",
@@ -57,14 +56,6 @@ def headers(api_key: str, key: uuid.UUID | str | None = None, **extra: str) -> d
 def close_pool(app: Flask) -> None:
     """Close the connection pool flask-idem opened for ``app`` in this process."""
     get_state(app).source.close()
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 15.0, interval: float = 0.05) -> None:
-    """Poll ``condition`` until it holds; fail the test if it does not within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(interval)
 
 
 @contextmanager

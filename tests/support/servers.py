@@ -1,4 +1,5 @@
-"""Real server processes for tests and for the history checker: free ports, readiness, gunicorn."""
+"""Real server processes for tests and for the history checker: free ports, readiness, gunicorn; and
+:func:`wait_for`, the one polling loop of the tests."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,20 +27,52 @@ def free_port() -> int:
         return port
 
 
+def wait_for(
+    condition: Callable[[], bool],
+    timeout: float = 15.0,
+    interval: float = 0.05,
+    *,
+    message: str | Callable[[], str] = "condition not met in time",
+    ignore: type[Exception] | tuple[type[Exception], ...] = (),
+) -> None:
+    """Poll ``condition`` until it holds; fail the test if it does not within ``timeout`` seconds.
+
+    :param message: what the failure (an :class:`AssertionError`) says; a function is called then, so
+        that it can tell what it sees at that moment (a server's log).
+    :param ignore: exceptions of ``condition`` that mean "not yet", such as a server still starting; the
+        last one is chained to the failure. Any other exception of ``condition`` fails at once.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        error = None
+        try:
+            if condition():
+                return
+        except ignore as e:
+            error = e
+        if time.monotonic() >= deadline:
+            raise AssertionError(message() if callable(message) else message) from error
+        time.sleep(interval)
+
+
 def wait_for_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     """Poll ``url`` until it answers anything, failing early if ``proc`` exits."""
     import requests
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def answers() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before answering")
-        try:
-            requests.get(url, timeout=2)
-            return
-        except requests.RequestException:  # refused while binding, or a worker still booting
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer within {timeout} s")
+        requests.get(url, timeout=2)
+        return True
+
+    # Refused while binding, or a worker still booting: not yet.
+    wait_for(
+        answers,
+        timeout,
+        0.1,
+        message=f"{url} did not answer within {timeout} s",
+        ignore=requests.RequestException,
+    )
 
 
 @contextmanager

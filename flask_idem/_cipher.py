@@ -14,13 +14,13 @@ from typing import Any
 
 from .errors import ConfigurationError
 
-__all__ = ["ResponseCodec", "new_key", "parse_response_keys"]
+__all__ = ["ResponseCipher", "new_key", "parse_response_keys"]
 
 
 def parse_response_keys(value: Any) -> tuple[str, ...]:
     """``IDEM_RESPONSE_KEYS`` as a tuple of key strings: a list of keys, or one string of keys separated
     by commas or whitespace (for an environment variable). The keys themselves are checked by
-    :class:`ResponseCodec`."""
+    :class:`ResponseCipher`."""
     if value is None:
         return ()
     if isinstance(value, str):
@@ -46,7 +46,7 @@ def _fernet() -> Any:
     return fernet.Fernet
 
 
-class ResponseCodec:
+class ResponseCipher:
     """Encrypts stored bodies with the first of ``keys`` and decrypts with any of them.
 
     :raises ConfigurationError: when a key is not a Fernet key, or ``cryptography`` is missing. The
@@ -71,7 +71,7 @@ class ResponseCodec:
         self._keys = MultiFernet(parsed)
 
     def __repr__(self) -> str:
-        return "ResponseCodec(<keys hidden>)"
+        return "ResponseCipher(<keys hidden>)"
 
     def encrypt(self, data: bytes) -> str:
         """``data`` encrypted with the first key, as text."""
