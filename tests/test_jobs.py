@@ -403,6 +403,51 @@ def test_flask_idem_relay_publishes_and_says_so(jobs_app: Flask, make_app: Any) 
     assert plain.exit_code == 1 and "jobs.init_app(app, celery_app)" in plain.output
 
 
+class Leaky:
+    """A publisher whose error quotes its broker's URL, credentials included."""
+
+    def publish(self, message: Message) -> None:
+        raise ConnectionError("cannot reach amqp://guest:s3cret@broker.example:5672// now")
+
+
+def test_flask_idem_relay_says_why_a_publish_failed_and_exits_1(
+    jobs_app: Flask, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the broker on a closed port, one pass of `flask idem relay` exits 1, and its output and the
+    log name the task, the broker's host:port and the reason; a reason that quotes a URL loses its
+    credentials."""
+    from celery import Celery
+
+    from flask_idem.celery import CeleryPublisher
+
+    closed = Celery("closed", broker="amqp://guest:s3cret@127.0.0.1:1//", set_as_current=False)
+    # no connection retries: kombu's would take 6 s to give up
+    closed.conf.broker_transport_options = {"confirm_publish": True, "max_retries": 0}
+    outputs = []
+    for publisher in (CeleryPublisher(closed), Leaky()):
+        db.execute("DELETE FROM idempotency_keys_outbox")  # one message per pass
+        jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, publisher)
+        with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
+            jobs.enqueue("jobs.add", 5, conn=conn, org_id=1, key=uuid.uuid4())
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "flask_idem"):
+            result = jobs_app.test_cli_runner().invoke(args=["idem", "relay"])
+        assert result.exit_code == 1, result.output
+        assert result.output.startswith("Published 0, failed 1, taken over 0;")
+        outputs.append(result.output)
+        assert "s3cret" not in result.output + caplog.text
+    refused = (
+        "Relay could not publish the message of task jobs.add to the broker at 127.0.0.1:1:"
+        " OperationalError: [Errno 111] Connection refused."
+    )
+    leaked = (
+        "Relay could not publish the message of task jobs.add:"
+        " ConnectionError: cannot reach amqp://broker.example:5672// now."
+    )
+    assert refused in outputs[0]
+    assert leaked in outputs[1] and leaked in caplog.text
+
+
 def test_background_jobs_need_the_outbox_layout(jobs_app: Flask, db: psycopg.Connection[Any]) -> None:
     """On a key table of layout 2, as an older flask-idem left it (no outbox), an enqueue and a relay pass
     are refused, naming `flask idem migrate`; once the outbox is there they work."""
