@@ -378,12 +378,18 @@ def _size(size: int) -> str:
     return f"{value:.1f} GB"
 
 
-@idem_cli.command("new-response-key")
+@idem_cli.command("new-response-key", with_appcontext=False)
 def new_response_key_command() -> None:
     """Print a new key for IDEM_RESPONSE_KEYS (encrypted stored responses).
+
+    It does not load the application, so it runs when a malformed IDEM_RESPONSE_KEYS keeps the
+    application from starting.
 
     To rotate, put it first in the list and keep the old key after it until every response the old key
     encrypted has expired: for the longest retention of any route that uses it (IDEM_KEY_TTL or the
     route's ttl=); then drop the old key.
     """
-    click.echo(new_key())
+    try:
+        click.echo(new_key())
+    except ConfigurationError as e:  # cryptography is not installed
+        raise click.ClickException(str(e)) from None
