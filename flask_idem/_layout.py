@@ -30,6 +30,7 @@ from psycopg import sql
 from .errors import ConfigurationError
 
 __all__ = [
+    "COLUMNS",
     "JOBS",
     "REQUIRED",
     "Found",
@@ -41,8 +42,11 @@ __all__ = [
     "names",
     "problem",
     "check_jobs",
+    "drift",
     "read",
     "revisions",
+    "upgrade_command",
+    "warnings",
 ]
 
 #: The oldest layout this code runs on. Layout 2 adds an index its recovery claim uses when present:
@@ -51,6 +55,33 @@ REQUIRED = 1
 
 #: The oldest layout background jobs run on: layout 3 adds their outbox (flask_idem.jobs).
 JOBS = 3
+
+#: The key table's columns that the code uses, and what ``ADD COLUMN`` puts back when one was dropped by
+#: hand. The layout check compares them with the table's (:func:`drift`); a revision that adds a column
+#: to the key table adds it here (a test compares this with a freshly made table).
+COLUMNS: Mapping[str, str] = {
+    "org_id": "bigint NOT NULL",
+    "idem_key": "uuid NOT NULL",
+    "request_sha": "bytea NOT NULL CHECK (octet_length(request_sha) = 32)",
+    "method": "text NOT NULL",
+    "path": "text NOT NULL",
+    "status": "text NOT NULL DEFAULT 'processing' CHECK (status IN ('processing', 'completed', 'failed'))",
+    "response": "jsonb",
+    "created_at": "timestamptz NOT NULL DEFAULT now()",
+    "expires_at": "timestamptz NOT NULL",
+    "flow": "text",
+    "step": "text",
+    "state": "jsonb NOT NULL DEFAULT '{}'",
+    "lease_token": "uuid",
+    "lease_expires_at": "timestamptz",
+    "attempts": "integer NOT NULL DEFAULT 0",
+    "next_attempt_at": "timestamptz",
+    "last_error": "text",
+    "needs_attention": "boolean NOT NULL DEFAULT false",
+}
+
+#: The indexes of layout 1, written in its DDL (later revisions list theirs in :attr:`Revision.indexes`).
+_PLAIN_INDEX_RE = re.compile(r"CREATE INDEX IF NOT EXISTS \{(\w+)\} (ON \{table\} [^;]+);")
 
 #: The comment that records the layout, and how it is read back.
 _COMMENT = (
@@ -200,18 +231,48 @@ def lock_key(table: str) -> int:
 @dataclass(frozen=True, slots=True)
 class Found:
     """What a database holds: the key table's layout (``None`` without a key table), and the oldest
-    layout whose code may use it."""
+    layout whose code may use it; what the key table has (``None``: not read); and whether the database
+    is upgraded by Alembic (it has an ``alembic_version`` table in the search path)."""
 
     layout: int | None
     compatible_from: int = 1
+    #: The key table's columns.
+    columns: frozenset[str] | None = None
+    #: The names of the key table's indexes.
+    indexes: frozenset[str] | None = None
+    #: Whether a valid unique index on ``(org_id, idem_key)`` exists (the primary key's), which every
+    #: reservation's ``ON CONFLICT`` needs.
+    unique_key: bool = True
+    alembic: bool = False
 
 
 #: The key table (in its schema, or the first of the search path that has it, as ``to_regclass`` finds
-#: it) and its comment. Read from the catalog's tables with the statement's snapshot, not through
-#: ``to_regclass``, whose lookup goes through the backend's catalog cache: a migration that waited on
-#: the advisory lock for another to create the table would still find it missing there.
+#: it), its comment, its columns and indexes, and whether an ``alembic_version`` table is in the search
+#: path. Read from the catalog's tables with the statement's snapshot, not through ``to_regclass``, whose
+#: lookup goes through the backend's catalog cache: a migration that waited on the advisory lock for
+#: another to create the table would still find it missing there. On Citus the coordinator's catalog has
+#: the distributed table's columns and indexes.
 _READ = """
-SELECT c.oid IS NOT NULL AS present, obj_description(c.oid, 'pg_class') AS comment
+SELECT c.oid IS NOT NULL AS present, obj_description(c.oid, 'pg_class') AS comment,
+    ARRAY(
+        SELECT a.attname::text FROM pg_catalog.pg_attribute AS a
+        WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+    ) AS columns,
+    ARRAY(
+        SELECT x.relname::text FROM pg_catalog.pg_index AS i
+            JOIN pg_catalog.pg_class AS x ON x.oid = i.indexrelid
+        WHERE i.indrelid = c.oid
+    ) AS indexes,
+    EXISTS (
+        SELECT FROM pg_catalog.pg_index AS i
+        WHERE i.indrelid = c.oid AND i.indisunique AND i.indisvalid AND i.indpred IS NULL
+            AND i.indexprs IS NULL AND i.indnkeyatts = 2
+            AND ARRAY(
+                SELECT a.attname::text FROM pg_catalog.pg_attribute AS a
+                WHERE a.attrelid = c.oid AND a.attnum = ANY (i.indkey::int2[]) ORDER BY 1
+            ) = ARRAY['idem_key', 'org_id']
+    ) AS unique_key,
+    to_regclass('alembic_version') IS NOT NULL AS alembic
 FROM (SELECT) AS one LEFT JOIN LATERAL (
     SELECT c.oid FROM pg_catalog.pg_class AS c JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
     WHERE c.relname = %(name)s
@@ -222,32 +283,52 @@ FROM (SELECT) AS one LEFT JOIN LATERAL (
 
 
 def read(conn: psycopg.Connection[Any], table: str) -> Found:
-    """The layout of ``table`` on ``conn``: one catalog query, which any role may run."""
+    """The layout of ``table`` on ``conn``, and what the table has: one catalog query, which any role
+    may run."""
     parts = table.split(".")
     schema = parts[0] if len(parts) == 2 else None
     row = conn.execute(_READ, {"name": parts[-1], "schema": schema}).fetchone()
     assert row is not None
-    present, text = row
+    present, text, columns, indexes, unique_key, alembic = row
     if not present:
-        return Found(None)
+        return Found(None, alembic=alembic)
     match = _COMMENT_RE.match(text or "")
-    if match is None:  # made by the first release, which wrote no comment
-        return Found(1, 1)
-    return Found(int(match[1]), int(match[2]))
+    layout, compatible_from = (1, 1) if match is None else (int(match[1]), int(match[2]))
+    return Found(
+        layout,
+        compatible_from,
+        columns=frozenset(columns),
+        indexes=frozenset(indexes),
+        unique_key=unique_key,
+        alembic=alembic,
+    )
+
+
+def upgrade_command(found: Found) -> str:
+    """The command that upgrades the tables, in the words of the path the project uses: Alembic's when
+    the database has an ``alembic_version`` table (``flask idem migrate`` would leave it behind), else
+    flask-idem's own."""
+    if found.alembic:
+        return "'flask db upgrade' (Flask-Migrate) or 'alembic upgrade heads' (Alembic)"
+    return "'flask idem migrate'"
 
 
 def problem(found: Found, table: str) -> str | None:
     """Why this code cannot run on ``found``, with the command that fixes it; ``None`` when it can."""
     newest = latest()
     if found.layout is None:
+        if found.alembic:
+            create = "'flask db upgrade' (Flask-Migrate) or 'alembic upgrade heads' (Alembic)"
+        else:
+            create = "'flask idem init-db' (or 'flask db upgrade' with Flask-Migrate)"
         return (
-            f"The key table {table} does not exist. Create it with 'flask idem init-db' (or 'flask db"
-            " upgrade' with Flask-Migrate), as a role that may create tables."
+            f"The key table {table} does not exist. Create it with {create}, as a role that may create"
+            " tables."
         )
     if found.layout < REQUIRED:
         return (
             f"The key table {table} has layout {found.layout}, older than this flask-idem runs on"
-            f" ({REQUIRED} to {newest}). Upgrade it with 'flask idem migrate' (or 'flask db upgrade')."
+            f" ({REQUIRED} to {newest}). Upgrade it with {upgrade_command(found)}."
         )
     if found.layout > newest and found.compatible_from > newest:
         return (
@@ -255,7 +336,78 @@ def problem(found: Found, table: str) -> str | None:
             f" code of layout {found.compatible_from} or later; this flask-idem knows layouts up to"
             f" {newest}. Deploy the newer flask-idem."
         )
-    return None
+    return drift(found, table)
+
+
+def drift(found: Found, table: str) -> str | None:
+    """What the key table lacks of the columns and the unique key its layout says it has and every
+    statement uses (dropped by hand), with the statements that put them back; ``None`` when nothing.
+
+    Not a layout's matter, so no migration restores it: the layout recorded is intact.
+    """
+    if found.columns is None:
+        return None
+    missing = [name for name in COLUMNS if name not in found.columns]
+    if not missing and found.unique_key:
+        return None
+    target = sql.Identifier(*table.split(".")).as_string(None)
+    lacks = [f"column(s) {', '.join(missing)}"] if missing else []
+    fixes = [f"ALTER TABLE {target} ADD COLUMN IF NOT EXISTS {name} {COLUMNS[name]};" for name in missing]
+    if not found.unique_key:
+        lacks.append("its primary key (org_id, idem_key)")
+        fixes.append(f"ALTER TABLE {target} ADD PRIMARY KEY (org_id, idem_key);")
+    return (
+        f"The key table {table} lacks {' and '.join(lacks)}, which this flask-idem uses; its layout"
+        f" ({found.layout}) says it has them, so the table was changed by hand and no migration puts them"
+        f" back. Restore them as the table's owner: {' '.join(fixes)}"
+    )
+
+
+def warnings(found: Found, table: str) -> list[str]:
+    """What the code runs on but should be told once: an older layout than the newest, and indexes of
+    the key table's layout that are missing (its statements run without them, more slowly)."""
+    said: list[str] = []
+    if found.layout is None:
+        return said
+    if found.layout < latest():
+        said.append(
+            f"The key table {table} has layout {found.layout}; this flask-idem makes layout {latest()}."
+            f" It runs on both; run {upgrade_command(found)} to upgrade (online: writes go on meanwhile)."
+        )
+    if found.indexes is not None:
+        wanted, base = names(table), table.split(".")[-1]
+        builds = [
+            sql.SQL("CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ").format(wanted[key])
+            + sql.SQL(definition).format(**wanted)
+            for key, suffix, definition in _key_table_indexes(min(found.layout, latest()))
+            if base + suffix not in found.indexes
+        ]
+        if builds:
+            statements = " ".join(build.as_string(None) + ";" for build in builds)
+            said.append(
+                f"The key table {table} lacks indexes of its layout ({found.layout}), dropped by hand;"
+                f" it serves without them, more slowly. Build them again as the table's owner:"
+                f" {statements}"
+            )
+    return said
+
+
+def _key_table_indexes(layout: int) -> list[tuple[str, str, LiteralString]]:
+    """The indexes of the key table up to ``layout``: the key of each one's name in :func:`names`, its
+    suffix, and its definition (as :attr:`Index.definition`)."""
+    found: list[tuple[str, str, LiteralString]] = []
+    suffixes: dict[str, str] = {}
+    for revision in revisions()[:layout]:
+        suffixes.update(revision.names)
+        for match in _PLAIN_INDEX_RE.finditer(revision.sql):
+            definition: LiteralString = match[2]  # cut from a LiteralString
+            found.append((match[1], suffixes[match[1]], definition))
+        found += [
+            (index.name, suffixes[index.name], index.definition)
+            for index in revision.indexes
+            if index.definition.startswith("ON {table} ")
+        ]
+    return found
 
 
 def check_jobs(found: Found, table: str) -> None:
@@ -264,8 +416,8 @@ def check_jobs(found: Found, table: str) -> None:
     if found.layout is not None and found.layout < JOBS:
         raise ConfigurationError(
             f"Background jobs need the outbox of layout {JOBS}; the key table {table} has layout"
-            f" {found.layout}. Upgrade it with 'flask idem migrate' (or 'flask db upgrade'): online, and"
-            " the application goes on serving meanwhile."
+            f" {found.layout}. Upgrade it with {upgrade_command(found)}: online, and the application"
+            " goes on serving meanwhile."
         )
 
 

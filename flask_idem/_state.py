@@ -59,30 +59,27 @@ class IdemState:
         """Make sure the key table exists in a layout this code runs on: once, at the first use of the
         database, then never again (one flag to read).
 
-        One catalog query on a connection of :attr:`source`, which needs no privilege. A layout older than
-        the newest but one this code runs on is logged, once, as a warning. Not done by ``init_app``,
-        which must not touch the database: ``flask idem init-db`` and ``flask db upgrade``, which create
-        the table, load the application first (``init_app`` included), and so does a pre-fork server's
-        master; and a database still starting when the application does is a matter of 503s for a
-        moment, not a crash.
+        One catalog query on a connection of :attr:`source`, which needs no privilege: the layout, and
+        the columns and indexes the table has, compared with those the code uses. A layout older than the
+        newest but one this code runs on, and an index of its layout missing, are logged, once, as
+        warnings, naming the command or the statement that upgrades or restores it. Not done by
+        ``init_app``, which must not touch the database: ``flask idem init-db`` and ``flask db upgrade``,
+        which create the table, load the application first (``init_app`` included), and so does a
+        pre-fork server's master; and a database still starting when the application does is a matter
+        of 503s for a moment, not a crash.
 
-        :raises ConfigurationError: when the table is missing or has a layout this code cannot run on,
-            naming the command that fixes it. Checked again at the next use, so that the application
-            serves as soon as the migration has run.
+        :raises ConfigurationError: when the table is missing, has a layout this code cannot run on, or
+            lacks a column or the unique key the code uses (dropped by hand), naming the command that
+            fixes it. Checked again at the next use, so that the application serves as soon as the
+            migration has run.
         """
         if self.layout_checked.is_set():
             return
         with self.source.connection() as conn:
             found = _layout.read(conn, self.settings.table)
         _layout.check(found, self.settings.table)
-        if found.layout is not None and found.layout < _layout.latest():
-            logger.warning(
-                "The key table %s has layout %d; this flask-idem makes layout %d. It runs on both; run"
-                " 'flask idem migrate' to upgrade (online: writes go on meanwhile).",
-                self.settings.table,
-                found.layout,
-                _layout.latest(),
-            )
+        for warning in _layout.warnings(found, self.settings.table):
+            logger.warning("%s", warning)
         self.layout_checked.set()
 
     def fire(self, point: str, conn: psycopg.Connection[TupleRow] | None) -> None:

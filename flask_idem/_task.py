@@ -140,7 +140,11 @@ class Message:
 
 
 class Publisher(Protocol):
-    """What the relay publishes through: one runner's way of sending a message to its broker."""
+    """What the relay publishes through: one runner's way of sending a message to its broker.
+
+    A publisher may also have a ``destination`` attribute, a string naming where it publishes (the
+    broker's ``host:port``) or ``None``, which the relay names when a publish fails.
+    """
 
     def publish(self, message: Message) -> None:
         """Send ``message``; return only once the broker holds it (a publisher confirm), raise otherwise.

@@ -76,6 +76,20 @@ class CeleryPublisher:
     def __init__(self, celery_app: Any) -> None:
         self.celery = celery_app
 
+    @functools.cached_property
+    def destination(self) -> str | None:
+        """The broker's ``host:port`` (the first of a failover list), which the relay names when a
+        publish fails; ``None`` for a broker with no host (``memory://``) or a URL that cannot be read."""
+        try:
+            with self.celery.connection_for_write() as conn:  # not connected: read from the URL
+                host = conn.hostname
+                port = conn.port or conn.transport.default_port
+        except Exception:
+            return None
+        if not host:
+            return None
+        return f"{host}:{port}" if port else str(host)
+
     def publish(self, message: Message) -> None:
         """Send ``message``; with ``confirm_publish`` (set by :meth:`CeleryJobs.init_app` unless the
         application chose otherwise) it returns once RabbitMQ has taken it."""

@@ -254,7 +254,12 @@ def _print_report(report: RecoveryReport) -> None:
 @click.option(
     "--limit", default=100, show_default=True, type=click.IntRange(min=1), help="Messages per pass."
 )
-@click.option("--loop", is_flag=True, help="Keep running until stopped: a pass every --interval seconds.")
+@click.option(
+    "--loop",
+    is_flag=True,
+    help="Keep running until stopped: a pass every --interval seconds. A failed publish is logged and"
+    " tried again by a later pass; the command exits with status 0 when stopped.",
+)
 @click.option(
     "--interval",
     default=1.0,
@@ -270,6 +275,9 @@ def relay_command(limit: int, loop: bool, interval: float) -> None:
     broker confirmed it. A relay that dies in between leaves the message to be published again: the
     task's key absorbs the duplicate. Sent messages older than IDEM_OUTBOX_RETENTION are deleted.
     Needs background jobs set up on the application (flask_idem.celery.CeleryJobs.init_app).
+
+    One pass exits with status 1 when a message could not be published (it is tried again by the next
+    pass), naming the broker and the reason.
     """
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     try:
@@ -281,7 +289,11 @@ def relay_command(limit: int, loop: bool, interval: float) -> None:
         stop = _stop_on_signals()
         relay.relay_forever(app, interval=interval, limit=limit, stop=stop, on_pass=_print_relay)
         return
-    _print_relay(relay.relay(app, limit=limit))
+    report = relay.relay(app, limit=limit)
+    _print_relay(report)
+    if report.failed:
+        more = f" (and {report.failed - 1} more)" if report.failed > 1 else ""
+        raise click.ClickException(f"{report.errors[0]}{more} Tried again by the next pass.")
 
 
 def _print_relay(report: relay.RelayReport) -> None:
@@ -366,12 +378,18 @@ def _size(size: int) -> str:
     return f"{value:.1f} GB"
 
 
-@idem_cli.command("new-response-key")
+@idem_cli.command("new-response-key", with_appcontext=False)
 def new_response_key_command() -> None:
     """Print a new key for IDEM_RESPONSE_KEYS (encrypted stored responses).
+
+    It does not load the application, so it runs when a malformed IDEM_RESPONSE_KEYS keeps the
+    application from starting.
 
     To rotate, put it first in the list and keep the old key after it until every response the old key
     encrypted has expired: for the longest retention of any route that uses it (IDEM_KEY_TTL or the
     route's ttl=); then drop the old key.
     """
-    click.echo(new_key())
+    try:
+        click.echo(new_key())
+    except ConfigurationError as e:  # cryptography is not installed
+        raise click.ClickException(str(e)) from None

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from flask import Flask, current_app
+from flask import Flask, current_app, has_request_context
 
 from ._delivery import (
     EXTENSION_NAME,
@@ -60,7 +60,7 @@ from ._task import (
     task_path,
 )
 from ._view import current
-from .errors import ConfigurationError
+from .errors import ConfigurationError, DatabaseUnavailable
 from .flow import Flow
 
 if TYPE_CHECKING:
@@ -210,7 +210,11 @@ class Jobs:
         The relay (``flask idem relay``) publishes the message once the transaction has committed.
 
         :param task: the task (or its name); its arguments follow, as JSON values.
-        :raises ConfigurationError: outside an idempotent view without ``conn``, ``org_id`` and ``key``.
+        :raises ConfigurationError: outside an idempotent view without ``conn``, ``org_id`` and ``key``;
+            and outside a request, when the key table has no outbox yet (layout 3), naming the command
+            that upgrades it.
+        :raises DatabaseUnavailable: in a request, when the key table has no outbox yet: the request is
+            answered 503 with ``Retry-After`` until the migration has run (the command is in the log).
         """
         name = task if isinstance(task, str) else task.name
         if conn is None or org_id is None or key is None:
@@ -231,8 +235,16 @@ class Jobs:
             )
         task_uuid = key if isinstance(key, uuid.UUID) else uuid.UUID(key)
         app = current_app._get_current_object()  # type: ignore[attr-defined]
-        jobs = get_jobs(app)
-        jobs.check_outbox(conn, get_state(app).settings.table)
+        jobs, settings = get_jobs(app), get_state(app).settings
+        try:
+            jobs.check_outbox(conn, settings.table)
+        except ConfigurationError as e:
+            if not has_request_context():
+                raise
+            # As a missing key table at the first request (_view._ready): the deployment's problem, over
+            # once the migration has run; the client retries with its key, and nothing was recorded.
+            logger.error("%s Answered 503 until then.", e)
+            raise DatabaseUnavailable(retry_after=settings.retry_after) from None
         jobs.outbox.write(conn, org_id=org_id, task=name, key=task_uuid, args=list(args), kwargs=kwargs)
         return task_uuid
 

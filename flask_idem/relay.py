@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flask import Flask
 
@@ -44,6 +45,18 @@ class RelayReport:
     lost: int = 0
     failed: int = 0
     purged: int = 0
+    #: Why each failed message could not be published, one sentence each (as logged).
+    errors: list[str] = field(default_factory=list)
+
+
+#: The user information of a URL (``amqp://user:password@``), left out of an error's message.
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^\s/@]*@")
+
+
+def _reason(error: BaseException) -> str:
+    """``error``'s class and message, without the credentials of any URL in it."""
+    text = _USERINFO.sub(r"\g<scheme>", str(error)).strip()
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def relay(
@@ -71,9 +84,15 @@ def relay(
             try:
                 jobs.publisher.publish(message)
             except Exception as e:  # the broker is away: the message waits for a later pass
-                logger.warning("Relay could not publish a %s message: %s.", message.task, type(e).__name__)
                 retry_in = backoff(1, base=1.0, cap=jobs.relay_lease, rng=rng)
                 jobs.outbox.release(message, token=token, error=type(e).__name__, retry_in=retry_in)
+                where = getattr(jobs.publisher, "destination", None)
+                said = (
+                    f"Relay could not publish the message of task {message.task}"
+                    f"{'' if where is None else f' to the broker at {where}'}: {_reason(e)}."
+                )
+                logger.warning("%s It is tried again in %.1f s.", said, retry_in)
+                report.errors.append(said)
                 report.failed += 1
                 continue
             if after_publish is not None:

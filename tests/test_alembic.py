@@ -321,15 +321,18 @@ def test_a_release_that_adds_a_revision_is_merged_once(
 def test_messages_name_plain_flask_db_upgrade(
     db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each message that names a Flask-Migrate command names `flask db upgrade`, which the tests above run."""
+    """Each message that names a Flask-Migrate command names `flask db upgrade`, which the tests above run
+    (the layout's messages, in a database that has an `alembic_version` table)."""
     with pytest.raises(psycopg.errors.UndefinedTable) as missing:
         db.execute("SELECT 1 FROM idempotency_keys_never_made")
     with pytest.raises(ConfigurationError) as jobs:
-        _layout.check_jobs(_layout.Found(_layout.JOBS - 1), "idempotency_keys")
+        _layout.check_jobs(_layout.Found(_layout.JOBS - 1, alembic=True), "idempotency_keys")
     monkeypatch.setattr(_layout, "REQUIRED", 2)
     messages = [
         _layout.problem(_layout.Found(None), "idempotency_keys"),
-        _layout.problem(_layout.Found(1), "idempotency_keys"),
+        _layout.problem(_layout.Found(None, alembic=True), "idempotency_keys"),
+        _layout.problem(_layout.Found(1, alembic=True), "idempotency_keys"),
+        *_layout.warnings(_layout.Found(1, alembic=True), "idempotency_keys"),
         str(jobs.value),
         _layout.comment(_layout.latest(), 1),
         errors.missing_table_hint(missing.value, "idempotency_keys_never_made"),

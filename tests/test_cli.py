@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from typing import Any
 
 import psycopg
+from cryptography.fernet import Fernet
 from flask import Flask
 
 from flask_idem import Idempotency
@@ -120,3 +124,30 @@ def test_the_docs_table_lists_every_command() -> None:
     table = text.split(".. list-table::", 1)[1].split(".. click::", 1)[0]
     listed = re.findall(r"^    \*   - ``([a-z-]+)``$", table, flags=re.MULTILINE)
     assert listed == list(idem_cli.commands)
+
+
+def test_new_response_key_runs_when_the_keys_keep_the_application_from_loading(database_url: str) -> None:
+    """With a malformed IDEM_RESPONSE_KEYS the application does not load, and its error names `flask idem
+    new-response-key`: that command runs all the same (it needs no application) through the real
+    `flask` CLI, and the key it prints lets the application load."""
+
+    def flask(keys: str, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {
+            **os.environ,
+            "FLASK_DATABASE_URL": database_url,
+            "FLASK_IDEM_DATABASE_URL": database_url,
+            "FLASK_IDEM_RESPONSE_KEYS": keys,
+        }
+        command = [sys.executable, "-m", "flask", "--app", "example_app", "idem", *args]
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    broken = flask("not-a-key", "stats")
+    assert broken.returncode != 0
+    assert "make one with 'flask idem new-response-key'" in broken.stderr
+    made = flask("not-a-key", "new-response-key")
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip()
+    Fernet(key)  # a key Fernet takes
+    fixed = flask(key, "stats")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "Key table idempotency_keys" in fixed.stdout

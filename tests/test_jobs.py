@@ -40,11 +40,12 @@ from flask_idem.jobs import (
 )
 from flask_idem.relay import relay
 
-from .support import inline_jobs, pgbouncer
+from .support import citus, inline_jobs, pgbouncer
 from .support.celery_workers import BROKER_URL
 from .support.helpers import close_pool, wait_for
 from .support.inline_jobs import build_inline_app, inline
 from .support.jobs_app import SCHEMA, build_jobs_app, jobs, receipts
+from .support.layouts import create_first_release, drop
 from .support.servers import ROOT
 
 
@@ -401,6 +402,51 @@ def test_flask_idem_relay_publishes_and_says_so(jobs_app: Flask, make_app: Any) 
     assert plain.exit_code == 1 and "jobs.init_app(app, celery_app)" in plain.output
 
 
+class Leaky:
+    """A publisher whose error quotes its broker's URL, credentials included."""
+
+    def publish(self, message: Message) -> None:
+        raise ConnectionError("cannot reach amqp://guest:s3cret@broker.example:5672// now")
+
+
+def test_flask_idem_relay_says_why_a_publish_failed_and_exits_1(
+    jobs_app: Flask, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the broker on a closed port, one pass of `flask idem relay` exits 1, and its output and the
+    log name the task, the broker's host:port and the reason; a reason that quotes a URL loses its
+    credentials."""
+    from celery import Celery
+
+    from flask_idem.celery import CeleryPublisher
+
+    closed = Celery("closed", broker="amqp://guest:s3cret@127.0.0.1:1//", set_as_current=False)
+    # no connection retries: kombu's would take 6 s to give up
+    closed.conf.broker_transport_options = {"confirm_publish": True, "max_retries": 0}
+    outputs = []
+    for publisher in (CeleryPublisher(closed), Leaky()):
+        db.execute("DELETE FROM idempotency_keys_outbox")  # one message per pass
+        jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, publisher)
+        with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
+            jobs.enqueue("jobs.add", 5, conn=conn, org_id=1, key=uuid.uuid4())
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "flask_idem"):
+            result = jobs_app.test_cli_runner().invoke(args=["idem", "relay"])
+        assert result.exit_code == 1, result.output
+        assert result.output.startswith("Published 0, failed 1, taken over 0;")
+        outputs.append(result.output)
+        assert "s3cret" not in result.output + caplog.text
+    refused = (
+        "Relay could not publish the message of task jobs.add to the broker at 127.0.0.1:1:"
+        " OperationalError: [Errno 111] Connection refused."
+    )
+    leaked = (
+        "Relay could not publish the message of task jobs.add:"
+        " ConnectionError: cannot reach amqp://broker.example:5672// now."
+    )
+    assert refused in outputs[0]
+    assert leaked in outputs[1] and leaked in caplog.text
+
+
 def test_background_jobs_need_the_outbox_layout(jobs_app: Flask, db: psycopg.Connection[Any]) -> None:
     """On a key table of layout 2, as an older flask-idem left it (no outbox), an enqueue and a relay pass
     are refused, naming `flask idem migrate`; once the outbox is there they work."""
@@ -500,6 +546,35 @@ def test_enqueue_in_a_view_derives_its_key_and_commits_with_the_view(
     assert relay(inline_app).published == 1
     assert inline.run(inline_app) == [Done({"value": 4, "org_id": 1})]
     assert db.execute("SELECT org_id, idem_key, value FROM inline_effects").fetchall() == [(1, derived, 4)]
+
+
+def test_a_view_that_enqueues_on_a_key_table_without_the_outbox_answers_503(
+    direct_database_url: str, database_url: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A view that enqueues, deployed before the migration on a key table of layout 1 (no outbox): 503
+    problem+json with Retry-After, not 500, and the command in the log; after `flask idem migrate` the
+    same key succeeds."""
+    table = "layout1_jobs_keys"
+    drop(direct_database_url, table)
+    create_first_release(direct_database_url, table, distributed=citus.ENABLED)
+    db.execute(inline_jobs.SCHEMA)
+    app = build_inline_app(database_url, IDEM_TABLE=table)
+    try:
+        key = uuid.uuid4()
+        with caplog.at_level(logging.ERROR, "flask_idem"):
+            refused = order(app, key, value=3)
+        assert refused.status_code == 503, refused.get_data(as_text=True)
+        assert refused.mimetype == "application/problem+json"
+        assert refused.json["type"] == "urn:flask-idem:problem:store-unavailable"
+        assert int(refused.headers["Retry-After"]) > 0
+        assert "Background jobs need the outbox of layout 3" in caplog.text
+        assert "Upgrade it with 'flask idem migrate'" in caplog.text
+        assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone() == (0,)
+        assert app.test_cli_runner().invoke(args=["idem", "migrate"]).exit_code == 0
+        assert order(app, key, value=3).status_code == 201
+    finally:
+        close_pool(app)
+        drop(direct_database_url, table)
 
 
 def test_one_task_key_in_two_organisations_is_two_tasks(

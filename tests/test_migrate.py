@@ -544,6 +544,129 @@ def test_older_layout_it_runs_on_is_served_with_a_warning(
     assert len(warnings) == 1
 
 
+@pytest.mark.parametrize(
+    ("alembic", "names", "not_named"),
+    [
+        (False, ["'flask idem migrate'"], "'flask db upgrade'"),
+        (True, ["'flask db upgrade' (Flask-Migrate)", "'alembic upgrade heads'"], "'flask idem migrate'"),
+    ],
+    ids=["flask-idem", "alembic"],
+)
+def test_older_layout_names_the_command_of_the_path_the_project_uses(
+    legacy: str,
+    apps: Callable[..., Flask],
+    db: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    alembic: bool,
+    names: list[str],
+    not_named: str,
+) -> None:
+    """With an `alembic_version` table in the search path (a Flask-Migrate or Alembic project), the
+    warning of an older layout, its refusal, and the enqueue's need for layout 3 name Alembic's upgrade,
+    which keeps `alembic_version` in step; without one, `flask idem migrate`."""
+    if alembic:
+        db.execute("CREATE TABLE alembic_version (version_num varchar(32) NOT NULL PRIMARY KEY)")
+    try:
+        app = apps(IDEM_TABLE=legacy)
+        with caplog.at_level(logging.WARNING, "flask_idem"):
+            assert post(app, "/notes", uuid.uuid4(), {"body": "old"}).status_code == 201
+        with app.app_context(), app.extensions["idem"].source.connection() as conn:
+            found = _layout.read(conn, legacy)
+        with pytest.raises(ConfigurationError) as jobs:
+            _layout.check_jobs(found, legacy)
+        monkeypatch.setattr(_layout, "REQUIRED", 2)
+        messages = [caplog.text, _layout.problem(found, legacy) or "", str(jobs.value)]
+    finally:
+        db.execute("DROP TABLE IF EXISTS alembic_version")
+    assert "It runs on both; run " in caplog.text
+    for message in messages:
+        assert all(name in message for name in names), message
+        assert not_named not in message
+
+
+# -- a key table changed by hand ---------------------------------------------------------------------------
+
+
+def test_the_columns_the_code_uses_are_the_key_tables(
+    fresh: str, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """`_layout.COLUMNS`, what the layout check compares and what its message adds back, is the key
+    table's columns as the revisions make them: a table made from it has the same names, types, nullity
+    and defaults."""
+    _migrate.upgrade(direct_database_url, table=fresh, distributed=citus.ENABLED)
+    columns = ", ".join(f"{name} {definition}" for name, definition in _layout.COLUMNS.items())
+    db.execute(f"CREATE TABLE columns_only ({columns})")  # type: ignore[arg-type]  # our own constants
+    try:
+        assert catalog(db, "columns_only")["columns"] == catalog(db, fresh)["columns"]
+    finally:
+        db.execute("DROP TABLE columns_only")
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        ("ALTER TABLE {} DROP COLUMN step", "lacks column(s) step"),
+        ("ALTER TABLE {} DROP CONSTRAINT fresh_keys_pkey", "lacks its primary key (org_id, idem_key)"),
+    ],
+    ids=["column", "primary-key"],
+)
+def test_a_key_table_changed_by_hand_is_refused_at_the_check_naming_the_repair(
+    fresh: str,
+    direct_database_url: str,
+    db: psycopg.Connection[Any],
+    apps: Callable[..., Flask],
+    caplog: pytest.LogCaptureFixture,
+    damage: str,
+    says: str,
+) -> None:
+    """A table in the latest layout whose column or primary key was dropped by hand (its layout comment
+    intact) is found by the layout check: the first request is a 503 (not a 500 from the statement),
+    `flask idem stats` exits 1, both saying what is missing and the statement that puts it back; once
+    that has run, the same key succeeds."""
+    _migrate.upgrade(direct_database_url, table=fresh, distributed=citus.ENABLED)
+    db.execute(sql.SQL(damage).format(sql.Identifier(fresh)))  # type: ignore[arg-type]  # a constant
+    app = apps(IDEM_TABLE=fresh)
+    key = uuid.uuid4()
+    with caplog.at_level(logging.ERROR, "flask_idem"):
+        refused = post(app, "/notes", key, {"body": "drift"})
+    assert refused.status_code == 503
+    assert refused.json["type"] == "urn:flask-idem:problem:store-unavailable"
+    assert says in caplog.text and "Answered 503 until then." in caplog.text
+    assert "UndefinedColumn" not in caplog.text
+    stats = app.test_cli_runner().invoke(args=["idem", "stats"])
+    assert stats.exit_code == 1 and says in stats.output
+    repair = re.search(r"Restore them as the table's owner: (.*)$", stats.output.strip())
+    assert repair is not None, stats.output
+    db.execute(repair[1])  # type: ignore[arg-type]  # the statements the message names
+    assert post(app, "/notes", key, {"body": "drift"}).status_code == 201
+
+
+def test_an_index_dropped_by_hand_is_served_with_a_warning_naming_its_build(
+    fresh: str,
+    direct_database_url: str,
+    db: psycopg.Connection[Any],
+    apps: Callable[..., Flask],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An index of the layout dropped by hand only slows its statements: the application serves, and
+    says once which index is missing with the statement that builds it again, which restores it as the
+    revisions made it."""
+    _migrate.upgrade(direct_database_url, table=fresh, distributed=citus.ENABLED)
+    made = catalog(db, fresh)["indexes"]
+    db.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier(fresh + "_due_idx")))
+    app = apps(IDEM_TABLE=fresh)
+    with caplog.at_level(logging.WARNING, "flask_idem"):
+        for body in ("a", "b"):
+            assert post(app, "/notes", uuid.uuid4(), {"body": body}).status_code == 201
+    warned = [r.getMessage() for r in caplog.records if "lacks indexes of its layout" in r.getMessage()]
+    assert len(warned) == 1
+    build = warned[0][warned[0].index("CREATE INDEX CONCURRENTLY") :]
+    assert build.count("CREATE INDEX") == 1 and f'"{fresh}_due_idx"' in build
+    db.execute(build)  # type: ignore[arg-type]  # the statement the warning names
+    assert catalog(db, fresh)["indexes"] == made
+
+
 def test_grant_gives_the_application_role_dml_only(
     fresh: str, apps: Callable[..., Flask], db: psycopg.Connection[Any]
 ) -> None:
