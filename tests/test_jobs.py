@@ -425,7 +425,7 @@ def test_flask_idem_relay_says_why_a_publish_failed_and_exits_1(
     outputs = []
     for publisher in (CeleryPublisher(closed), Leaky()):
         db.execute("DELETE FROM idempotency_keys_outbox")  # one message per pass
-        jobs_app.extensions["idem_jobs"] = _jobs.JobsState.create(jobs_app, publisher)
+        jobs_app.extensions["idem_jobs"] = _delivery.JobsState.create(jobs_app, publisher)
         with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
             jobs.enqueue("jobs.add", 5, conn=conn, org_id=1, key=uuid.uuid4())
         caplog.clear()
