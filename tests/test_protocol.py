@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -254,11 +255,13 @@ def test_atomic_race_runs_the_work_once(
             time.sleep(0.05)  # the others arrive while the key is held
             return Final(body, document(201, body), 201)
 
-        outcomes = hammer(app, 16, lambda key=key, work=work: atomic(state, claim(key), work))
+        outcomes = hammer(app, 16, partial(atomic, state, claim(key), work))
         finals = [o for o in outcomes if isinstance(o, Final)]
         assert len(finals) == 1, outcomes
+        stored = finals[0].document
+        assert stored is not None
         others = [o for o in outcomes if not isinstance(o, Final)]
-        assert all(o == InFlight() or o == Replay(finals[0].document) for o in others), outcomes
+        assert all(o == InFlight() or o == Replay(stored) for o in others), outcomes
         if isolation == "read committed":
             assert ran == [finals[0].value]
         # Under REPEATABLE READ an attempt whose snapshot predates the winner's COMMIT but whose try-lock
@@ -267,7 +270,7 @@ def test_atomic_race_runs_the_work_once(
         # test_a_key_row_committed_meanwhile_is_in_flight forces that case.
         assert notes_of(db, key) == 1
         with app.app_context():
-            assert atomic(state, claim(key), never) == Replay(finals[0].document)
+            assert atomic(state, claim(key), never) == Replay(stored)
     assert count(db, "idempotency_keys") == 4
 
 
@@ -402,13 +405,14 @@ def tiny_flow(
 
 
 def intent(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """The intent every run of the tests begins with."""
     return {"amount": 5}
 
 
 def started(state: IdemState, flow: Flow, key: uuid.UUID) -> tuple[Run, Lease]:
     """A run of ``flow`` on ``key`` begun under a fresh lease, its intent recorded."""
     held = lease(key)
-    run = begin(state, claim(key), flow, held, intent)
+    run: Any = begin(state, claim(key), flow, held, intent)
     assert isinstance(run, Run) and not run.resumed
     return run, held
 
@@ -484,9 +488,10 @@ def test_begin_that_ends_at_once_stores_its_final(state: IdemState, db: psycopg.
     failed = Final("no", None, 400, failed=True)
     assert begin(state, claim(key), tiny_flow(), lease(key), lambda conn: failed) == failed
     assert count(db, "idempotency_keys") == 0
-    answer = Final("refused", document(422, "refused"), 422)
+    refused = document(422, "refused")
+    answer = Final("refused", refused, 422)
     assert begin(state, claim(key), tiny_flow(), lease(key), lambda conn: answer) == answer
-    assert begin(state, claim(key), tiny_flow(), lease(key), never) == Replay(answer.document)
+    assert begin(state, claim(key), tiny_flow(), lease(key), never) == Replay(refused)
 
 
 def test_give_up_while_the_run_is_held_writes_nothing(state: IdemState, db: psycopg.Connection[Any]) -> None:
@@ -591,7 +596,8 @@ def test_a_run_finishing_stores_the_doors_answer(state: IdemState, db: psycopg.C
     flow = tiny_flow()
     run, held = started(state, flow, key)
     final = advance(state, flow, run, held, DOOR, retry_in=1.0)
-    assert final == Final({"done": {"posted": 5}}, document(200, {"done": {"posted": 5}}), 200)
+    stored = document(200, {"done": {"posted": 5}})
+    assert final == Final({"done": {"posted": 5}}, stored, 200)
     row = key_row(db, key)
     assert (row["status"], row["step"], row["response"], row["lease_token"]) == (
         "completed",
@@ -600,7 +606,7 @@ def test_a_run_finishing_stores_the_doors_answer(state: IdemState, db: psycopg.C
         None,
     )
     assert notes_of(db, key) == 1
-    assert begin(state, claim(key), flow, lease(key), never) == Replay(final.document)
+    assert begin(state, claim(key), flow, lease(key), never) == Replay(stored)
 
 
 def test_a_lost_lease_stops_the_run(state: IdemState, db: psycopg.Connection[Any]) -> None:
