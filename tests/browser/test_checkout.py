@@ -142,7 +142,9 @@ def test_reload_during_place_order_then_try_again(shop: Shop, db: psycopg.Connec
     shop.page.route("**/orders", lose_the_answer)
     shop.page.fill("#amount", "42.00")
     shop.page.click("#place-order")
+    deadline = time.monotonic() + 30
     while not made:
+        assert time.monotonic() < deadline, "the page never sent its order"
         shop.page.wait_for_timeout(20)
     assert made == [201]
     shop.page.reload()
@@ -282,7 +284,9 @@ def click_twice(page: Page, selector: str, sent: Callable[[], bool]) -> None:
     assert box is not None
     x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
     page.mouse.click(x, y)  # mouse input: nothing waits for the navigation it starts
+    deadline = time.monotonic() + 30
     while not sent():
+        assert time.monotonic() < deadline, "the first click's request was never sent"
         page.wait_for_timeout(20)
     page.wait_for_timeout(100)
     page.mouse.click(x, y)
