@@ -21,7 +21,7 @@ from flask import Flask, Response
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from . import _deadline, _layout, _migrate, _view
+from . import _deadline, _layout, _migrate, _view, _webhook
 from ._async import synchronous
 from ._policy import Fingerprint
 from ._pool import ConnectionSource, ForkSafeConnectionPool, PooledConnection
@@ -31,6 +31,7 @@ from ._state import EXTENSION_NAME, IdemState, get_state
 from .cli import idem_cli
 from .errors import ConfigurationError
 from .flow import Flow
+from .webhooks import Event, Source
 
 if TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
@@ -280,6 +281,63 @@ class Idempotency:
             return wrapper  # type: ignore[return-value]
 
         return decorator
+
+    def webhook(
+        self, source: Source, *, scope: Callable[[], str | int | None] | None = None
+    ) -> Callable[[F], F]:
+        """Decorate a view that receives a provider's webhook deliveries, so that each event is handled
+        once, however often it is delivered (:doc:`/webhooks`)::
+
+            @app.post("/webhooks/stripe")
+            @idem.webhook(webhooks.stripe(os.environ["STRIPE_WEBHOOK_SECRET"]))
+            def stripe_event():
+                event = idem.event.json()
+                ...
+                return "", 204
+
+        A delivery is verified first, on its raw body, before any database work: one that fails is
+        answered ``400`` (problem+json naming the check) and writes nothing. The event id is recorded
+        scoped to the source, in the view's transaction on :attr:`connection`: the view's writes and
+        "handled" commit together. A view that raises (or answers a ``5xx``) rolls both back and is
+        answered ``500``, so the provider delivers the event again. A redelivery of a handled event is
+        answered with the first delivery's answer and the view does not run; one that arrives while the
+        first is running is answered ``409`` with ``Retry-After``; one older than the source's window
+        ``200``.
+
+        :param source: how to verify a delivery and read its event id (:mod:`flask_idem.webhooks`).
+        :param scope: for one source serving several of the application's tenants (accounts,
+            endpoints) whose event ids are unique only per tenant: a function returning the tenant of
+            the delivery being handled (e.g. from the URL). Default: the source's event ids are unique.
+        :raises ConfigurationError: at decoration time, when ``source`` is not a webhook source.
+        """
+        if not isinstance(source, Source):
+            raise ConfigurationError(
+                f"idem.webhook() takes a flask_idem.webhooks source (webhooks.stripe(secret), ...), not"
+                f" {source!r}."
+            )
+        options = _webhook.WebhookOptions(source, scope)
+
+        def decorator(view: F) -> F:
+            run = synchronous(view, "view")
+
+            @functools.wraps(view)
+            def wrapper(*args: Any, **kwargs: Any) -> Response:
+                return _webhook.handle(get_state(), run, args, kwargs, options)
+
+            self._wrappers[view] = wrapper
+            setattr(wrapper, _webhook.OPTIONS_ATTR, options)  # read by flask_idem.testing
+            return wrapper  # type: ignore[return-value]
+
+        return decorator
+
+    @property
+    def event(self) -> Event:
+        """The verified event of the running webhook view (:meth:`webhook`): its source, its id and its
+        raw body (``idem.event.json()`` parses it).
+
+        :raises RuntimeError: outside a webhook view handling a delivery.
+        """
+        return _webhook.current_event()
 
     def add_flow(self, flow: Flow) -> None:
         """Make ``flow`` known to the recovery job (``flask idem recover``) of this extension's applications.

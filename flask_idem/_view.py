@@ -41,12 +41,21 @@ from .errors import (
 )
 from .flow import Flow, Run
 
-__all__ = ["SAFE_METHODS", "Current", "RequestDoor", "ViewOptions", "current", "handle"]
+__all__ = [
+    "CURRENT_ATTR",
+    "SAFE_METHODS",
+    "Current",
+    "RequestDoor",
+    "ViewOptions",
+    "current",
+    "handle",
+    "ready",
+]
 
 #: Methods that are passed through untouched: they must not change state, so retrying them is harmless.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
-_CURRENT_ATTR = "_flask_idem_current"
+CURRENT_ATTR = "_flask_idem_current"
 _HEADER_ENVIRON = "HTTP_" + HEADER.upper().replace("-", "_")  # where the WSGI environ keeps it
 
 #: Attribute of a decorated view that holds its :class:`ViewOptions` (read by flask_idem.openapi and
@@ -133,7 +142,7 @@ def _answer_write(
             required = state.settings.require_key if options.required is None else options.required
             if required or options.flow is not None:
                 raise MissingKey()
-            _ready(state)
+            ready(state)
             return in_transaction(
                 state.source,
                 lambda conn: current_app.make_response(_call_view(conn, None, None, view, args, kwargs)),
@@ -151,7 +160,7 @@ def _answer_write(
             printed = _PolicyPrint.of(req, options.fingerprint)
             request_sha = printed.now.sha
         keyed = KeyedRequest(_org_id(options.scope), key, request_sha, req.method, req.path)
-        _ready(state)
+        ready(state)
         attempt = _Attempt(view, args, kwargs, keyed, printed)
         if options.flow is None:
             return _atomic(state, options, attempt)
@@ -169,7 +178,7 @@ def _answer_write(
         raise error from None
 
 
-def _ready(state: IdemState) -> None:
+def ready(state: IdemState) -> None:
     """Check the key table's layout at the first write request (:meth:`.IdemState.check_layout`).
 
     A missing or unusable key table is the deployment's problem, not the client's, and it ends once the
@@ -204,14 +213,14 @@ class _Attempt:
         response under 500 (its body read while ``idem.connection`` is still there for a generator)."""
         keyed = self.request
         here = g._get_current_object()  # one proxy lookup, not two
-        setattr(here, _CURRENT_ATTR, Current(conn, keyed.org_id, keyed.key))
+        setattr(here, CURRENT_ATTR, Current(conn, keyed.org_id, keyed.key))
         try:
             response = current_app.make_response(render(lambda: self.view(*self.args, **self.kwargs)))
             if response.status_code >= 500:
                 return response, None
             return response, _record(state, options, response, self.printed)
         finally:
-            delattr(here, _CURRENT_ATTR)
+            delattr(here, CURRENT_ATTR)
 
 
 def _record(
@@ -405,16 +414,16 @@ def _call_view(
     ``g`` belongs to the application context, which an ``async def`` view's coroutine shares although it
     runs on another thread (:mod:`._async`).
     """
-    setattr(g, _CURRENT_ATTR, Current(conn, org_id, key))
+    setattr(g, CURRENT_ATTR, Current(conn, org_id, key))
     try:
         return render(lambda: view(*args, **kwargs))
     finally:
-        delattr(g, _CURRENT_ATTR)
+        delattr(g, CURRENT_ATTR)
 
 
 def current() -> Current:
     """The state of the decorated view running now (see :attr:`Idempotency.connection`)."""
-    found: Current | None = g.get(_CURRENT_ATTR)
+    found: Current | None = g.get(CURRENT_ATTR)
     if found is None:
         raise RuntimeError(
             "idem.connection and idem.key are only available while an @idem.idempotent() view"

@@ -55,6 +55,7 @@ __all__ = [
     "OutcomePending",
     "ResponseNotStored",
     "StoredResponseUnreadable",
+    "WebhookRejected",
     "missing_table_hint",
     "problem",
 ]
@@ -217,6 +218,24 @@ class KeyExpired(IdempotencyError, Gone):
         "the retention period, so it is no longer kept. The operation will not be carried out again; a "
         "new operation needs a new key."
     )
+
+
+class WebhookRejected(IdempotencyError, BadRequest):
+    """400: a webhook delivery failed verification (signature, timestamp, or event id), before any
+    database work; nothing was recorded.
+
+    :param check: which check failed (``signature``, ``timestamp``, ``event-id``, ``body``...), also in
+        the problem body as ``check``. The detail never holds a secret or an expected signature.
+    """
+
+    problem_type = _TYPE_PREFIX + "webhook-rejected"
+    title = "The webhook delivery was rejected"
+    default_detail = "The delivery could not be verified; nothing was recorded."
+
+    def __init__(self, detail: str | None = None, *, check: str) -> None:
+        super().__init__(detail, members={"check": check})
+        #: Which check failed.
+        self.check = check
 
 
 class DatabaseUnavailable(IdempotencyError, ServiceUnavailable):

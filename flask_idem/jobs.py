@@ -241,7 +241,7 @@ class Jobs:
         except ConfigurationError as e:
             if not has_request_context():
                 raise
-            # As a missing key table at the first request (_view._ready): the deployment's problem, over
+            # As a missing key table at the first request (_view.ready): the deployment's problem, over
             # once the migration has run; the client retries with its key, and nothing was recorded.
             logger.error("%s Answered 503 until then.", e)
             raise DatabaseUnavailable(retry_after=settings.retry_after) from None

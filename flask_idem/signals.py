@@ -59,6 +59,10 @@ __all__ = [
     "store_operation",
     "store_unavailable",
     "tombstone_hit",
+    "webhook_duplicate",
+    "webhook_handled",
+    "webhook_rejected",
+    "webhook_verified",
 ]
 
 logger = logging.getLogger("flask_idem")
@@ -157,6 +161,26 @@ job_deferred = _signals.signal("job-deferred")
 #: ``key`` (the task's key), ``endpoint`` (``None``), ``task``.
 message_relayed = _signals.signal("message-relayed")
 
+# -- inbound webhooks (flask_idem.webhooks) ------------------------------------------------------------
+
+#: A webhook delivery passed its source's verification (before any database work). Arguments:
+#: ``org_id`` (the source's), ``key`` (the event's), ``endpoint``, ``source``, ``event_id``.
+webhook_verified = _signals.signal("webhook-verified")
+
+#: A webhook delivery failed verification and was answered 400; nothing was recorded. Arguments:
+#: ``org_id`` (``None``), ``key`` (``None``), ``endpoint``, ``source``, ``check`` (which check failed:
+#: ``signature``, ``timestamp``, ``event-id``...).
+webhook_rejected = _signals.signal("webhook-rejected")
+
+#: A redelivered event was answered without running the handler: with the first delivery's answer, with
+#: ``200`` when the event is older than the source's window, or ``409`` while the first is still
+#: running. Arguments: ``org_id``, ``key``, ``endpoint``, ``source``, ``event_id``, ``status``.
+webhook_duplicate = _signals.signal("webhook-duplicate")
+
+#: An event's handler ran and its answer committed with its writes. Arguments: ``org_id``, ``key``,
+#: ``endpoint``, ``source``, ``event_id``, ``status``.
+webhook_handled = _signals.signal("webhook-handled")
+
 # -- the key table -------------------------------------------------------------------------------------
 
 #: A key-table operation of :class:`~flask_idem._store.Store` finished (its statements ran; a request
@@ -186,6 +210,10 @@ OUTCOMES: tuple[NamedSignal, ...] = (
     given_up,
     job_deferred,
     message_relayed,
+    webhook_verified,
+    webhook_rejected,
+    webhook_duplicate,
+    webhook_handled,
 )
 
 _DEBUG, _INFO, _ERROR = logging.DEBUG, logging.INFO, logging.ERROR
@@ -209,6 +237,10 @@ _LOG: dict[str, tuple[int, str]] = {
     "given-up": (_ERROR, "Gave up; request or task failed and flagged for a person"),
     "job-deferred": (_INFO, "Task delivery put off"),
     "message-relayed": (_DEBUG, "Outbox message published"),
+    "webhook-verified": (_DEBUG, "Webhook delivery verified"),
+    "webhook-rejected": (_INFO, "Webhook delivery rejected; answered 400"),
+    "webhook-duplicate": (_INFO, "Webhook event delivered again; handler not run"),
+    "webhook-handled": (_DEBUG, "Webhook event handled"),
 }
 
 _task: ContextVar[str | None] = ContextVar("flask_idem_task", default=None)
