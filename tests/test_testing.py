@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from flask_idem.testing import (
     check_mismatch,
     check_replay,
     check_scope,
+    check_webhook_redelivery,
     crash_between_steps,
     hammer,
     unprotected_routes,
@@ -23,6 +25,8 @@ from flask_idem.testing import (
 
 from .support.helpers import close_pool
 from .support.testkit_app import SCHEMA, create_app
+from .support.webhook_app import SCHEMA as HOOK_SCHEMA
+from .support.webhook_app import build_webhook_app, event, sign
 
 ORG_1, ORG_2 = {"X-Org": "1"}, {"X-Org": "2"}
 ORDER = {"amount": 1250}
@@ -163,3 +167,56 @@ def test_an_atomic_route_is_not_a_flow(kit_app: Flask, charges: Rows) -> None:
 def test_the_failure_is_an_assertion_error() -> None:
     """pytest shows NotRetrySafe as a failed assertion, with its message."""
     assert issubclass(NotRetrySafe, AssertionError)
+
+
+@pytest.fixture
+def hook_app(database_url: str, direct_database_url: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
+    """The webhook application of tests/support/webhook_app.py."""
+    with psycopg.connect(direct_database_url, autocommit=True) as conn:
+        conn.execute(HOOK_SCHEMA)
+    app = build_webhook_app(database_url, IDEM_POOL_MAX_SIZE=10)[0]
+    yield app
+    close_pool(app)
+
+
+def new_event() -> bytes:
+    return event(str(uuid.uuid4()))
+
+
+def test_a_webhook_route_passes_the_redelivery_check(hook_app: Flask, db: psycopg.Connection[Any]) -> None:
+    """check_webhook_redelivery passes an @idem.webhook route: one effect per event, every answer 2xx or
+    409."""
+    answers = check_webhook_redelivery(
+        hook_app, "/hooks/plain", sign=sign, body=new_event, effect=Rows(db, "hook_effects")
+    )
+    assert len(answers) == 3 + 8
+    assert Rows(db, "hook_effects")() == 2
+
+
+def test_an_unprotected_webhook_route_fails_the_redelivery_check(
+    hook_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """A webhook route without @idem.webhook that writes on every delivery fails, saying so in plain words."""
+    with pytest.raises(
+        NotRetrySafe,
+        match=r"delivering one event 3 times to POST /hooks/unprotected changed the rows in hook_effects by 3"
+        r" \(expected 1, however often it is delivered\): is the view decorated with @idem.webhook",
+    ):
+        check_webhook_redelivery(
+            hook_app, "/hooks/unprotected", sign=sign, body=new_event, effect=Rows(db, "hook_effects")
+        )
+
+
+def test_the_redelivery_check_needs_a_delivery_the_route_accepts(
+    hook_app: Flask, db: psycopg.Connection[Any]
+) -> None:
+    """A sign() that the source refuses is reported as such, not as a route that is not redelivery-safe."""
+    refused = r"answered 400 .*do sign\(body\)'s headers pass the route's source"
+    with pytest.raises(NotRetrySafe, match=refused):
+        check_webhook_redelivery(
+            hook_app,
+            "/hooks/plain",
+            sign=lambda body: {"X-Test-Signature": "0"},
+            body=new_event,
+            effect=Rows(db, "hook_effects"),
+        )

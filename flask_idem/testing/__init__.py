@@ -24,6 +24,7 @@ from ._fixtures import idem_db as idem_db
 from ._fixtures import idem_server_url as idem_server_url
 from ._flows import crash_between_steps as crash_between_steps
 from ._lint import unprotected_routes as unprotected_routes
+from ._webhooks import check_webhook_redelivery as check_webhook_redelivery
 
 __all__ = [
     "DATABASE_ENV",
@@ -35,6 +36,7 @@ __all__ = [
     "check_mismatch",
     "check_replay",
     "check_scope",
+    "check_webhook_redelivery",
     "crash_between_steps",
     "hammer",
     "idem_database_url",
