@@ -64,6 +64,14 @@ STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 #: The outcome signals counted by ``flask_idem_outcomes_total`` (the steps have a histogram instead).
 COUNTED = tuple(s for s in signals.OUTCOMES if s is not signals.step_finished)
 
+#: The webhook signals counted by ``flask_idem_webhook_deliveries_total`` too, by source.
+WEBHOOK_SIGNALS = (
+    signals.webhook_verified,
+    signals.webhook_rejected,
+    signals.webhook_duplicate,
+    signals.webhook_handled,
+)
+
 
 def multiprocess_dir() -> str | None:
     """The directory of prometheus-client's multiprocess mode, or ``None`` when it is off."""
@@ -96,6 +104,16 @@ class Metrics:
             "flask_idem_task_outcomes",
             "Idempotency outcomes of background tasks (flask_idem.jobs), by task and outcome.",
             ["task", "outcome"],
+            registry=self.registry,
+        )
+        #: ``flask_idem_webhook_deliveries_total{source, outcome, check}``: webhook deliveries
+        #: (:mod:`flask_idem.webhooks`) by source and outcome (``webhook_verified``,
+        #: ``webhook_rejected``, ``webhook_duplicate``, ``webhook_handled``); ``check`` is the failed
+        #: check of a rejected one (``signature``, ``timestamp``...), empty otherwise.
+        self.webhooks = Counter(
+            "flask_idem_webhook_deliveries",
+            "Webhook deliveries (flask_idem.webhooks), by source, outcome and a rejected one's failed check.",
+            ["source", "outcome", "check"],
             registry=self.registry,
         )
         #: ``flask_idem_step_duration_seconds{flow, step, kind}``: finished steps of flows.
@@ -134,6 +152,8 @@ class Metrics:
         app.extensions[EXTENSION_NAME] = self
         for signal in COUNTED:
             signal.connect(self._counter(signal), sender=app, weak=False)
+        for signal in WEBHOOK_SIGNALS:
+            signal.connect(self._webhook_counter(signal), sender=app, weak=False)
         signals.step_finished.connect(self._on_step, sender=app, weak=False)
         signals.store_operation.connect(self._on_store, sender=app, weak=False)
         self.collector.add(app)
@@ -149,6 +169,15 @@ class Metrics:
                 tasks.labels(task, outcome).inc()
             else:
                 outcomes.labels(endpoint or "", outcome).inc()
+
+        return count
+
+    def _webhook_counter(self, signal: NamedSignal) -> Callable[..., None]:
+        outcome = signal.name.replace("-", "_")
+        webhooks = self.webhooks
+
+        def count(sender: Flask, *, source: str, check: str | None = None, **data: Any) -> None:
+            webhooks.labels(source, outcome, check or "").inc()
 
         return count
 

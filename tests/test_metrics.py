@@ -32,6 +32,8 @@ from flask_idem.recovery import recover
 from .support.flow_app import Ledger, build_flow_app
 from .support.helpers import ROOT, close_pool, gunicorn, headers, wait_for
 from .support.notes_app import build_app, post
+from .support.webhook_app import SCHEMA as HOOK_SCHEMA
+from .support.webhook_app import build_webhook_app, event, sign
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -104,6 +106,37 @@ def test_outcomes_are_counted_by_route(notes: Flask, registry: CollectorRegistry
     assert value(found, "flask_idem_store_duration_seconds_count", operation="reserve") == 4
     assert value(found, "flask_idem_store_duration_seconds_count", operation="complete") == 1
     assert value(found, "flask_idem_store_duration_seconds_sum", operation="reserve") > 0
+
+
+def test_webhook_deliveries_are_counted_by_source(
+    database_url: str, direct_database_url: str, db: psycopg.Connection[Any], registry: CollectorRegistry
+) -> None:
+    """flask_idem_webhook_deliveries_total{source, outcome, check} counts each webhook outcome, with the
+    failed check of a rejected delivery."""
+    with psycopg.connect(direct_database_url, autocommit=True) as conn:
+        conn.execute(HOOK_SCHEMA)
+    app = build_webhook_app(database_url)[0]
+    try:
+        Metrics(app, registry=registry)
+        client = app.test_client()
+        body = event("evt_metrics")
+        client.post("/hooks/plain", data=body, headers={"X-Test-Signature": "00"})
+        client.post("/hooks/plain", data=body, headers=sign(body))
+        client.post("/hooks/plain", data=body, headers=sign(body))
+        client.post("/hooks/plain", data=body, headers=sign(body))
+    finally:
+        close_pool(app)
+    found = scrape(registry)
+
+    def delivered(outcome: str, check: str = "") -> float:
+        name = "flask_idem_webhook_deliveries_total"
+        return value(found, name, source="test", outcome=outcome, check=check)
+
+    assert delivered("webhook_rejected", "signature") == 1
+    assert delivered("webhook_verified") == 3
+    assert delivered("webhook_handled") == 1
+    assert delivered("webhook_duplicate") == 2
+    assert outcome(found, "plain", "webhook_handled") == 1  # and by route, as every outcome
 
 
 def table_gauges(registry: CollectorRegistry) -> tuple[float, ...]:
