@@ -31,6 +31,7 @@ from .errors import OperationFailed as OperationFailed
 from .errors import OutcomePending as OutcomePending
 from .errors import ResponseNotStored as ResponseNotStored
 from .errors import StoredResponseUnreadable as StoredResponseUnreadable
+from .errors import WebhookRejected as WebhookRejected
 from .flow import Flow as Flow
 from .flow import OutcomeUnknown as OutcomeUnknown
 from .flow import Run as Run
@@ -66,6 +67,7 @@ __all__ = [
     "Settings",
     "StoreResponse",
     "StoredResponseUnreadable",
+    "WebhookRejected",
     "scope_id",
 ]
 

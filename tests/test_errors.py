@@ -33,6 +33,7 @@ from flask_idem.errors import (
     InvalidKey,
     KeyInUse,
     KeyMismatch,
+    WebhookRejected,
     problem,
 )
 
@@ -80,7 +81,9 @@ def error_classes() -> list[type[IdempotencyError]]:
 @pytest.mark.parametrize("cls", error_classes(), ids=lambda cls: cls.__name__)
 def test_every_problem_says_whether_it_is_retryable(cls: type[IdempotencyError]) -> None:
     """Each error's body carries a boolean retryable: true for 409 and 503, false for every other status."""
-    error = cls(retry_after=2) if cls.code in (409, 503) else cls()
+    # Arguments an error requires: WebhookRejected names the check that failed.
+    required: dict[str, Any] = {"check": "signature"} if cls is WebhookRejected else {}
+    error = cls(retry_after=2) if cls.code in (409, 503) else cls(**required)
     for body in (error.to_dict(), json.loads(error.get_body()), json.loads(problem(error).get_data())):
         assert body["retryable"] is (error.code in (409, 503))
         assert body["type"].startswith("urn:flask-idem:problem:")
