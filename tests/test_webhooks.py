@@ -157,8 +157,10 @@ def test_past_the_window_is_200_and_not_run(hooks: Flask, db: psycopg.Connection
     body = event("evt_old")
     assert deliver(hooks, "/hooks/plain", body).status_code == 200
     age(db, "3 days 1 second")
-    late = deliver(hooks, "/hooks/plain", body)
+    with recorded(hooks) as events:
+        late = deliver(hooks, "/hooks/plain", body)
     assert late.status_code == 200 and late.get_data() == b""
+    assert [d["status"] for n, d in events if n == "webhook-duplicate"] == [200]
     assert effects(db, "evt_old") == 1
 
 
