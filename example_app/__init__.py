@@ -19,7 +19,19 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     """
     from celery import Celery
 
-    from . import api, db, fulfilment, health, metrics, orders, payments, problems, receipts, web
+    from . import (
+        api,
+        db,
+        fulfilment,
+        gateway_events,
+        health,
+        metrics,
+        orders,
+        payments,
+        problems,
+        receipts,
+        web,
+    )
     from .cli import shop_cli
     from .extensions import idem, jobs
 
@@ -31,6 +43,9 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
         # Keep the timeout well under IDEM_LEASE_TIMEOUT (30 s by default).
         GATEWAY_URL="http://127.0.0.1:5001",
         GATEWAY_TIMEOUT=10.0,
+        # The gateway's webhook events (example_app.gateway_events): the secret they are signed with, the
+        # same as the gateway's ("whsec_" and base64). Without it there is no POST /webhooks/gateway.
+        GATEWAY_WEBHOOK_SECRET=None,
         # GET /metrics and the counters behind it (example_app.metrics).
         METRICS=True,
         # Celery's settings (FLASK_CELERY__broker_url=... overrides one): the broker the relay publishes
@@ -61,6 +76,7 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     problems.register(app)
     api.register(app, orders.bp, payments.bp, receipts.bp, receipts.public, health.bp)
     web.init_app(app)  # the checkout pages (example_app/web.py)
+    gateway_events.init_app(app)  # POST /webhooks/gateway
     metrics.register(app)
     app.cli.add_command(shop_cli)
     return app

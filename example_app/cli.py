@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -15,6 +17,7 @@ from werkzeug.serving import run_simple
 from flask_idem.recovery import run_forever
 from flask_idem.relay import relay_forever
 
+from . import gateway_events
 from .auth import hash_api_key, new_api_key
 from .db import init_db
 from .extensions import idem
@@ -61,7 +64,8 @@ def serve_command(host: str, port: int, gateway_port: int) -> None:
     Celery worker, and serve the shop.
 
     The gateway runs as its own process on --gateway-port, with fault injection enabled, in the same
-    database; the recovery worker finishes stranded payments every few seconds; the relay publishes
+    database, and posts its webhook events to the shop's POST /webhooks/gateway; the recovery worker
+    finishes stranded payments every few seconds; the relay publishes
     fulfilment tasks to RabbitMQ (CELERY["broker_url"]), and the Celery worker runs them, mailing
     receipts to the Maildir MAIL_SINK.
     """
@@ -71,10 +75,15 @@ def serve_command(host: str, port: int, gateway_port: int) -> None:
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     app.config["GATEWAY_URL"] = gateway_url
     app.config["SHOP_DEMO_API_KEY"] = api_key  # offered on the sign-in page
+    if not app.config.get("GATEWAY_WEBHOOK_SECRET"):  # a secret for this run, shared with the gateway
+        app.config["GATEWAY_WEBHOOK_SECRET"] = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+        gateway_events.init_app(app)
     env = {
         **os.environ,
         "FLASK_DATABASE_URL": app.config["IDEM_DATABASE_URL"],
         "FLASK_FAULTS_ENABLED": "true",
+        "FLASK_GATEWAY_WEBHOOK_URL": f"http://127.0.0.1:{port}/webhooks/gateway",
+        "FLASK_GATEWAY_WEBHOOK_SECRET": app.config["GATEWAY_WEBHOOK_SECRET"],
     }
     gateway = subprocess.Popen(
         [sys.executable, "-m", "flask", "--app", "example_app.gateway", "run", "--port", str(gateway_port)],

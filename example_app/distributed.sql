@@ -36,3 +36,12 @@ BEGIN
     END IF;
 END
 $$;
+
+-- The gateway's events as applied (example_app/gateway_events.py): with their payments, by org_id.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = 'payment_events'::regclass) THEN
+        PERFORM create_distributed_table('payment_events', 'org_id', colocate_with => {key_table});
+    END IF;
+END
+$$;

@@ -52,12 +52,20 @@ def _outcome(response: requests.Response) -> dict[str, Any]:
     return {"status": "failed", "charge_id": None, "gateway_status": response.status_code}
 
 
-def charge(*, key: str, amount: int, currency: str, source: str) -> dict[str, Any]:
-    """Ask the gateway to charge ``source`` once for ``key``; a repeat with the same key charges nothing."""
+def charge(
+    *, key: str, amount: int, currency: str, source: str, reference: str | None = None
+) -> dict[str, Any]:
+    """Ask the gateway to charge ``source`` once for ``key``; a repeat with the same key charges nothing.
+
+    ``reference`` comes back in the gateway's webhook events about the charge.
+    """
+    body: dict[str, Any] = {"amount": amount, "currency": currency, "source": source}
+    if reference is not None:
+        body["reference"] = reference
     try:
         response = _session().post(
             _url("/charges"),
-            json={"amount": amount, "currency": currency, "source": source},
+            json=body,
             headers={"Idempotency-Key": key},
             timeout=_timeout(),
         )

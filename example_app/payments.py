@@ -112,15 +112,21 @@ def charge(run: Run) -> dict[str, Any]:
         amount=intent["amount"],
         currency=intent["currency"],
         source=intent["source"],
+        reference=f"{run.org_id}:{intent['payment_id']}",  # echoed in the gateway's events
     )
 
 
 @pay.finish
 def record(run: Run) -> tuple[dict[str, Any], int, dict[str, str]]:
-    """Record the gateway's answer on the payment and answer the client."""
+    """Record the gateway's answer on the payment and answer the client.
+
+    The gateway's ``payment.succeeded`` event (:mod:`.gateway_events`) may have recorded the success
+    first; a payment moves out of ``pending`` once, whichever comes first (both say the same).
+    """
     outcome = run.results["charge"]
     payment = fetch_one(
-        "UPDATE payments SET status = %s, gateway_charge_id = %s, updated_at = now()"
+        "UPDATE payments SET status = CASE WHEN status = 'pending' THEN %s ELSE status END,"
+        " gateway_charge_id = coalesce(gateway_charge_id, %s), updated_at = now()"
         " WHERE org_id = %s AND id = %s"
         " RETURNING id, order_id, amount, currency, status, gateway_charge_id",
         (outcome["status"], outcome["charge_id"], run.org_id, run.intent["payment_id"]),

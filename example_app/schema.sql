@@ -41,6 +41,10 @@ CREATE TABLE IF NOT EXISTS payments (
     UNIQUE (org_id, idempotency_key)
 );
 
+-- Set once by the gateway's payment.refunded event (example_app/gateway_events.py), whatever the status:
+-- a refund that arrives before its success is kept, and the success still moves pending to succeeded.
+ALTER TABLE payments ADD COLUMN IF NOT EXISTS refunded_at timestamptz;
+
 -- An order is paid at most once, whatever the keys: one pending or succeeded payment per order.
 CREATE UNIQUE INDEX IF NOT EXISTS payments_one_live_per_order
     ON payments (org_id, order_id) WHERE status IN ('pending', 'succeeded');
@@ -72,4 +76,18 @@ CREATE TABLE IF NOT EXISTS fulfilments (
     updated_at   timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (org_id, id),
     FOREIGN KEY (org_id, order_id) REFERENCES orders (org_id, id)
+);
+
+-- One row per gateway event the shop handled (example_app/gateway_events.py), and whether it moved the
+-- payment. Deliberately no UNIQUE (event_id): the webhook's key is the only guard against applying an
+-- event twice, so the tests and the history checker can see it if it ever happened.
+CREATE TABLE IF NOT EXISTS payment_events (
+    id          bigint      GENERATED ALWAYS AS IDENTITY,
+    org_id      bigint      NOT NULL,
+    payment_id  bigint      NOT NULL,
+    event_id    text        NOT NULL,
+    type        text        NOT NULL,
+    moved       boolean     NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (org_id, id)
 );

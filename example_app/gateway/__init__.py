@@ -19,6 +19,16 @@ Configuration, from ``FLASK_*`` environment variables or ``test_config``:
 ``FAULTS_ENABLED``
     ``true`` enables fault injection at ``/_faults`` (see :mod:`example_app.gateway.faults`).
     Default false.
+``GATEWAY_WEBHOOK_URL``
+    where the gateway posts its webhook events (``payment.succeeded``, ``payment.refunded``; see
+    :mod:`example_app.gateway.events`), e.g. ``http://127.0.0.1:5000/webhooks/gateway``. Without it the
+    gateway writes and sends no events.
+``GATEWAY_WEBHOOK_SECRET``
+    the Standard Webhooks secret (``whsec_`` and base64) the events are signed with; the shop's
+    setting of the same name must be the same. Required with ``GATEWAY_WEBHOOK_URL``.
+``GATEWAY_WEBHOOK_ATTEMPTS``, ``_BACKOFF``, ``_BACKOFF_CAP``, ``_TIMEOUT``
+    attempts per event before it is abandoned (default 8); the backoff's first ceiling and its cap in
+    seconds (0.5 and 30); the seconds one attempt may take (5).
 ``PREPARE_THRESHOLD``
     psycopg's ``prepare_threshold`` for the gateway's connections; ``null`` turns server-side prepared
     statements off (PgBouncer in transaction mode before 1.21). Default 5.
@@ -44,12 +54,21 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     """
     from .. import problems
     from ..embedded import embedded_url
-    from . import charges, faults
+    from . import charges, events, faults
     from .store import Store
 
     app = Flask(__name__, instance_relative_config=True)
     app.config.from_mapping(
-        CONNECT_OPTIONS={}, FAULTS_ENABLED=False, MAX_CONTENT_LENGTH=64 * 1024, PREPARE_THRESHOLD=5
+        CONNECT_OPTIONS={},
+        FAULTS_ENABLED=False,
+        MAX_CONTENT_LENGTH=64 * 1024,
+        PREPARE_THRESHOLD=5,
+        GATEWAY_WEBHOOK_URL=None,
+        GATEWAY_WEBHOOK_SECRET=None,
+        GATEWAY_WEBHOOK_ATTEMPTS=8,
+        GATEWAY_WEBHOOK_BACKOFF=0.5,
+        GATEWAY_WEBHOOK_BACKOFF_CAP=30.0,
+        GATEWAY_WEBHOOK_TIMEOUT=5.0,
     )
     app.config.from_prefixed_env()
     if test_config is not None:
@@ -63,8 +82,22 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
         prepare_threshold=app.config["PREPARE_THRESHOLD"],
         connect_options=app.config["CONNECT_OPTIONS"],
     )
-    store = app.extensions["gateway"] = Store(pool)
+    url = app.config["GATEWAY_WEBHOOK_URL"]
+    store = app.extensions["gateway"] = Store(pool, events=bool(url))
     store.init_schema()
+    if url:
+        if not app.config["GATEWAY_WEBHOOK_SECRET"]:
+            raise RuntimeError("GATEWAY_WEBHOOK_URL needs GATEWAY_WEBHOOK_SECRET to sign the events with.")
+        sender = app.extensions["gateway_events"] = events.Sender(
+            store,
+            url=url,
+            secret=app.config["GATEWAY_WEBHOOK_SECRET"],
+            attempts=int(app.config["GATEWAY_WEBHOOK_ATTEMPTS"]),
+            base=float(app.config["GATEWAY_WEBHOOK_BACKOFF"]),
+            cap=float(app.config["GATEWAY_WEBHOOK_BACKOFF_CAP"]),
+            timeout=float(app.config["GATEWAY_WEBHOOK_TIMEOUT"]),
+        )
+        sender.start()
     problems.register(app)
     app.register_blueprint(charges.bp)
     if app.config["FAULTS_ENABLED"]:

@@ -1,4 +1,4 @@
-"""The charges API: ``POST /charges`` makes one charge per ``Idempotency-Key``, and two lookups."""
+"""The charges API: ``POST /charges`` makes one charge per ``Idempotency-Key``, a refund, and two lookups."""
 
 from __future__ import annotations
 
@@ -80,6 +80,24 @@ def create_charge() -> Response | tuple[dict[str, Any], int]:
     if charge.status == "declined":
         return _declined(charge)
     return charge.to_dict(), 201 if created else 200
+
+
+class NotRefundable(UnprocessableEntity):
+    """422: only a charge that succeeded can be refunded."""
+
+    description = "Only a charge that succeeded can be refunded."
+
+
+@bp.post("/charges/<charge_id>/refund")
+def refund_charge(charge_id: str) -> dict[str, Any]:
+    """Refund a succeeded charge in full: 200 with the charge, the same on a repeat (one refund, one
+    ``payment.refunded`` event); 404 for no such charge, 422 for a declined one."""
+    charge, _ = current_store().refund(charge_id)
+    if charge is None:
+        raise NotFound("There is no such charge.")
+    if charge.refunded_at is None:
+        raise NotRefundable()
+    return charge.to_dict()
 
 
 @bp.get("/charges/by-key/<path:key>")

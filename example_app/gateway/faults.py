@@ -14,6 +14,9 @@ posted. Each mode answers late by the entry's ``delay`` seconds:
     charge (or find the key's charge), wait, then answer 500.
 ``drop_after``
     charge, wait, then close the connection without any answer.
+
+The modes ``webhook_duplicate``, ``webhook_reorder`` and ``webhook_fail_first`` affect the next ``count``
+webhook events instead (see :mod:`example_app.gateway.events`); charge requests pass them by.
 """
 
 from __future__ import annotations

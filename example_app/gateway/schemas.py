@@ -6,10 +6,13 @@ from marshmallow import Schema, fields, validate
 
 from ..schemas import StrictInteger, currency_code, not_a_card_number, positive_bigint
 
-__all__ = ["MODES", "ChargeIn", "FaultIn"]
+__all__ = ["MODES", "WEBHOOK_MODES", "ChargeIn", "FaultIn"]
+
+#: The faults of webhook deliveries (see :mod:`.events`), taken by the next events, not by charge requests.
+WEBHOOK_MODES = ("webhook_duplicate", "webhook_reorder", "webhook_fail_first")
 
 #: The fault modes, in the order a charge request meets them (see :mod:`.faults`).
-MODES = ("delay", "fail_before", "fail_after", "drop_after")
+MODES = ("delay", "fail_before", "fail_after", "drop_after") + WEBHOOK_MODES
 
 
 class ChargeIn(Schema):
@@ -26,6 +29,10 @@ class ChargeIn(Schema):
             ),
             not_a_card_number,
         ],
+    )
+    #: The caller's reference, echoed in the charge's webhook events (the shop sends "org:payment").
+    reference = fields.String(
+        load_default=None, validate=validate.Regexp(r"[ -~]{1,255}\Z", error="1 to 255 printable ASCII.")
     )
 
 

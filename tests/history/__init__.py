@@ -3,7 +3,8 @@
 Concurrent clients place and pay orders through the retry helper against the shop under gunicorn, with a
 real gateway process and a PostgreSQL of its own, while a nemesis SIGKILLs shop workers, restarts
 PostgreSQL (fast and immediate), makes the gateway answer late, fail before or after charging, or
-drop the connection, and disturbs the network between the shop and PostgreSQL (resets, a lost COMMIT
+drop the connection, makes it deliver its webhook events twice at once, out of order or wrongly signed
+first, and disturbs the network between the shop and PostgreSQL (resets, a lost COMMIT
 answer, a hold, connections silent for good as behind a hung pooler or a dead host). Afterwards the
 checker (:mod:`.checker`) proves from the recorded history and the database that nothing was
 duplicated, lost or changed. A short run is part of the test suite

@@ -7,7 +7,11 @@ The promises checked:
 - every operation left unknown has at most one effect once retried with its key and recovered;
 - no key row is left ``processing`` and no payment ``pending``;
 - a replay of every acknowledged operation is byte for byte the answer first received;
-- no client ever saw a status outside the expected ones (a 500, say).
+- no client ever saw a status outside the expected ones (a 500, say);
+- every webhook event of the gateway was delivered and applied by the shop exactly once (duplicates,
+  reordering and failed deliveries notwithstanding): no event id applied twice, no payment moved twice
+  by events of one type, every charge that succeeded is a succeeded payment and every refund a refunded
+  one.
 """
 
 from __future__ import annotations
@@ -91,6 +95,21 @@ def settle(cluster: Cluster, history: list[Op], report: Report) -> None:
             if op.outcome == "unknown":
                 perform(client, cluster.shop_url, op)
                 op.outcome = "resolved " + op.outcome
+    _settle_events(cluster.database_url)
+
+
+#: Seconds the gateway's webhook outbox may take to drain once the faults stopped: a claim lapses after
+#: 30 s when its sender could not record the attempt (a PostgreSQL restart at that moment).
+EVENTS_SETTLE = 75.0
+
+
+def _settle_events(url: str) -> None:
+    """Wait until the gateway has delivered (or abandoned) every webhook event; the check says which."""
+    deadline = time.monotonic() + EVENTS_SETTLE
+    with psycopg.connect(url, autocommit=True) as db:
+        query = "SELECT count(*) FROM gateway_events WHERE delivered_at IS NULL AND abandoned_at IS NULL"
+        while _one(db, query) > 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
 
 
 def check(cluster: Cluster, history: list[Op], report: Report) -> None:
@@ -107,6 +126,7 @@ def check(cluster: Cluster, history: list[Op], report: Report) -> None:
             report.anomaly("unexpected", f"{op.kind} {op.key} was refused with HTTP {op.status}")
     with psycopg.connect(cluster.database_url, autocommit=True) as db:
         _check_tables(db, history, report)
+        _check_events(db, report)
     _check_replays(cluster, history, report)
 
 
@@ -175,6 +195,46 @@ def _check_tables(db: psycopg.Connection[Any], history: list[Op], report: Report
                     report.anomaly("lost", f"acknowledged payment {op.key} is {row and row[5]}")
             elif op.outcome.endswith("failed") and op.status == 402 and (row is None or row[5] != "declined"):
                 report.anomaly("unexpected", f"declined payment {op.key} is recorded as {row and row[5]}")
+
+
+def _check_events(db: psycopg.Connection[Any], report: Report) -> None:
+    """The gateway's webhook events against what the shop applied and the payments' states."""
+    events = db.execute(
+        "SELECT event_id, type, attempts, delivered_at IS NOT NULL, abandoned_at IS NOT NULL"
+        " FROM gateway_events"
+    ).fetchall()
+    applied = db.execute("SELECT event_id, org_id, payment_id, type, moved FROM payment_events").fetchall()
+    report.operations["webhook event"] += len(events)
+    report.operations["webhook delivery attempt"] += sum(e[2] for e in events)
+    times_applied = Counter(a[0] for a in applied)
+    for event_id, kind, attempts, delivered, abandoned in events:
+        if not delivered:
+            state = "abandoned" if abandoned else "still undelivered"
+            report.anomaly("lost", f"webhook event {event_id} ({kind}) {state} after {attempts} attempts")
+        elif times_applied[event_id] == 0:
+            report.anomaly("lost", f"webhook event {event_id} ({kind}) was delivered but never applied")
+    for event_id, n in times_applied.items():
+        if n > 1:
+            report.anomaly("duplicates", f"webhook event {event_id} was applied {n} times")
+    moves = Counter((a[1], a[2], a[3]) for a in applied if a[4])
+    for (org, payment_id, kind), n in moves.items():
+        if n > 1:
+            report.anomaly("duplicates", f"payment {payment_id} of org {org} was moved {n} times by {kind}")
+    # The gateway's charges against the shop's payments: a success is a succeeded payment, a refund a
+    # refunded one, whichever of the flow and the events recorded them first and in whatever order.
+    rows = db.execute(
+        "SELECT c.id, c.refunded_at IS NOT NULL, p.id, p.status, p.refunded_at IS NOT NULL"
+        " FROM gateway_charges c JOIN payments p ON c.reference = p.org_id || ':' || p.id"
+        " WHERE c.status = 'succeeded'"
+    ).fetchall()
+    for charge_id, charge_refunded, payment_id, status, payment_refunded in rows:
+        if status != "succeeded":
+            report.anomaly("lost", f"charge {charge_id} succeeded, its payment {payment_id} is {status}")
+        if charge_refunded != payment_refunded:
+            report.anomaly(
+                "lost" if charge_refunded else "unexpected",
+                f"charge {charge_id} refunded: {charge_refunded}, payment {payment_id}: {payment_refunded}",
+            )
 
 
 def _check_replays(cluster: Cluster, history: list[Op], report: Report) -> None:

@@ -10,6 +10,7 @@ holds traffic, and silences connections for good.
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 import signal
@@ -32,12 +33,15 @@ from example_app.db import init_db
 from ..support import citus as citus_cluster
 from ..support.faultproxy import FaultProxy, can_drop_packets, running_proxy
 from ..support.helpers import close_pool
-from ..support.servers import gunicorn, wait_for
+from ..support.servers import free_port, gunicorn, wait_for
 from ..support.shop_actions import add_fault
 
 #: Lease and gateway timeout of the shop under test: short, so crashes are resolved within a run.
 LEASE_TIMEOUT = 2.0
 GATEWAY_TIMEOUT = 1.5
+
+#: The secret the gateway signs its webhook events with, and the shop verifies them with.
+WEBHOOK_SECRET = "whsec_" + base64.b64encode(b"history-webhook-secret-0123456").decode()
 
 
 @dataclass
@@ -89,6 +93,11 @@ class Cluster:
         add_fault(self.gateway_url, mode, delay=delay)
         self._count(f"gateway {mode}" + (" (late)" if delay else ""))
 
+    def webhook_fault(self, mode: str, count: int = 1) -> None:
+        """Queue a webhook fault (``webhook_duplicate``...) for the gateway's next ``count`` events."""
+        add_fault(self.gateway_url, mode, count=count)
+        self._count(f"gateway {mode}" + (f" x{count} events" if count > 1 else ""))
+
     def network_fault(self, kind: str) -> None:
         """One fault of the path between the shop and PostgreSQL
         (:class:`~tests.support.faultproxy.FaultProxy`): ``reset``, ``commit`` (the next COMMIT's answer
@@ -125,6 +134,7 @@ class Cluster:
             "DATABASE_URL": self.database_url,
             "GATEWAY_URL": self.gateway_url,
             "GATEWAY_TIMEOUT": GATEWAY_TIMEOUT,
+            "GATEWAY_WEBHOOK_SECRET": WEBHOOK_SECRET,
             "IDEM_LEASE_TIMEOUT": LEASE_TIMEOUT,
             "IDEM_DISTRIBUTED": self.citus is not None,
         }
@@ -177,10 +187,22 @@ def running_cluster(
             init_db()
             api_keys = [create_org(f"org-{i}")[1] for i in range(orgs)]
         close_pool(app)
+        shop_port = free_port()  # the gateway's webhook events go to the shop, which starts after it
+        gateway_env = {
+            "FLASK_DATABASE_URL": url,
+            "FLASK_FAULTS_ENABLED": "true",
+            "FLASK_GATEWAY_WEBHOOK_URL": f"http://127.0.0.1:{shop_port}/webhooks/gateway",
+            "FLASK_GATEWAY_WEBHOOK_SECRET": WEBHOOK_SECRET,
+            # Patient enough to outlast a PostgreSQL restart and a killed shop worker, quick to settle.
+            "FLASK_GATEWAY_WEBHOOK_ATTEMPTS": "30",
+            "FLASK_GATEWAY_WEBHOOK_BACKOFF": "0.2",
+            "FLASK_GATEWAY_WEBHOOK_BACKOFF_CAP": "2",
+            "FLASK_GATEWAY_WEBHOOK_TIMEOUT": "5",
+        }
         gateway_url, _ = stack.enter_context(
             gunicorn(
                 workdir / "gateway.log",
-                env={"FLASK_DATABASE_URL": url, "FLASK_FAULTS_ENABLED": "true"},
+                env=gateway_env,
                 workers=2,
                 threads=4,
                 app="example_app.gateway:create_app()",
@@ -192,13 +214,21 @@ def running_cluster(
             "FLASK_DATABASE_URL": faults.conninfo(url) if faults else url,
             "FLASK_GATEWAY_URL": gateway_url,
             "FLASK_GATEWAY_TIMEOUT": str(GATEWAY_TIMEOUT),
+            "FLASK_GATEWAY_WEBHOOK_SECRET": WEBHOOK_SECRET,
             "FLASK_IDEM_LEASE_TIMEOUT": str(LEASE_TIMEOUT),
             "FLASK_IDEM_POOL_TIMEOUT": "2",
             "FLASK_IDEM_DISTRIBUTED": "true" if citus else "false",
             **(extra_shop_env or {}),
         }
         shop_url, shop = stack.enter_context(
-            gunicorn(workdir / "shop.log", env=shop_env, workers=workers, threads=threads, args=shop_args)
+            gunicorn(
+                workdir / "shop.log",
+                env=shop_env,
+                workers=workers,
+                threads=threads,
+                args=shop_args,
+                port=shop_port,
+            )
         )
         yield Cluster(
             database_url=url,

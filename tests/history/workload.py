@@ -1,5 +1,6 @@
-"""Clients that place and pay orders through the retry helper, and a nemesis that injects faults: worker
-kills, PostgreSQL restarts, gateway faults, and faults of the network between the shop and PostgreSQL.
+"""Clients that place and pay orders through the retry helper (and refund some at the gateway), and a
+nemesis that injects faults: worker kills, PostgreSQL restarts, gateway faults (of charges and of its
+webhook deliveries), and faults of the network between the shop and PostgreSQL.
 
 Every operation is recorded with its key, its body and how it ended: ``ok`` (a 2xx, with the body the
 client received), ``failed`` (a definite refusal, e.g. a 402 decline) or ``unknown`` (the helper gave up
@@ -83,6 +84,21 @@ def client_loop(cluster: Cluster, seed: int, stop_at: float, history: list[Op], 
             order_id = _json(order.response)["id"]
             payment = Op("payment", api_key, uuid.uuid4(), {"order_id": order_id, "source": source})
             _run(client, cluster, payment, recorded, history, lock)
+            if payment.outcome == "ok" and rng.random() < REFUND_RATE:
+                refund(session, cluster, _json(payment.response)["gateway_charge_id"])
+
+
+#: The share of paid orders refunded at the gateway (its payment.refunded event races the success's).
+REFUND_RATE = 0.2
+
+
+def refund(session: requests.Session, cluster: Cluster, charge_id: str) -> None:
+    """Refund a charge at the gateway (as from its dashboard); a failure is only noted, the checker compares
+    the gateway's refunds with the shop's."""
+    try:
+        session.post(f"{cluster.gateway_url}/charges/{charge_id}/refund", timeout=5).raise_for_status()
+    except requests.RequestException:
+        pass
 
 
 def _run(
@@ -110,12 +126,18 @@ def _json(body: bytes | None) -> Any:
 #: The faults of the path between the shop and PostgreSQL (:meth:`.Cluster.network_fault`).
 NETWORK_FAULTS = ("reset", "commit", "hold", "hung", "dead")
 
+#: The faults of the gateway's webhook deliveries (:meth:`.Cluster.webhook_fault`): each is queued for a
+#: few events when the nemesis starts, so that even a short run has them all, and chosen at random later.
+WEBHOOK_FAULTS = ("webhook_duplicate", "webhook_reorder", "webhook_fail_first")
+
 
 def nemesis(cluster: Cluster, stop_at: float, interval: float, max_faults: int) -> None:
     """Inject a fault every ``interval`` seconds, at most ``max_faults`` times, until ``stop_at``: first
     each of the :data:`NETWORK_FAULTS` once, in random order (when the shop is behind the fault proxy), so
     that even a short run has them all, then faults chosen at random (``interval`` apart on average)."""
     rng = cluster.rng
+    for mode in WEBHOOK_FAULTS:
+        cluster.webhook_fault(mode, count=3)
     first = rng.sample(NETWORK_FAULTS, len(NETWORK_FAULTS)) if cluster.proxy is not None else []
     actions = [
         lambda: cluster.kill_worker(),
@@ -125,6 +147,7 @@ def nemesis(cluster: Cluster, stop_at: float, interval: float, max_faults: int) 
         lambda: cluster.gateway_fault("fail_before"),
         lambda: cluster.gateway_fault("fail_after"),
         lambda: cluster.gateway_fault("drop_after"),
+        lambda: cluster.webhook_fault(rng.choice(WEBHOOK_FAULTS), count=rng.randint(1, 5)),
         lambda: cluster.network_fault("reset"),
         lambda: cluster.network_fault("commit"),
         lambda: cluster.network_fault("hold"),

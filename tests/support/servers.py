@@ -85,12 +85,13 @@ def gunicorn(
     app: str = "example_app:create_app()",
     probe: str = "/orders",
     args: tuple[str, ...] = (),
+    port: int | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Serve ``app`` with gunicorn on a free port; yields its base URL and the master process.
+    """Serve ``app`` with gunicorn on a free port (or ``port``); yields its base URL and the master process.
 
     :param args: more command-line options for gunicorn, such as ``("-c", "example_app/gunicorn_conf.py")``.
     """
-    port = free_port()
+    port = port or free_port()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [
