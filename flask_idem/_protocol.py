@@ -74,6 +74,9 @@ class Claim:
     #: Whether a stored fingerprint is this work's under an earlier fingerprint policy (:mod:`._policy`);
     #: ``None``: only the same fingerprint is the same work.
     earlier: Callable[[bytes], bool] | None = None
+    #: What the door answers a tombstone with, when not the HTTP answer of :attr:`Tombstone.status`
+    #: (``303``/``410``): a webhook's sender is answered ``200``.
+    tombstone_status: int | None = None
 
     def same(self, request_sha: bytes) -> bool:
         """Whether the key's first work, stored with ``request_sha``, is this one."""
@@ -150,15 +153,17 @@ def classify(record: KeyRecord | None, claim: Claim) -> Existing:
     return Replay(record.response, mismatched, record.status == "failed")
 
 
-def announce(outcome: Existing, keyed: KeyedRequest) -> None:
-    """Send the signal of ``outcome``."""
+def announce(outcome: Existing, claim: Claim) -> None:
+    """Send the signal of ``outcome`` for ``claim``."""
+    keyed = claim.request
     org_id, key = keyed.org_id, keyed.key
     if isinstance(outcome, InFlight):
         signals.send(signals.key_in_flight, org_id=org_id, key=key)
     elif isinstance(outcome, Mismatch):
         signals.send(signals.mismatch_rejected, org_id=org_id, key=key)
     elif isinstance(outcome, Tombstone):
-        signals.send(signals.tombstone_hit, org_id=org_id, key=key, status=outcome.status)
+        status = outcome.status if claim.tombstone_status is None else claim.tombstone_status
+        signals.send(signals.tombstone_hit, org_id=org_id, key=key, status=status)
     else:
         replayed = signals.mismatch_replayed if outcome.mismatched else signals.response_replayed
         signals.send(replayed, org_id=org_id, key=key, status=outcome.document["status"])
@@ -211,7 +216,7 @@ def atomic(
     if isinstance(outcome, Final):
         stored(keyed, None, outcome)
     else:
-        announce(outcome, keyed)
+        announce(outcome, claim)
     return outcome
 
 
@@ -275,7 +280,7 @@ def begin(
     elif isinstance(started, Final):
         stored(keyed, flow.name, started)
     else:
-        announce(started, keyed)
+        announce(started, claim)
     return started
 
 
@@ -321,7 +326,7 @@ def give_up(
 
     marked = in_transaction(state.source, mark, batched=True)
     if not isinstance(marked, bool):
-        announce(marked, claim.request)
+        announce(marked, claim)
     return marked
 
 

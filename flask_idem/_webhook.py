@@ -89,7 +89,7 @@ def handle(
         ready(state)
         outcome = _protocol.atomic(
             state,
-            _protocol.Claim(keyed, source.window),
+            _protocol.Claim(keyed, source.window, tombstone_status=200),
             lambda conn: _run(state, conn, keyed, event, view, args, kwargs),
         )
     except psycopg.Error as e:

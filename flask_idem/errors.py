@@ -222,7 +222,9 @@ class KeyExpired(IdempotencyError, Gone):
 
 class WebhookRejected(IdempotencyError, BadRequest):
     """400: a webhook delivery failed verification (signature, timestamp, or event id), before any
-    database work; nothing was recorded.
+    database work; nothing was recorded. Raised by :meth:`flask_idem.webhooks.Event.json` inside the
+    handler (a verified body that is not JSON), it is the handler's answer, kept like any other: every
+    redelivery of that body is answered the same.
 
     :param check: which check failed (``signature``, ``timestamp``, ``event-id``, ``body``...), also in
         the problem body as ``check``. The detail never holds a secret or an expected signature.

@@ -161,6 +161,7 @@ def test_past_the_window_is_200_and_not_run(hooks: Flask, db: psycopg.Connection
         late = deliver(hooks, "/hooks/plain", body)
     assert late.status_code == 200 and late.get_data() == b""
     assert [d["status"] for n, d in events if n == "webhook-duplicate"] == [200]
+    assert [d["status"] for n, d in events if n == "tombstone-hit"] == [200]  # what was answered
     assert effects(db, "evt_old") == 1
 
 
