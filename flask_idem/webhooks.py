@@ -299,6 +299,9 @@ def standard(
             'pip install "flask-idem[standardwebhooks]".'
         ) from None
     try:
+        # An empty key is refused here: versions of the library before 1.1 accept it.
+        if not all(_standard_key(candidate) for candidate in secrets):
+            raise ValueError
         verifiers = tuple(Webhook(candidate) for candidate in secrets)
     except Exception:  # the library raises ValueError, RuntimeError or its own error, by version
         raise ConfigurationError(
@@ -341,6 +344,11 @@ def _secrets(secret: str | Sequence[str], preset: str) -> tuple[str, ...]:
             "is rotated."
         )
     return found
+
+
+def _standard_key(secret: str) -> bytes:
+    # As the library reads a secret: the base64 after whsec_, padding optional.
+    return base64.b64decode(secret.removeprefix("whsec_") + "==")
 
 
 def _header(headers: Headers, name: str) -> str:
