@@ -267,7 +267,7 @@ def standard(
     tolerance: float | timedelta = 300,
     window: float | timedelta = DEFAULT_WINDOW,
 ) -> Source:
-    """`Standard Webhooks <https://www.standardwebhooks.com/>`_, verified by its reference library (the
+    """`Standard Webhooks <https://www.standardwebhooks.com/>`__, verified by its reference library (the
     ``standardwebhooks`` extra: ``pip install "flask-idem[standardwebhooks]"``): ``webhook-signature`` is a
     space-separated list of ``v1,<base64>``, the HMAC-SHA256 of ``"{webhook-id}.{webhook-timestamp}.{body}"``
     under the secret (``whsec_`` and the key in base64). The event id is ``webhook-id``.
