@@ -22,8 +22,12 @@ callables of your own. See :doc:`/webhooks`.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -40,6 +44,10 @@ __all__ = [
     "Source",
     "WebhookRejected",
     "generic",
+    "github",
+    "shopify",
+    "standard",
+    "stripe",
 ]
 
 #: How long a source's event ids are kept by default: three days, Stripe's longest retry schedule (and
@@ -134,3 +142,244 @@ def require_event_id(found: Any, where: str) -> str:
     if not isinstance(found, str) or not found or len(found) > 255:
         raise WebhookRejected(f"The delivery carries no usable event id ({where}).", check="event-id")
     return found
+
+
+def github(
+    secret: str | Sequence[str],
+    *,
+    name: str = "github",
+    window: float | timedelta = DEFAULT_WINDOW,
+) -> Source:
+    """GitHub's webhooks: ``X-Hub-Signature-256`` is ``sha256=`` and the hex HMAC-SHA256 of the raw body
+    under the webhook's secret, checked with :func:`hmac.compare_digest`; the event id is
+    ``X-GitHub-Delivery`` (the same on a redelivery).
+
+    GitHub signs no timestamp, so a captured delivery verifies whenever it is replayed: the event id,
+    kept for ``window``, is what turns a replay away.
+
+    :param secret: the webhook's secret, or a sequence of secrets while one is being changed (a delivery
+        signed with any one of them is accepted).
+    :param name: the source's name (:attr:`Source.name`).
+    :param window: how long event ids are kept (:attr:`Source.window`).
+    """
+    keys = tuple(key.encode() for key in _secrets(secret, "github"))
+
+    def verify(headers: Headers, body: bytes) -> str:
+        header = _header(headers, "X-Hub-Signature-256")
+        scheme, _, given = header.partition("=")
+        if scheme != "sha256" or not given:
+            raise WebhookRejected(
+                "The X-Hub-Signature-256 header is not sha256=<hex digest>.", check="header"
+            )
+        signatures = (hmac.new(key, body, hashlib.sha256).hexdigest().encode() for key in keys)
+        if not any(hmac.compare_digest(signature, _ascii(given)) for signature in signatures):
+            raise WebhookRejected(_NO_MATCH.format(header="X-Hub-Signature-256"), check="signature")
+        return require_event_id(headers.get("X-GitHub-Delivery"), "the X-GitHub-Delivery header")
+
+    return Source(name, verify, parse_seconds("window", window))
+
+
+def shopify(
+    secret: str | Sequence[str],
+    *,
+    name: str = "shopify",
+    window: float | timedelta = DEFAULT_WINDOW,
+) -> Source:
+    """Shopify's webhooks: ``X-Shopify-Hmac-Sha256`` is the base64 HMAC-SHA256 of the raw body under the
+    app's client secret, checked with :func:`hmac.compare_digest`; the event id is
+    ``X-Shopify-Webhook-Id`` (the same on a retry).
+
+    Shopify signs no timestamp, so a captured delivery verifies whenever it is replayed: the event id,
+    kept for ``window``, is what turns a replay away.
+
+    :param secret: the app's client secret, or a sequence of secrets while one is being rotated (a
+        delivery signed with any one of them is accepted).
+    :param name: the source's name (:attr:`Source.name`).
+    :param window: how long event ids are kept (:attr:`Source.window`).
+    """
+    keys = tuple(key.encode() for key in _secrets(secret, "shopify"))
+
+    def verify(headers: Headers, body: bytes) -> str:
+        given = _ascii(_header(headers, "X-Shopify-Hmac-Sha256"))
+        signatures = (base64.b64encode(hmac.new(key, body, hashlib.sha256).digest()) for key in keys)
+        if not any(hmac.compare_digest(signature, given) for signature in signatures):
+            raise WebhookRejected(_NO_MATCH.format(header="X-Shopify-Hmac-Sha256"), check="signature")
+        return require_event_id(headers.get("X-Shopify-Webhook-Id"), "the X-Shopify-Webhook-Id header")
+
+    return Source(name, verify, parse_seconds("window", window))
+
+
+def stripe(
+    secret: str | Sequence[str],
+    *,
+    name: str = "stripe",
+    tolerance: float | timedelta = 300,
+    window: float | timedelta = DEFAULT_WINDOW,
+) -> Source:
+    """Stripe's webhooks, verified by Stripe's own library (the ``stripe`` extra:
+    ``pip install "flask-idem[stripe]"``): ``Stripe-Signature`` is ``t=<timestamp>,v1=<signature>``, the
+    hex HMAC-SHA256 of ``"{t}.{body}"`` under the endpoint's signing secret (``whsec_...``). The event id
+    is the ``id`` of the event in the body (``evt_...``).
+
+    A delivery whose timestamp is more than ``tolerance`` seconds old (a captured delivery replayed) or
+    ahead of the clock is rejected with ``check="timestamp"``.
+
+    :param secret: the endpoint's signing secret, or a sequence of secrets while one is being rolled (a
+        delivery signed with any one of them is accepted).
+    :param name: the source's name (:attr:`Source.name`).
+    :param tolerance: seconds a delivery's timestamp may be from the clock, either way (Stripe's default
+        is five minutes).
+    :param window: how long event ids are kept (:attr:`Source.window`).
+    :raises ConfigurationError: the ``stripe`` library is not installed.
+    """
+    secrets = _secrets(secret, "stripe")
+    tolerance = parse_seconds("tolerance", tolerance)
+    try:
+        import stripe as library
+    except ImportError:
+        raise ConfigurationError(
+            'webhooks.stripe() verifies with the stripe library: pip install "flask-idem[stripe]".'
+        ) from None
+
+    def verify(headers: Headers, body: bytes) -> str:
+        header = _header(headers, "Stripe-Signature")
+        fields = [item.partition("=") for item in header.split(",")]
+        _check_timestamp(next((value for key, _, value in fields if key == "t"), None), tolerance)
+        payload = _text(body)
+        for candidate in secrets:
+            try:
+                # A tolerance of 0 leaves the timestamp to the check above, which also refuses one from
+                # the future and names the check that failed.
+                library.WebhookSignature.verify_header(payload, header, candidate, 0)
+            except library.SignatureVerificationError:
+                continue
+            found = _json(payload)
+            return require_event_id(found.get("id") if isinstance(found, dict) else None, "the body's id")
+        raise WebhookRejected(_NO_MATCH.format(header="Stripe-Signature"), check="signature")
+
+    return Source(name, verify, parse_seconds("window", window))
+
+
+def standard(
+    secret: str | Sequence[str],
+    *,
+    name: str = "standard",
+    tolerance: float | timedelta = 300,
+    window: float | timedelta = DEFAULT_WINDOW,
+) -> Source:
+    """`Standard Webhooks <https://www.standardwebhooks.com/>`__, verified by its reference library (the
+    ``standardwebhooks`` extra: ``pip install "flask-idem[standardwebhooks]"``): ``webhook-signature`` is a
+    space-separated list of ``v1,<base64>``, the HMAC-SHA256 of ``"{webhook-id}.{webhook-timestamp}.{body}"``
+    under the secret (``whsec_`` and the key in base64). The event id is ``webhook-id``.
+
+    A delivery whose ``webhook-timestamp`` is more than ``tolerance`` seconds from the clock, either way,
+    is rejected with ``check="timestamp"``.
+
+    :param secret: the endpoint's secret, or a sequence of secrets while one is being rotated (a delivery
+        signed with any one of them is accepted).
+    :param name: the source's name (:attr:`Source.name`).
+    :param tolerance: seconds a delivery's timestamp may be from the clock, at most 300: the library
+        refuses a timestamp five minutes away itself, so a tolerance can narrow that, not widen it.
+    :param window: how long event ids are kept (:attr:`Source.window`).
+    :raises ConfigurationError: the ``standardwebhooks`` library is not installed, a secret is not a
+        Standard Webhooks secret, or ``tolerance`` is over 300.
+    """
+    secrets = _secrets(secret, "standard")
+    tolerance = parse_seconds("tolerance", tolerance)
+    if tolerance > 300:
+        raise ConfigurationError(
+            "webhooks.standard(tolerance=...) is at most 300 seconds: the standardwebhooks library "
+            "refuses a timestamp five minutes away itself."
+        )
+    try:
+        from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+    except ImportError:
+        raise ConfigurationError(
+            "webhooks.standard() verifies with the standardwebhooks library: "
+            'pip install "flask-idem[standardwebhooks]".'
+        ) from None
+    try:
+        # An empty key is refused here: versions of the library before 1.1 accept it.
+        if not all(_standard_key(candidate) for candidate in secrets):
+            raise ValueError
+        verifiers = tuple(Webhook(candidate) for candidate in secrets)
+    except Exception:  # the library raises ValueError, RuntimeError or its own error, by version
+        raise ConfigurationError(
+            "webhooks.standard() needs Standard Webhooks secrets: whsec_ followed by the key in base64."
+        ) from None
+
+    def verify(headers: Headers, body: bytes) -> str:
+        wanted = {
+            key: _header(headers, key) for key in ("webhook-id", "webhook-timestamp", "webhook-signature")
+        }
+        _check_timestamp(wanted["webhook-timestamp"], tolerance)
+        payload = _text(body)
+        for verifier in verifiers:
+            try:
+                verifier.verify(payload, wanted)
+            except json.JSONDecodeError:
+                raise WebhookRejected("The delivery's body is not JSON.", check="body") from None
+            except WebhookVerificationError as exc:
+                if "timestamp" in str(exc).lower():  # the library's own check, at the edge of ours
+                    raise WebhookRejected(_STALE, check="timestamp") from None
+                continue
+            except ValueError:  # a malformed signature in the list (versions before 1.1 raise it)
+                continue
+            return require_event_id(wanted["webhook-id"], "the webhook-id header")
+        raise WebhookRejected(_NO_MATCH.format(header="webhook-signature"), check="signature")
+
+    return Source(name, verify, parse_seconds("window", window))
+
+
+# The details of a rejection name the check and the header, never a secret or the signature expected.
+_NO_MATCH = "The {header} header holds no signature of this body under the source's secret."
+_STALE = "The delivery's timestamp is outside the source's tolerance (a replayed or delayed delivery)."
+
+
+def _secrets(secret: str | Sequence[str], preset: str) -> tuple[str, ...]:
+    found = (secret,) if isinstance(secret, str) else tuple(secret)
+    if not found or not all(isinstance(item, str) and item for item in found):
+        raise ConfigurationError(
+            f"webhooks.{preset}() needs a secret: a non-empty string, or a sequence of them while one "
+            "is rotated."
+        )
+    return found
+
+
+def _standard_key(secret: str) -> bytes:
+    # As the library reads a secret: the base64 after whsec_, padding optional.
+    return base64.b64decode(secret.removeprefix("whsec_") + "==")
+
+
+def _header(headers: Headers, name: str) -> str:
+    value = headers.get(name)
+    if not value:
+        raise WebhookRejected(f"The delivery has no {name} header.", check="header")
+    return value
+
+
+def _ascii(value: str) -> bytes:
+    # hmac.compare_digest takes str of ASCII only; a header with other characters matches nothing.
+    return value.encode("utf-8", "replace")
+
+
+def _text(body: bytes) -> str:
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise WebhookRejected("The delivery's body is not UTF-8 text.", check="body") from None
+
+
+def _json(payload: str) -> Any:
+    try:
+        return json.loads(payload)
+    except ValueError:
+        raise WebhookRejected("The delivery's body is not JSON.", check="body") from None
+
+
+def _check_timestamp(value: str | None, tolerance: float) -> None:
+    # Whole seconds since the epoch, as both providers send them; twelve digits reach the year 33658.
+    if not value or len(value) > 12 or not (value.isascii() and value.isdigit()):
+        raise WebhookRejected("The delivery carries no timestamp in whole seconds.", check="timestamp")
+    if abs(time.time() - int(value)) > tolerance:
+        raise WebhookRejected(_STALE, check="timestamp")
