@@ -19,7 +19,7 @@ from ._cipher import new_key
 from ._outbox import outbox_table
 from ._pool import ForkSafeConnectionPool
 from ._settings import Settings
-from ._state import get_state
+from ._state import IdemState, get_state
 from ._task import TASK_METHOD
 from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
 from .errors import ConfigurationError, missing_table_hint
@@ -30,6 +30,18 @@ __all__ = ["idem_cli"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 idem_cli = AppGroup("idem", help="Manage the idempotency key table of flask-idem.")
+
+
+def _state() -> IdemState:
+    """The current application's flask-idem state; a clear error when the application has none (the
+    ``idem`` group is offered to every Flask application of the environment, through its entry point)."""
+    try:
+        return get_state()
+    except RuntimeError:
+        raise click.ClickException(
+            "flask-idem is not initialised on this application: call idem.init_app(app) in it, or name"
+            " the application that does with --app."
+        ) from None
 
 
 def _database_errors(command: F) -> F:
@@ -44,7 +56,7 @@ def _database_errors(command: F) -> F:
         except psycopg.Error as e:
             hint = ""
             if isinstance(e, psycopg.errors.UndefinedTable):
-                hint = missing_table_hint(e, get_state().settings.table) or f": {e.diag.message_primary}"
+                hint = missing_table_hint(e, _state().settings.table) or f": {e.diag.message_primary}"
             raise click.ClickException(
                 f"database error: {type(e).__name__} (SQLSTATE {e.sqlstate or 'none'}){hint}"
             ) from None
@@ -60,7 +72,7 @@ def _check_connection() -> None:
     never part of it, and is blanked out should it appear. With SQLAlchemy the engine makes that
     connection, with its own connection arguments (its pool does not retry).
     """
-    state = get_state()
+    state = _state()
     params = conninfo_to_dict(state.settings.database_url)
     try:
         if isinstance(state.source, ForkSafeConnectionPool):
@@ -86,7 +98,7 @@ def _check_conninfo(settings: Settings) -> str:
 def _ready() -> None:
     """Refuse to work on a key table that is missing or in a layout this code cannot run on."""
     try:
-        get_state().check_layout()
+        _state().check_layout()
     except ConfigurationError as e:
         raise click.ClickException(str(e)) from None
 
@@ -101,7 +113,7 @@ _distributed_option = click.option(
 def _upgrade(distributed: bool, *, quiet: bool = False) -> _migrate.Report:
     """Create or upgrade the tables; exit with status 1 and the reason when this code cannot run on
     what is there then (a newer flask-idem's layout, which is left as it is)."""
-    settings = get_state().settings
+    settings = _state().settings
     report = _migrate.upgrade(
         settings.database_url,
         table=settings.table,
@@ -126,7 +138,7 @@ def init_db(distributed: bool) -> None:
     Run it as a role that may create tables (see the privileges in the documentation).
     """
     report = _upgrade(distributed, quiet=True)
-    table = get_state().settings.table
+    table = _state().settings.table
     click.echo(f"Key table {table} is ready (layout {report.found.layout}).")
     click.echo(f"Outbox {outbox_table(table)} of background jobs is ready.")
 
@@ -156,7 +168,7 @@ def migrate(distributed: bool, check: bool, roles: tuple[str, ...]) -> None:
     keeps serving meanwhile. Safe to run twice, and from two processes at once. Run it as the tables'
     owner, not as the application's role.
     """
-    settings = get_state().settings
+    settings = _state().settings
     if check:
         with _migrate.connect(settings.database_url, settings.connect_options) as conn:
             found, todo = _migrate.pending(conn, settings.table)
@@ -201,7 +213,7 @@ def purge(batch_size: int) -> None:
     flagged for a person are never touched. Prints how many rows were deleted and tombstoned.
     """
     _ready()
-    deleted, tombstoned = get_state().store.purge(batch_size=batch_size)
+    deleted, tombstoned = _state().store.purge(batch_size=batch_size)
     click.echo(f"Purged {deleted} expired key(s); {tombstoned} turned into tombstones.")
 
 
@@ -314,7 +326,7 @@ def _print_relay(report: relay.RelayReport) -> None:
 def stuck(older_than: float | None) -> None:
     """List requests that need a person, and requests processing for longer than expected."""
     _ready()
-    state = get_state()
+    state = _state()
     rows = state.store.stuck(
         older_than=2 * state.settings.lease_timeout if older_than is None else older_than
     )
@@ -339,7 +351,7 @@ def stats() -> None:
     gauges of flask_idem.metrics are the cheap view for a monitoring system.
     """
     _ready()
-    state = get_state()
+    state = _state()
     found = state.store.stats()
     click.echo(
         f"Key table {state.settings.table}: {_size(found.total_bytes)} with indexes"

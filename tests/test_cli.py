@@ -151,3 +151,12 @@ def test_new_response_key_runs_when_the_keys_keep_the_application_from_loading(d
     fixed = flask(key, "stats")
     assert fixed.returncode == 0, fixed.stderr
     assert "Key table idempotency_keys" in fixed.stdout
+
+
+def test_a_command_on_an_application_without_flask_idem_says_so() -> None:
+    """The idem group reaches every Flask application through its entry point: on one without flask-idem a
+    command exits 1 with one line naming init_app, not a traceback."""
+    result = Flask("plain").test_cli_runner().invoke(idem_cli, ["stats"])
+    assert result.exit_code == 1
+    assert "flask-idem is not initialised on this application" in result.output
+    assert "Traceback" not in result.output
