@@ -320,7 +320,10 @@ def problem(found: Found, table: str) -> str | None:
         if found.alembic:
             create = "'flask db upgrade' (Flask-Migrate) or 'alembic upgrade heads' (Alembic)"
         else:
-            create = "'flask idem init-db' (or 'flask db upgrade' with Flask-Migrate)"
+            create = (
+                "'flask idem init-db' (or 'flask db upgrade' with Flask-Migrate, 'alembic upgrade heads'"
+                " with Alembic)"
+            )
         return (
             f"The key table {table} does not exist. Create it with {create}, as a role that may create"
             " tables."
