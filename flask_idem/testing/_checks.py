@@ -18,7 +18,19 @@ from flask import Flask
 from flask.testing import FlaskClient
 from werkzeug.test import TestResponse
 
-from ._core import WAIT, Call, Effect, client_of, describe, fail, hooked, replayed, send_and_kill, show
+from ._core import (
+    WAIT,
+    Call,
+    Effect,
+    at_once,
+    client_of,
+    describe,
+    fail,
+    hooked,
+    replayed,
+    send_and_kill,
+    show,
+)
 
 __all__ = ["check_in_flight", "check_mismatch", "check_replay", "check_scope", "hammer"]
 
@@ -285,31 +297,9 @@ def hammer(
     key = uuid.uuid4()
     body = call.body()
     before = effect()
-    barrier = threading.Barrier(threads)
-    answers: list[TestResponse | BaseException] = []
-    lock = threading.Lock()
-
-    def attempt() -> None:
-        client = app.test_client()
-        try:
-            barrier.wait(WAIT)
-            answer: TestResponse | BaseException = call.send(client, key, json=body)
-        except BaseException as e:  # reported by the main thread
-            answer = e
-        with lock:
-            answers.append(answer)
-
-    workers = [threading.Thread(target=attempt, daemon=True) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(WAIT)
-    broken = [a for a in answers if not isinstance(a, TestResponse)]
-    if broken or len(answers) != threads:
-        raise fail(
-            f"{len(answers)} of {threads} concurrent requests to {call.name} ended; errors: {broken!r}"
-        )
-    responses = [a for a in answers if isinstance(a, TestResponse)]
+    responses = at_once(
+        app, threads, lambda client: call.send(client, key, json=body), f"requests to {call.name}"
+    )
     originals = [r for r in responses if r.status_code != 409 and not replayed(r)]
     if len(originals) != 1:
         raise fail(

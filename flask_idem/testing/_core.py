@@ -189,3 +189,34 @@ def send_and_kill(client: FlaskClient, call: Call, key: uuid.UUID, json: Any, po
         except WorkerKilled:
             pass
     return killer
+
+
+def at_once(
+    app: Flask, threads: int, send: Callable[[FlaskClient], TestResponse], what: str
+) -> list[TestResponse]:
+    """``threads`` threads call ``send`` with a client of ``app`` each, released together by a barrier;
+    their answers. ``what`` names the requests in the failure when one of them did not end with an answer.
+    """
+    barrier = threading.Barrier(threads)
+    answers: list[TestResponse | BaseException] = []
+    lock = threading.Lock()
+
+    def attempt() -> None:
+        client = app.test_client()
+        try:
+            barrier.wait(WAIT)
+            answer: TestResponse | BaseException = send(client)
+        except BaseException as e:  # reported by the main thread
+            answer = e
+        with lock:
+            answers.append(answer)
+
+    workers = [threading.Thread(target=attempt, daemon=True) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(WAIT)
+    broken = [a for a in answers if not isinstance(a, TestResponse)]
+    if broken or len(answers) != threads:
+        raise fail(f"{len(answers)} of {threads} concurrent {what} ended; errors: {broken!r}")
+    return [a for a in answers if isinstance(a, TestResponse)]

@@ -3,14 +3,13 @@ is handled once."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 
 from flask import Flask
 from flask.testing import FlaskClient
 from werkzeug.test import TestResponse
 
-from ._core import WAIT, Effect, client_of, describe, fail, show
+from ._core import Effect, at_once, client_of, describe, fail, show
 
 __all__ = ["check_webhook_redelivery"]
 
@@ -100,28 +99,7 @@ def _all_at_once(
     """``threads`` deliveries of ``event`` at the same moment: ``expected`` effects (one for a new event),
     each answer 2xx or 409."""
     before = effect()
-    barrier = threading.Barrier(threads)
-    got: list[TestResponse | BaseException] = []
-    lock = threading.Lock()
-
-    def attempt() -> None:
-        try:
-            barrier.wait(WAIT)
-            answer: TestResponse | BaseException = deliver(event, app.test_client())
-        except BaseException as e:  # reported by the main thread
-            answer = e
-        with lock:
-            got.append(answer)
-
-    workers = [threading.Thread(target=attempt, daemon=True) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(WAIT)
-    broken = [a for a in got if not isinstance(a, TestResponse)]
-    if broken or len(got) != threads:
-        raise fail(f"{len(got)} of {threads} concurrent deliveries to {name} ended; errors: {broken!r}")
-    responses = [a for a in got if isinstance(a, TestResponse)]
+    responses = at_once(app, threads, lambda client: deliver(event, client), f"deliveries to {name}")
     for response in responses:
         if response.status_code != 409 and not 200 <= response.status_code < 300:
             raise fail(
