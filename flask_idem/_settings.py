@@ -121,7 +121,7 @@ def _database_url(name: str, value: Any) -> str:
             " 'postgresql://user@localhost/app' before calling init_app()."
         )
     check_database_url(value)
-    return value
+    return str(value)  # a str already; said again for the type checkers of the lowest versions
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -133,7 +133,7 @@ def _bool(name: str, value: Any) -> bool:
 def _at_least_one(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigurationError(f"{name} must be a positive integer, not {value!r}.")
-    return value
+    return int(value)  # an int already; said again for the type checkers of the lowest versions
 
 
 def _seconds_or_zero(name: str, value: Any) -> float:
