@@ -63,8 +63,10 @@ TOMBSTONE = """jsonb_build_object(
 FILL = """
 INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, response, created_at, expires_at)
 SELECT %(org)s, k, sha256(uuid_send(k)), 'POST', '/orders', 'completed', {response},
-       now() - make_interval(secs => %(age)s), now() - make_interval(secs => %(expired)s)
-FROM (SELECT gen_random_uuid() AS k, i FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i ORDER BY 1) AS keys
+       e - interval '1 day', e
+FROM (SELECT gen_random_uuid() AS k, i,
+             now() - make_interval(secs => %(expired)s + 86400.0 * (%(rows)s - i) / %(rows)s) AS e
+      FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i) AS keys
 """
 #: The stand-in of a compact tombstone: what a late retry needs (issue 32, section 2), with its key.
 COMPACT = """
@@ -76,13 +78,14 @@ WITH (autovacuum_enabled = false)
 FILL_COMPACT = """
 INSERT INTO compact_tombstones
 SELECT %(org)s, k, sha256(uuid_send(k)), 201, '/orders/' || i, now() + interval '29 days'
-FROM (SELECT gen_random_uuid() AS k, i FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i ORDER BY 1) AS keys
+FROM (SELECT gen_random_uuid() AS k, i FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i) AS keys
 """
 #: The stand-in of layout 4's key table: today's columns, partitioned by range of expires_at. The
 #: primary key must hold the partition column (which is why deduplication across partitions is layout
 #: 4's real problem, not measured here).
 PARTITIONED = """
-CREATE TABLE parted (LIKE today_layout INCLUDING DEFAULTS INCLUDING CONSTRAINTS) PARTITION BY RANGE (expires_at);
+CREATE TABLE parted (LIKE today_layout INCLUDING DEFAULTS INCLUDING CONSTRAINTS)
+    PARTITION BY RANGE (expires_at);
 ALTER TABLE parted ADD PRIMARY KEY (org_id, idem_key, expires_at);
 CREATE INDEX ON parted (expires_at);
 CREATE TABLE parted_expired PARTITION OF parted FOR VALUES FROM (MINVALUE) TO ({boundary})
@@ -157,11 +160,12 @@ class Meter:
 
 def fill(conn: psycopg.Connection[Any], table: str, rows: int, response: str, expired: float,
          statement: str = FILL) -> None:  # fmt: skip
-    """``rows`` completed keys, inserted in key order, one statement per million rows."""
-    text = sql.SQL(statement).format(table=sql.Identifier(table), response=sql.SQL(response))  # type: ignore[arg-type]
+    """``rows`` completed keys, one statement per million rows, in the order they would have arrived:
+    random keys, expiring one after the other over one day up to ``expired`` seconds ago."""
+    text = sql.SQL(statement).format(table=sql.Identifier(table), response=sql.SQL(response))
     for first in range(1, rows + 1, BATCH):
         last = min(rows, first + BATCH - 1)
-        params = {"org": ORG, "first": first, "last": last, "age": expired + DAY, "expired": expired}
+        params = {"org": ORG, "first": first, "last": last, "rows": rows, "expired": expired}
         conn.execute(text, params)
 
 
@@ -195,7 +199,9 @@ def purge_today(url: str, meter: Meter, table: str, tombstone_ttl: float) -> Mea
     """flask-idem's own purge until it finds nothing left, then VACUUM, each measured."""
     conn = meter.conn
     app = Flask("bench-retention")
-    app.config.update(MAX_CONTENT_LENGTH=65536, IDEM_DATABASE_URL=url, IDEM_TABLE=table, IDEM_TOMBSTONE_TTL=tombstone_ttl)
+    app.config.update(
+        MAX_CONTENT_LENGTH=65536, IDEM_DATABASE_URL=url, IDEM_TABLE=table, IDEM_TOMBSTONE_TTL=tombstone_ttl
+    )
     Idempotency(app, scope=lambda: ORG)
     store = get_state(app).store
     found = Measured(size_before=size(conn, table))
@@ -301,7 +307,7 @@ def measure(url: str, rows: int) -> Run:
         boundary = sql.Literal(time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime()))
         for statement in PARTITIONED.split(";\n"):
             if statement.strip():
-                conn.execute(sql.SQL(statement).format(boundary=boundary))  # type: ignore[arg-type]
+                conn.execute(sql.SQL(statement).format(boundary=boundary))
         fill(conn, "parted", rows, RESPONSE, expired=3600)
         fill(conn, "parted", min(rows, 1000), RESPONSE, expired=-DAY)
         conn.execute("VACUUM ANALYZE parted_expired")
@@ -346,12 +352,14 @@ def projection(run: Run, rate: int, key_ttl_days: float, tombstone_days: float) 
     today = per_day * (key_ttl_days * full + tombstone_days * tomb)
     # Daily partitions: a row stays until its whole partition is dropped, up to one partition more.
     target = per_day * ((key_ttl_days + 1) * full + tombstone_days * compact)
-    print(f"\n### Live table at {rate:,} fresh keys a second, steady state after 30 days (computed, not run)\n")
+    print(
+        f"\n### Live table at {rate:,} fresh keys a second, steady state after 30 days (computed, not run)\n"
+    )
     print("| layout | full rows | tombstones | GB |\n| --- | --- | --- | --- |")
     print(f"| today | {per_day * key_ttl_days:,.0f} | {per_day * tombstone_days:,.0f} | {today / 1e9:,.1f} |")
     print(f"| stand-in of layout 4, daily partitions | {per_day * (key_ttl_days + 1):,.0f} |"
           f" {per_day * tombstone_days:,.0f} | {target / 1e9:,.1f} |")  # fmt: skip
-    print(f"\nFrom the table+indexes bytes per key at {run.rows:,} rows, IDEM_KEY_TTL {key_ttl_days:g} day(s),"
+    print(f"\nFrom the table+indexes bytes per key at {run.rows:,} rows, IDEM_KEY_TTL {key_ttl_days:g} day,"
           f" IDEM_TOMBSTONE_TTL {tombstone_days:g} days; no bloat, no VACUUM lag counted.")  # fmt: skip
 
 
@@ -393,8 +401,11 @@ def report(runs: list[Run], version: str, rate: int) -> None:
     for run in runs:
         for note in run.notes:
             print(f"- {run.rows:,} rows: {note}")
-    print("- keys are inserted in key order (fast to fill): the primary keys are packed tighter than keys")
-    print("  arriving at random would leave them; autovacuum is off on every measured table")
+    print("- rows are inserted in the order they would have arrived (random keys, expiring one after the")
+    print(
+        "  other over one day), so the heap is in expiry order and the primary key as random arrival leaves"
+    )
+    print("  it; autovacuum is off on every measured table")
     print(f"\n{machine(version, 0, 0).split('; gunicorn')[0]}; no load generator: one connection at a time")
 
 
