@@ -47,7 +47,9 @@ __all__ = [
     "Current",
     "RequestDoor",
     "ViewOptions",
+    "call_view",
     "current",
+    "final_response",
     "handle",
     "ready",
 ]
@@ -145,7 +147,7 @@ def _answer_write(
             ready(state)
             return in_transaction(
                 state.source,
-                lambda conn: current_app.make_response(_call_view(conn, None, None, view, args, kwargs)),
+                lambda conn: current_app.make_response(call_view(conn, None, None, view, args, kwargs)),
             )
         printed: _PolicyPrint | None = None
         if options.fingerprint is None:  # the default policy, as it always was: nothing more to do
@@ -203,8 +205,8 @@ class _Attempt:
     printed: _PolicyPrint | None = None
 
     def call(self, conn: psycopg.Connection[TupleRow]) -> Any:
-        """Call the view on ``conn`` (:func:`_call_view`)."""
-        return _call_view(conn, self.request.org_id, self.request.key, self.view, self.args, self.kwargs)
+        """Call the view on ``conn`` (:func:`call_view`)."""
+        return call_view(conn, self.request.org_id, self.request.key, self.view, self.args, self.kwargs)
 
     def respond(
         self, state: IdemState, options: ViewOptions, conn: psycopg.Connection[TupleRow]
@@ -300,7 +302,7 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
 
     def work(conn: psycopg.Connection[TupleRow]) -> Final[Response]:
         response, document = attempt.respond(state, options, conn)
-        return _final(response, document)
+        return final_response(response, document)
 
     outcome = _protocol.atomic(state, _claim(options, state.settings, attempt), work)
     if isinstance(outcome, Final):
@@ -308,7 +310,7 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
     return _answer_existing(state, options, outcome, attempt)
 
 
-def _final(response: Response, document: dict[str, Any] | None) -> Final[Response]:
+def final_response(response: Response, document: dict[str, Any] | None) -> Final[Response]:
     """A response as the protocol's final answer: a 5xx is a failure (rolled back, not stored)."""
     status = response.status_code
     return Final(response, document, status, failed=status >= 500)
@@ -330,8 +332,8 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
             return intent
         response = current_app.make_response(intent)  # the view answered at once, e.g. abort(404)
         if response.status_code >= 500:
-            return _final(response, None)
-        return _final(response, _record(state, options, response, attempt.printed))
+            return final_response(response, None)
+        return final_response(response, _record(state, options, response, attempt.printed))
 
     started = _protocol.begin(state, _claim(options, settings, attempt), flow, lease, start)
     if isinstance(started, Final):
@@ -371,7 +373,7 @@ class RequestDoor:
 
     def _final(self, response: Response) -> Final[Response]:
         if response.status_code >= 500:
-            return _final(response, None)
+            return final_response(response, None)
         settings = self.settings
         try:
             document = record_response(
@@ -384,7 +386,7 @@ class RequestDoor:
                 " changes or its recovery deadline passes."
             )
             raise ResponseNotStored(_FLOW_NOT_STORED) from e
-        return _final(response, document)
+        return final_response(response, document)
 
 
 def _whole_body(req: Request) -> bytes:
@@ -401,7 +403,7 @@ def _whole_body(req: Request) -> bytes:
     return body
 
 
-def _call_view(
+def call_view(
     conn: psycopg.Connection[TupleRow],
     org_id: int | None,
     key: uuid.UUID | None,

@@ -24,8 +24,7 @@ from . import _protocol, signals
 from ._records import Final, KeyedRequest
 from ._replay import record_response, replay_response
 from ._state import IdemState
-from ._transactions import render
-from ._view import CURRENT_ATTR, Current, ready
+from ._view import call_view, final_response, ready
 from .errors import KeyInUse, KeyMismatch, WebhookRejected, database_error
 from .webhooks import Event, Source
 
@@ -121,19 +120,16 @@ def _run(
 ) -> Final[Response]:
     """Run the handler on the key's connection, with its event on ``g``; its answer, stored unless 5xx."""
     here = g._get_current_object()
-    setattr(here, CURRENT_ATTR, Current(conn, keyed.org_id, keyed.key))
     setattr(here, EVENT_ATTR, event)
     try:
-        response = current_app.make_response(render(lambda: view(*args, **kwargs)))
+        response = current_app.make_response(call_view(conn, keyed.org_id, keyed.key, view, args, kwargs))
     finally:
-        delattr(here, CURRENT_ATTR)
         delattr(here, EVENT_ATTR)
-    status = response.status_code
-    if status >= 500:
-        return Final(response, None, status, failed=True)
+    if response.status_code >= 500:
+        return final_response(response, None)
     settings = state.settings
     document = record_response(response, settings.replay_headers, max_bytes=settings.max_response_bytes)
-    return Final(response, document, status)
+    return final_response(response, document)
 
 
 def _answer_existing(state: IdemState, outcome: _protocol.Existing) -> Response | KeyInUse | KeyMismatch:
