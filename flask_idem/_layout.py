@@ -27,6 +27,7 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg import sql
 
+from ._records import PARTITIONED
 from .errors import ConfigurationError
 
 __all__ = [
@@ -80,6 +81,10 @@ COLUMNS: Mapping[str, str] = {
     "needs_attention": "boolean NOT NULL DEFAULT false",
 }
 
+#: The column layout 4 adds: a background job's task (its row has no method or path).
+TASK_COLUMN = ("task", "text")
+
+
 #: The indexes of layout 1, written in its DDL (later revisions list theirs in :attr:`Revision.indexes`).
 _PLAIN_INDEX_RE = re.compile(r"CREATE INDEX IF NOT EXISTS \{(\w+)\} (ON \{table\} [^;]+);")
 
@@ -108,6 +113,16 @@ class Index:
 
     name: str
     definition: LiteralString
+    #: ``CREATE UNIQUE INDEX CONCURRENTLY``.
+    unique: bool = False
+
+    def create(self) -> LiteralString:
+        """The statement's head, up to the index's name."""
+        return (
+            "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS"
+            if self.unique
+            else ("CREATE INDEX CONCURRENTLY IF NOT EXISTS")
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +154,10 @@ class Revision:
     sql: LiteralString = ""
     #: Indexes built concurrently after that transaction, each checked valid before the layout is recorded.
     indexes: tuple[Index, ...] = ()
+    #: DDL run after the indexes, each its own transaction (retried as :attr:`sql` is); the last one
+    #: records the layout. ``{horizon}`` is the seconds ahead of now that keys may expire while the
+    #: revision runs (the longest retention, and the time partitions are made ahead).
+    after: tuple[LiteralString, ...] = ()
     #: On Citus (``IDEM_DISTRIBUTED``) only: run after every revision's :attr:`sql`, in one transaction.
     distributed_sql: LiteralString = ""
     #: What the application's role needs on this revision's objects, with ``{role}`` for the role.
@@ -207,6 +226,7 @@ def names(table: str) -> dict[str, sql.Composable]:
     for revision in revisions():
         for key, suffix in revision.names.items():
             found[key] = sql.Identifier(base + suffix)
+            found[f"{key}_name"] = sql.Literal(base + suffix)
             found[f"{key}_qualified"] = full = sql.Identifier(*schema, base + suffix)
             found[f"{key}_literal"] = sql.Literal(full.as_string(None))
     return found
@@ -240,8 +260,8 @@ class Found:
     columns: frozenset[str] | None = None
     #: The names of the key table's indexes.
     indexes: frozenset[str] | None = None
-    #: Whether a valid unique index on ``(org_id, idem_key)`` exists (the primary key's), which every
-    #: reservation's ``ON CONFLICT`` needs.
+    #: Whether a valid unique index on ``(org_id, idem_key)`` exists (the primary key's; with
+    #: ``expires_at`` on a partitioned table), which every reservation's ``ON CONFLICT`` needs.
     unique_key: bool = True
     alembic: bool = False
 
@@ -266,11 +286,11 @@ SELECT c.oid IS NOT NULL AS present, obj_description(c.oid, 'pg_class') AS comme
     EXISTS (
         SELECT FROM pg_catalog.pg_index AS i
         WHERE i.indrelid = c.oid AND i.indisunique AND i.indisvalid AND i.indpred IS NULL
-            AND i.indexprs IS NULL AND i.indnkeyatts = 2
+            AND i.indexprs IS NULL
             AND ARRAY(
                 SELECT a.attname::text FROM pg_catalog.pg_attribute AS a
                 WHERE a.attrelid = c.oid AND a.attnum = ANY (i.indkey::int2[]) ORDER BY 1
-            ) = ARRAY['idem_key', 'org_id']
+            ) IN (ARRAY['idem_key', 'org_id'], ARRAY['expires_at', 'idem_key', 'org_id'])
     ) AS unique_key,
     to_regclass('alembic_version') IS NOT NULL AS alembic
 FROM (SELECT) AS one LEFT JOIN LATERAL (
@@ -350,15 +370,19 @@ def drift(found: Found, table: str) -> str | None:
     """
     if found.columns is None:
         return None
-    missing = [name for name in COLUMNS if name not in found.columns]
+    wanted = dict(COLUMNS)
+    if (found.layout or 1) >= PARTITIONED:
+        wanted.update(method="text", path="text", task=TASK_COLUMN[1])
+    missing = [name for name in wanted if name not in found.columns]
     if not missing and found.unique_key:
         return None
     target = sql.Identifier(*table.split(".")).as_string(None)
     lacks = [f"column(s) {', '.join(missing)}"] if missing else []
-    fixes = [f"ALTER TABLE {target} ADD COLUMN IF NOT EXISTS {name} {COLUMNS[name]};" for name in missing]
+    fixes = [f"ALTER TABLE {target} ADD COLUMN IF NOT EXISTS {name} {wanted[name]};" for name in missing]
     if not found.unique_key:
-        lacks.append("its primary key (org_id, idem_key)")
-        fixes.append(f"ALTER TABLE {target} ADD PRIMARY KEY (org_id, idem_key);")
+        key = "org_id, idem_key" if (found.layout or 1) < PARTITIONED else "org_id, idem_key, expires_at"
+        lacks.append(f"its primary key ({key})")
+        fixes.append(f"ALTER TABLE {target} ADD PRIMARY KEY ({key});")
     return (
         f"The key table {table} lacks {' and '.join(lacks)}, which this flask-idem uses; its layout"
         f" ({found.layout}) says it has them, so the table was changed by hand and no migration puts them"
@@ -402,7 +426,9 @@ def _key_table_indexes(layout: int) -> list[tuple[str, str, LiteralString]]:
     suffixes: dict[str, str] = {}
     for revision in revisions()[:layout]:
         suffixes.update(revision.names)
-        for match in _PLAIN_INDEX_RE.finditer(revision.sql):
+        if revision.layout == PARTITIONED:  # a new (partitioned) key table, with indexes of its own
+            found = []
+        for match in _PLAIN_INDEX_RE.finditer(" ".join((revision.sql, *revision.after))):
             definition: LiteralString = match[2]  # cut from a LiteralString
             found.append((match[1], suffixes[match[1]], definition))
         found += [

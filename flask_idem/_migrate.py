@@ -53,6 +53,9 @@ T = TypeVar("T")
 
 #: Tries of one transaction whose locks could not be had within the lock timeout.
 ATTEMPTS = 30
+#: The upgrade's ``horizon`` when the application's is not known: the default retention
+#: (``IDEM_KEY_TTL``) and the default time partitions are made ahead (``IDEM_PARTITION_AHEAD``).
+DEFAULT_HORIZON = 8 * 24 * 3600.0
 #: Tries of one revision whose concurrent index build failed (left an invalid index).
 _BUILD_ATTEMPTS = 5
 #: The pause between tries grows from this to :data:`_MAX_PAUSE` seconds, drawn with equal jitter (from
@@ -142,6 +145,7 @@ def upgrade(
     distributed: bool = False,
     lock_timeout: float = 2.0,
     connect_options: Mapping[str, str | int | None] | None = None,
+    horizon: float = DEFAULT_HORIZON,
     echo: Callable[[str], None] = logger.info,
 ) -> Report:
     """Create the key table, or bring it to the latest layout, on a connection of its own to ``url``.
@@ -155,9 +159,12 @@ def upgrade(
     :param lock_timeout: seconds a statement of a revision's transaction waits for a lock before the
         transaction is tried again.
     :param connect_options: libpq parameters over the default TCP timeouts (``IDEM_CONNECT_OPTIONS``).
+    :param horizon: seconds ahead of now that the application's keys may expire while the upgrade runs:
+        its longest retention and the time partitions are made ahead (layout 4's first partition ends
+        past it).
     :param echo: told of each step, for a person watching.
     """
-    names = _layout.names(table)
+    names = {**_layout.names(table), "horizon": sql.Literal(float(horizon))}
     with connect(url, connect_options) as conn:
         runner = _Runner(conn, table, names, lock_timeout, echo, distributed=distributed)
         found, todo = pending(conn, table)
@@ -261,7 +268,7 @@ class _Runner:
                 # Citus runs a function's DDL over one connection per node, so the whole transaction must.
                 conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
                 conn.execute(sql.SQL(revision.distributed_sql).format(**self.names))
-            if not revision.indexes:
+            if not revision.indexes and not revision.after:
                 self._record(conn, revision)
             return True
 
@@ -269,10 +276,13 @@ class _Runner:
         if not self.transaction(ddl):
             self.echo(f"Layout {revision.layout} was applied already.")
             return False
-        if not revision.indexes:
+        if not revision.indexes and not revision.after:
             return True
         for index in revision.indexes:
             self._build(index)
+        for step in revision.after[:-1]:
+            statement = sql.SQL(step).format(**self.names)
+            self.transaction(lambda conn, statement=statement: conn.execute(statement))  # type: ignore[misc]
 
         def record(conn: psycopg.Connection[Any]) -> bool:
             for index in revision.indexes:
@@ -280,6 +290,8 @@ class _Runner:
                     raise _InvalidIndex(self._name(index.name))
             if (_layout.read(conn, self.table).layout or 0) >= revision.layout:
                 return False
+            if revision.after:
+                conn.execute(sql.SQL(revision.after[-1]).format(**self.names))
             self._record(conn, revision)
             return True
 
@@ -298,7 +310,7 @@ class _Runner:
         ):
             return
         self.echo(f"Building index {self._name(index.name)} concurrently (writes go on meanwhile).")
-        statement = sql.SQL("CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ").format(self.names[index.name])
+        statement = sql.SQL(index.create() + " {} ").format(self.names[index.name])
         try:
             self.conn.execute(statement + sql.SQL(index.definition).format(**self.names))
         except psycopg.Error as e:

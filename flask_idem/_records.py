@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 __all__ = [
+    "PARTITIONED",
     "RECORD_FIELDS",
     "Final",
     "KeyRecord",
@@ -24,6 +25,10 @@ __all__ = [
     "TableStats",
     "lock_id",
 ]
+
+#: The first layout whose key table is partitioned by time (flask_idem.migrations.v4_partitions): its
+#: primary key is ``(org_id, idem_key, expires_at)``, and retention drops partitions.
+PARTITIONED = 4
 
 #: Advisory locks share one namespace with the application's own. Mixing this constant into the lock id
 #: keeps ours apart from ids an application derives from small integers.
@@ -46,8 +51,11 @@ class KeyedRequest(KeyRef):
 
     #: The request's fingerprint (:func:`flask_idem._fingerprint.fingerprint`).
     request_sha: bytes
-    method: str
-    path: str
+    #: A request's method and path; ``None`` for a background job's row (layout 4), which has ``task``.
+    method: str | None
+    path: str | None
+    #: A background job's task, on layout 4; ``None`` for a request.
+    task: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

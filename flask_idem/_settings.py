@@ -236,6 +236,15 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "IDEM_TOMBSTONE_TTL", _seconds_or_zero, 30 * 24 * 3600.0, "How long an expired key is remembered."
         ),
+        Setting(
+            "IDEM_PARTITION_INTERVAL",
+            parse_seconds,
+            24 * 3600.0,
+            "The time range of one key table partition.",
+        ),
+        Setting(
+            "IDEM_PARTITION_AHEAD", parse_seconds, 7 * 24 * 3600.0, "How far ahead purge makes partitions."
+        ),
         Setting("IDEM_CONNECT_OPTIONS", _connect_options, {}, "libpq parameters over the pool's defaults."),
         Setting(
             "IDEM_DATABASE_DEADLINE", _optional(parse_seconds), 10.0, "A request's database time; None: none."
@@ -295,6 +304,10 @@ class Settings:
     recovery_backoff_cap: float = _default("IDEM_RECOVERY_BACKOFF_CAP")
     #: How long a key is remembered after its stored response expired (``IDEM_TOMBSTONE_TTL``).
     tombstone_ttl: float = _default("IDEM_TOMBSTONE_TTL")
+    #: The time range of one partition of the key table (``IDEM_PARTITION_INTERVAL``), layout 4 on.
+    partition_interval: float = _default("IDEM_PARTITION_INTERVAL")
+    #: How far past the longest retention ``flask idem purge`` makes partitions (``IDEM_PARTITION_AHEAD``).
+    partition_ahead: float = _default("IDEM_PARTITION_AHEAD")
     #: libpq parameters over the pool's defaults (``IDEM_CONNECT_OPTIONS``); ``None`` removes a default.
     connect_options: Mapping[str, str | int | None] = field(
         default_factory=lambda: _default("IDEM_CONNECT_OPTIONS"), repr=False

@@ -2,9 +2,11 @@
 
 A file holds statements for a reviewer to read as SQL (``_store.sql``, ``_outbox.sql``). Each block starts
 with ``-- name: <name>``; lines that start with ``--`` are comments and are dropped, and white space is
-collapsed. A block named ``fragment <name>`` is a piece that later blocks use as ``{name}``; a block whose
-name ends with ``citus`` replaces its plain namesake on a Citus distributed table. Braces are filled in
-by name, ``%(name)s`` are parameters.
+collapsed. A block named ``fragment <name>`` is a piece that later blocks use as ``{name}``. A block whose
+name is followed by variants (``citus``: on a Citus distributed table; ``partitioned``: on the key table
+of layout 4 and later, partitioned by time) replaces its namesake where all of its variants apply; of
+several that apply, the one with the most variants wins. Braces are filled in by name, ``%(name)s`` are
+parameters.
 """
 
 from __future__ import annotations
@@ -18,15 +20,22 @@ from psycopg import sql
 
 __all__ = ["SqlFile", "blocks"]
 
-_NAME = re.compile(r"^-- name: (fragment )?(\w+)( citus)?$")
+_NAME = re.compile(r"^-- name: (fragment )?(\w+)((?: citus| partitioned)*)$")
 
 
 @functools.cache
-def blocks(filename: str, distributed: bool) -> tuple[dict[str, str], dict[str, str]]:
+def blocks(
+    filename: str, distributed: bool, partitioned: bool = False
+) -> tuple[dict[str, str], dict[str, str]]:
     """The fragments and the statements of the package's file ``filename``, comments dropped and white
-    space collapsed; on Citus (``distributed``) a block named ``... citus`` replaces its plain namesake."""
+    space collapsed; on Citus (``distributed``) a block named ``... citus`` replaces its plain namesake,
+    and on a partitioned key table (``partitioned``) one named ``... partitioned`` does."""
+    active = {"citus"} if distributed else set()
+    if partitioned:
+        active.add("partitioned")
     fragments: dict[str, str] = {}
     statements: dict[str, str] = {}
+    ranks: dict[tuple[bool, str], int] = {}
     block: tuple[dict[str, str], str] | None = None
     lines: list[str] = []
 
@@ -39,9 +48,13 @@ def blocks(filename: str, distributed: bool) -> tuple[dict[str, str], dict[str, 
         match = _NAME.match(line)
         if match is not None:
             close()
-            fragment, name, citus = match.groups()
+            fragment, name, variants = match.groups()
+            wanted = set(variants.split())
             lines = []
-            keep = distributed or citus is None
+            rank = len(wanted)
+            keep = wanted <= active and rank >= ranks.get((bool(fragment), name), 0)
+            if keep:
+                ranks[bool(fragment), name] = rank
             block = ((fragments if fragment else statements), name) if keep else None
         elif not line.lstrip().startswith("--"):
             lines.append(line)
@@ -56,8 +69,15 @@ class SqlFile:
     and join :attr:`names`; calling the object renders one statement.
     """
 
-    def __init__(self, filename: str, names: Mapping[str, sql.Composable], *, distributed: bool) -> None:
-        fragments, self._statements = blocks(filename, distributed)
+    def __init__(
+        self,
+        filename: str,
+        names: Mapping[str, sql.Composable],
+        *,
+        distributed: bool,
+        partitioned: bool = False,
+    ) -> None:
+        fragments, self._statements = blocks(filename, distributed, partitioned)
         #: The names given, and the fragments composed with them.
         self.names: dict[str, sql.Composable] = dict(names)
         for fragment, text in fragments.items():

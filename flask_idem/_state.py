@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -27,6 +28,9 @@ from .flow import Flow
 __all__ = ["EXTENSION_NAME", "Hook", "IdemState", "get_state"]
 
 logger = logging.getLogger("flask_idem")
+
+#: Seconds between two reads of the key table's layout while it is older than the newest.
+LAYOUT_RECHECK = 60.0
 
 #: The key of the state in ``app.extensions``.
 EXTENSION_NAME = "idem"
@@ -52,8 +56,12 @@ class IdemState:
     #: Encrypts the stored bodies of ``store_response="encrypted"`` routes; ``None`` without
     #: ``IDEM_RESPONSE_KEYS``.
     codec: ResponseCipher | None = None
-    #: Set once the key table was found in a layout this code runs on (:meth:`check_layout`).
+    #: Set once the key table was found in the newest layout (:meth:`check_layout`).
     layout_checked: threading.Event = field(default_factory=threading.Event)
+    #: When the layout of a key table found in an older layout this code runs on is read again
+    #: (``time.monotonic()``): an upgrade applied while the application serves is noticed within
+    #: :data:`LAYOUT_RECHECK` seconds.
+    _layout_recheck: list[float] = field(default_factory=list)
 
     def check_layout(self) -> None:
         """Make sure the key table exists in a layout this code runs on: once, at the first use of the
@@ -75,12 +83,26 @@ class IdemState:
         """
         if self.layout_checked.is_set():
             return
+        recheck = self._layout_recheck
+        if recheck and time.monotonic() < recheck[0]:
+            return
         with self.source.connection() as conn:
             found = _layout.read(conn, self.settings.table)
         _layout.check(found, self.settings.table)
-        for warning in _layout.warnings(found, self.settings.table):
-            logger.warning("%s", warning)
-        self.layout_checked.set()
+        assert found.layout is not None  # checked
+        self.store.use_layout(found.layout)
+        if not recheck:
+            for warning in _layout.warnings(found, self.settings.table):
+                logger.warning("%s", warning)
+        if found.layout >= _layout.latest():
+            self.layout_checked.set()
+        else:
+            recheck[:] = [time.monotonic() + LAYOUT_RECHECK]
+
+    def horizon(self) -> float:
+        """Seconds ahead of now that this application's keys may expire, and that partitions of the key
+        table are made ahead of: its longest retention and ``IDEM_PARTITION_AHEAD``."""
+        return self.settings.key_ttl + self.settings.partition_ahead
 
     def fire(self, point: str, conn: psycopg.Connection[TupleRow] | None) -> None:
         """Call the test hooks at ``point``: ``"view"`` after the view ran, inside its transaction;

@@ -31,6 +31,7 @@ from . import _wire
 from ._connection import Batched
 from ._pool import ConnectionSource, PooledConnection, batched
 from ._records import (
+    PARTITIONED,
     RECORD_FIELDS,
     KeyedRequest,
     KeyRecord,
@@ -45,6 +46,7 @@ from ._records import (
 )
 from ._settings import table_parts
 from ._sqlfile import SqlFile
+from .errors import ConfigurationError
 from .signals import timed
 
 __all__ = ["Store"]
@@ -81,6 +83,8 @@ class Store:
     :param distributed: the table is a Citus distributed table (``flask idem migrate`` with
         ``IDEM_DISTRIBUTED``), and reservations go through its delegated function (layout 1's
         ``distributed_sql``, :mod:`flask_idem.migrations`).
+    :param layout: the key table's layout, until :meth:`use_layout` tells another: the statements of
+        the partitioned table (layout 4 and later) by default.
     """
 
     def __init__(
@@ -90,14 +94,30 @@ class Store:
         table: str = "idempotency_keys",
         tombstone_ttl: float = 0.0,
         distributed: bool = False,
+        layout: int = PARTITIONED,
     ) -> None:
-        self._sql = _Statements(table, distributed=distributed)
+        self._sql = _Statements(table, distributed=distributed, partitioned=layout >= PARTITIONED)
+        self.table = table
+        self.distributed = distributed
         self.source = source
         self.tombstone_ttl = tombstone_ttl
         #: Whether an atomic request in a batched transaction writes its row once, with COMMIT
         #: (:meth:`_reserve_once`); on Citus it reserves first, through the reserve function, and
         #: ``bench/breakdown.py`` turns it off to measure what it saves.
         self.write_once = not distributed
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether the key table is partitioned by time (layout 4 and later), as last told by
+        :meth:`use_layout`."""
+        return self._sql.partitioned
+
+    def use_layout(self, layout: int) -> None:
+        """Run the statements of ``layout`` from now on: the key table was found in it (once at the
+        first use, and again when an upgrade is noticed)."""
+        partitioned = layout >= PARTITIONED
+        if partitioned != self._sql.partitioned:
+            self._sql = _Statements(self.table, distributed=self.distributed, partitioned=partitioned)
 
     # -- both modes ------------------------------------------------------------------------------------
 
@@ -127,6 +147,7 @@ class Store:
             "ttl": ttl,
             "tomb": self.tombstone_ttl,
             "lock": lock_id(request.org_id, request.key),
+            "task": request.task,
         }
         statement = self._sql.reserve
         if flow is not None:
@@ -139,8 +160,10 @@ class Store:
         if flow is None and opening is not None and not opening.begun and self.write_once:
             return self._reserve_once(conn, opening, params)
         for _ in range(2):
-            if opening is not None and not opening.begun:  # BEGIN goes with it, in one round trip
-                row: dict[str, Any] | None = opening.begin(self._sql.batches[statement], params).rows[0]
+            if self._sql.partitioned:
+                row: dict[str, Any] | None = self._lock_then(conn, opening, statement, params)
+            elif opening is not None and not opening.begun:  # BEGIN goes with it, in one round trip
+                row = opening.begin(self._sql.batches[statement], params).rows[0]
             else:
                 row = cursor.execute(statement, params).fetchone()
             assert row is not None  # the statement always answers one row
@@ -161,6 +184,27 @@ class Store:
             cursor.execute(self._sql.delete_expired, params)
         return Reservation(reserved=False)
 
+    def _lock_then(
+        self,
+        conn: psycopg.Connection[Any],
+        opening: Batched | None,
+        statement: bytes,
+        params: dict[str, Any],
+    ) -> dict[str, Any] | None:
+        """On a partitioned key table: the key's lock in a statement of its own, then ``statement``,
+        whose snapshot is taken once the lock is held (sent with BEGIN, in one round trip, when the
+        transaction is not begun yet)."""
+        if opening is not None and not opening.begun:
+            batches = self._sql.batches
+            lock, found = opening.begin_all([(batches[self._sql.lock], params), (batches[statement], params)])
+            _check_snapshots(lock.rows[0])
+            return found.rows[0]
+        cursor = _cursor(conn)
+        lock_row = cursor.execute(self._sql.lock, params).fetchone()
+        assert lock_row is not None
+        _check_snapshots(lock_row)
+        return cursor.execute(statement, params).fetchone()
+
     def _reserve_once(
         self, conn: psycopg.Connection[Any], opening: Batched, params: dict[str, Any]
     ) -> Reservation:
@@ -175,6 +219,8 @@ class Store:
             [(batches[self._sql.lock], params), (batches[self._sql.lookup], params)]
         )
         taken = lock.rows[0]["taken"]
+        if self._sql.partitioned:
+            _check_snapshots(lock.rows[0])
         if found.rows:
             row = found.rows[0]
             record = KeyRecord(**{name: row[name] for name in RECORD_FIELDS})
@@ -372,6 +418,17 @@ class Store:
         return TableStats(by_status=by_status, by_flow=by_flow, oldest_processing=oldest, **totals)
 
 
+def _check_snapshots(lock: dict[str, Any]) -> None:
+    """Refuse a reservation in a transaction that keeps one snapshot (REPEATABLE READ or SERIALIZABLE):
+    on a partitioned key table its lookup, after the key's lock, must see every committed row."""
+    if not lock["fresh_snapshots"]:
+        raise ConfigurationError(
+            "flask-idem reserves keys in READ COMMITTED transactions: on the partitioned key table of"
+            " layout 4 the lookup after the key's lock needs a snapshot of its own. This transaction runs"
+            " at a higher isolation level; run the idempotent route's transaction at READ COMMITTED."
+        )
+
+
 def _pairs(rows: list[DictRow], name: str = "") -> dict[str, Any]:
     """The keys of ``rows`` (of one organisation, unless named) as the statements on candidates take them."""
     return {f"{name}org": rows[0]["org_id"] if rows else None, f"{name}keys": [row["key"] for row in rows]}
@@ -388,17 +445,19 @@ def _by_org(rows: list[DictRow]) -> list[list[DictRow]]:
 class _Statements:
     """Every statement of the store (``_store.sql``), composed once for one table name."""
 
-    def __init__(self, table: str, *, distributed: bool = False) -> None:
+    def __init__(self, table: str, *, distributed: bool = False, partitioned: bool = False) -> None:
         parts = table_parts(table)
         self.distributed = distributed
+        self.partitioned = partitioned
         name = sql.Identifier(*parts)
         #: The table's name as ``regclass`` input (quoted, schema-qualified if given).
         self.qualified = name.as_string(None)
         names: dict[str, sql.Composable] = {
             "table": name,
+            "tombstones": sql.Identifier(*parts[:-1], parts[-1] + "_tombstones"),
             "reserve_function": sql.Identifier(*parts[:-1], parts[-1] + "_reserve"),
         }
-        q = SqlFile("_store.sql", names, distributed=distributed)
+        q = SqlFile("_store.sql", names, distributed=distributed, partitioned=partitioned)
         names = q.names
 
         self.reserve = q("reserve", lease=names["atomic"])

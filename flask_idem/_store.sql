@@ -264,3 +264,77 @@ SET expires_at = to_timestamp(extract(epoch FROM t.expires_at - 'epoch'::timesta
 FROM (SELECT org_id, idem_key FROM {table} AS k WHERE {one_org} AND {tombstoning}
       FOR UPDATE SKIP LOCKED) AS due
 WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key
+
+-- On the key table of layout 4 and later (flask_idem.migrations.v4_partitions), partitioned by range of
+-- expires_at, from here on. Its primary key (org_id, idem_key, expires_at) guards one partition only,
+-- so the unique index no longer decides a race: the key's advisory lock does. Every reservation takes
+-- the lock in a statement of its own first (the lock statement, sent in the same round trip), so that
+-- the statement that looks for the key, in every partition and among the compact tombstones, has a
+-- snapshot taken once the lock is held, and sees every committed row of the key. Rows expire from
+-- statement_timestamp(), the moment they are written, so that no row is written into a partition whose
+-- range has passed (flask_idem._partitions drops it).
+
+-- name: lock partitioned
+-- Also the transaction's isolation: the lookups after the lock need a snapshot per statement (READ
+-- COMMITTED), which the store checks.
+SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken,
+       current_setting('transaction_isolation') = 'read committed' AS fresh_snapshots
+
+-- name: fragment tombstone_record partitioned
+-- A compact tombstone as a later request reads a key's row: the document a tombstone of layout 3
+-- kept in the row (its status and Location), past retention, not to be used anew until expires_at.
+t.request_sha, CASE WHEN t.failed THEN 'failed' ELSE 'completed' END AS status,
+jsonb_build_object('tombstone', true, 'status', t.status, 'headers',
+    CASE WHEN t.location IS NULL THEN '[]'::jsonb
+         ELSE jsonb_build_array(jsonb_build_array('Location', t.location)) END) AS response,
+false AS expired, true AS stale, false AS lease_live, NULL::text AS flow, NULL::text AS step,
+'{{}}'::jsonb AS state
+
+-- name: fragment found partitioned
+-- The key's row in any partition, else its live compact tombstone: a key has at most one of each
+-- (a row moved by purge is deleted and inserted in one transaction; a key is used anew only once its
+-- row and tombstone expired, and the expired row is deleted first).
+(SELECT {record} FROM {table} AS k WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s LIMIT 1)
+UNION ALL
+(SELECT {tombstone_record} FROM {tombstones} AS t
+ WHERE t.org_id = %(org_id)s AND t.idem_key = %(key)s AND t.expires_at > now() LIMIT 1)
+LIMIT 1
+
+-- name: lookup partitioned
+SELECT false AS fresh, true AS taken, f.* FROM ({found}) AS f
+
+-- name: reserve partitioned
+-- After the lock statement: the lock is the transaction's already (taking it again answers at once),
+-- and this statement's snapshot sees every committed row of the key. The INSERT's ON CONFLICT only
+-- guards the partition it writes to; the NOT EXISTS under the lock guards the others.
+WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken),
+found AS MATERIALIZED ({found}),
+reserved AS (
+    INSERT INTO {table} (org_id, idem_key, request_sha, method, path, task, status, expires_at,
+                         flow, lease_token, lease_expires_at)
+    SELECT %(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, %(task)s, 'processing',
+           statement_timestamp() + make_interval(secs => %(ttl)s), {lease}
+    FROM lock WHERE lock.taken AND NOT EXISTS (SELECT FROM found)
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+)
+SELECT EXISTS (SELECT FROM reserved) AS fresh, lock.taken, f.*
+FROM lock LEFT JOIN found AS f ON true
+
+-- name: insert_completed partitioned
+-- Under the key's lock, after a lookup that found nothing in any partition (see lock partitioned).
+INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, response, expires_at)
+VALUES (%(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, 'completed', %(response)s,
+        statement_timestamp() + make_interval(secs => %(ttl)s))
+
+-- name: stats_totals partitioned
+-- Sizes are the partitions' (a partitioned table has no storage of its own); purge drops partitions.
+SELECT count(*) FILTER (WHERE k.needs_attention) AS flagged,
+       (SELECT count(*) FROM {tombstones} AS t WHERE t.expires_at > now()) AS tombstones,
+       count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND {gone}) AS to_delete,
+       0::bigint AS to_tombstone,
+       (SELECT coalesce(sum(pg_total_relation_size(p.relid)), 0)::bigint
+        FROM pg_partition_tree(%(table)s::regclass) AS p) AS total_bytes,
+       (SELECT coalesce(sum(pg_indexes_size(p.relid)), 0)::bigint
+        FROM pg_partition_tree(%(table)s::regclass) AS p WHERE p.isleaf) AS index_bytes
+FROM {table} AS k

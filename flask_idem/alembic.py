@@ -260,10 +260,13 @@ def _locations(config: Config) -> list[str]:
     return [os.path.join(script, "versions")]
 
 
-def _target() -> tuple[str, bool, float]:
-    """The key table, whether it is distributed, and the lock timeout: from the Flask application in
-    context when there is one (Flask-Migrate), otherwise Alembic's ``config.attributes`` or defaults."""
+def _target() -> tuple[str, bool, float, float]:
+    """The key table, whether it is distributed, the lock timeout and the upgrade's horizon: from the
+    Flask application in context when there is one (Flask-Migrate), otherwise Alembic's
+    ``config.attributes`` or defaults."""
     from flask import current_app, has_app_context
+
+    from ._migrate import DEFAULT_HORIZON
 
     if has_app_context():
         from ._state import EXTENSION_NAME
@@ -271,14 +274,19 @@ def _target() -> tuple[str, bool, float]:
         state = current_app.extensions.get(EXTENSION_NAME)
         if state is not None:
             settings = state.settings
-            return settings.table, settings.distributed, settings.migration_lock_timeout
+            return (
+                settings.table,
+                settings.distributed,
+                settings.migration_lock_timeout,
+                state.horizon(),
+            )
     try:
         from alembic import context
 
         attributes = context.config.attributes
     except Exception:  # outside an Alembic run (no context), or no Alembic
         attributes = {}
-    return str(attributes.get(_ALEMBIC_TABLE_ATTR, "idempotency_keys")), False, 2.0
+    return str(attributes.get(_ALEMBIC_TABLE_ATTR, "idempotency_keys")), False, 2.0, DEFAULT_HORIZON
 
 
 def _execute(statement: sql.Composable) -> None:
@@ -309,8 +317,8 @@ def run_upgrade(revision: Revision) -> None:
     """
     from alembic import context, op
 
-    table, distributed, lock_timeout = _target()
-    names = _layout.names(table)
+    table, distributed, lock_timeout, horizon = _target()
+    names = {**_layout.names(table), "horizon": sql.Literal(horizon)}
     _begin(lock_timeout, table)
     if revision.sql:
         _execute(sql.SQL(revision.sql).format(**names))
@@ -334,10 +342,16 @@ def run_upgrade(revision: Revision) -> None:
                     qualified = names[f"{index.name}_qualified"]
                     _execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(qualified))
         with op.get_context().autocommit_block():
-            create = sql.SQL("CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ").format(names[index.name])
+            create = sql.SQL(index.create() + " {} ").format(names[index.name])
             _execute(create + sql.SQL(index.definition).format(**names))
     if revision.indexes:
         _begin(lock_timeout, table)
+    for step in revision.after:
+        _execute(sql.SQL(step).format(**names))
+        if step is not revision.after[-1]:
+            with op.get_context().autocommit_block():  # commits this step's transaction
+                pass
+            _begin(lock_timeout, table)
     if distributed and revision.distributed_sql:
         _execute(sql.SQL("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'"))
         _execute(sql.SQL(revision.distributed_sql).format(**names))
@@ -352,7 +366,7 @@ def run_downgrade(revision: Revision) -> None:
     concurrently, then its ``downgrade_sql`` runs and the layout before it is recorded."""
     from alembic import op
 
-    table, _, lock_timeout = _target()
+    table, _, lock_timeout, _ = _target()
     names = _layout.names(table)
     for index in revision.indexes:
         with op.get_context().autocommit_block():

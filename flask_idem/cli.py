@@ -14,7 +14,7 @@ from flask import current_app
 from flask.cli import AppGroup
 from psycopg.conninfo import conninfo_to_dict
 
-from . import _delivery, _layout, _migrate, relay
+from . import _delivery, _layout, _migrate, _partitions, relay
 from ._cipher import new_key
 from ._outbox import outbox_table
 from ._pool import ForkSafeConnectionPool
@@ -120,6 +120,7 @@ def _upgrade(distributed: bool, *, quiet: bool = False) -> _migrate.Report:
         distributed=distributed or settings.distributed,
         lock_timeout=settings.migration_lock_timeout,
         connect_options=settings.connect_options,
+        horizon=_state().horizon(),
         echo=(lambda _: None) if quiet else click.echo,
     )
     problem = _layout.problem(report.found, settings.table)
@@ -206,15 +207,40 @@ def migrate(distributed: bool, check: bool, roles: tuple[str, ...]) -> None:
 )
 @_database_errors
 def purge(batch_size: int) -> None:
-    """Turn keys past their retention period (IDEM_KEY_TTL) into tombstones, and delete old tombstones.
+    """Forget keys past their retention period (IDEM_KEY_TTL), keeping a tombstone of each for
+    IDEM_TOMBSTONE_TTL more.
 
-    A tombstone keeps the key, the request's fingerprint, the first answer's status and Location for
-    IDEM_TOMBSTONE_TTL more, so that a late retry is never run again. Rows still processing and rows
-    flagged for a person are never touched. Prints how many rows were deleted and tombstoned.
+    A tombstone keeps the key, the request's fingerprint, the first answer's status and Location, so
+    that a late retry is never run again. On the partitioned key table (layout 4) whole partitions
+    whose range has passed are dropped (DETACH PARTITION CONCURRENTLY, then DROP TABLE), after their
+    keys' compact tombstones are written, and partitions are made ahead (IDEM_PARTITION_AHEAD): run it
+    as the tables' owner, at least daily. On older layouts rows are turned into tombstones and deleted
+    in batches of --batch-size. Multi-step requests still processing and rows flagged for a person are
+    never lost.
     """
     _ready()
-    deleted, tombstoned = _state().store.purge(batch_size=batch_size)
-    click.echo(f"Purged {deleted} expired key(s); {tombstoned} turned into tombstones.")
+    state = _state()
+    if not state.store.partitioned:
+        deleted, tombstoned = state.store.purge(batch_size=batch_size)
+        click.echo(f"Purged {deleted} expired key(s); {tombstoned} turned into tombstones.")
+        return
+    settings = state.settings
+    report = _partitions.maintain(
+        settings.database_url,
+        table=settings.table,
+        interval=settings.partition_interval,
+        horizon=state.horizon(),
+        tombstone_ttl=settings.tombstone_ttl,
+        lock_timeout=settings.migration_lock_timeout,
+        connect_options=settings.connect_options,
+        echo=click.echo,
+    )
+    for name, why in report.kept:
+        click.echo(f"Kept {name}: {why}; it is dropped by a later run once they finish.")
+    click.echo(
+        f"Dropped {len(report.dropped)} partition(s), wrote {report.tombstoned} tombstone(s), moved"
+        f" {report.moved} flagged row(s); made {len(report.created)} partition(s) ahead."
+    )
 
 
 @idem_cli.command("recover")

@@ -1,0 +1,318 @@
+"""Retention on the partitioned key table of layout 4: partitions made ahead, and dropped whole.
+
+The key table and its compact tombstones (``<table>_tombstones``) are partitioned by range of
+``expires_at`` (:mod:`flask_idem.migrations.v4_partitions`). A partition whose range has passed holds
+only keys past their retention, and :func:`maintain` (``flask idem purge``) retires it:
+
+1. one short transaction locks it in ``SHARE`` mode (writers of that partition wait; readers do not),
+   which waits for every transaction still writing to it, and then:
+
+   - keeps it, untouched, while it holds a multi-step request still in progress: the partition is
+     retired by a later run, once they finish (a worker holding a lease keeps writing its row where it
+     is);
+   - writes the compact tombstone of each finished key (its fingerprint, final status and
+     ``Location``, until the end of ``IDEM_TOMBSTONE_TTL``) into the tombstones' table;
+   - moves rows flagged for a person into a live partition (deleted here and inserted there in the
+     same transaction, so that no statement sees the key missing);
+
+2. ``ALTER TABLE ... DETACH PARTITION ... CONCURRENTLY``, which waits for the transactions that may still
+   read it, without blocking anyone (a plain ``DETACH`` or ``DROP`` would wait on every open
+   transaction on the key table, and hold up every request behind it);
+3. ``DROP TABLE``: the partition's files are unlinked; no row is deleted, no WAL is written per row.
+
+Tombstone partitions whose range has passed are detached and dropped the same way. Partitions are made
+ahead (``CREATE TABLE`` and ``ATTACH PARTITION``, which takes no lock writers wait on) to cover the
+application's longest retention and ``IDEM_PARTITION_AHEAD``; a key whose expiry has no partition
+cannot be written, so ``flask idem stats``, the metrics and the health check warn long before.
+
+Nothing is written into a partition once its range has passed: rows expire from the moment their
+statement runs (``statement_timestamp()``), and every retention is positive. Retiring waits one more
+``grace`` (the partition interval, at most a minute) after the range passed, for statements that began
+before.
+
+Every step runs as the owner of the tables (the role of ``flask idem migrate``), under the migration's
+advisory lock, so that two runs, or a run and a migration, never work at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from . import _layout, _migrate
+
+__all__ = ["Partition", "RetentionReport", "maintain", "partitions"]
+
+logger = logging.getLogger("flask_idem")
+
+#: The longest wait after a partition's range passed before it is retired.
+MAX_GRACE = 60.0
+
+#: A partition: its name, its range (``None``: unbounded), and whether a detach was begun and not
+#: finished (an interrupted ``DETACH ... CONCURRENTLY``).
+_LIST = """
+SELECT c.relname::text AS name, b.lower, b.upper, i.inhdetachpending AS detaching,
+       coalesce(c.reltuples, 0)::bigint AS rows, pg_total_relation_size(c.oid) AS bytes
+FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid,
+LATERAL (SELECT pg_get_expr(c.relpartbound, c.oid) AS bound) AS e,
+LATERAL (SELECT (regexp_match(e.bound, 'FROM \\(''([^'']+)''\\)'))[1]::timestamptz AS lower,
+                (regexp_match(e.bound, 'TO \\(''([^'']+)''\\)'))[1]::timestamptz AS upper) AS b
+WHERE i.inhparent = to_regclass(%s)
+ORDER BY b.upper NULLS LAST
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """One partition of the key table or of its tombstones."""
+
+    name: str
+    #: Its range of ``expires_at``: ``[lower, upper)``; ``lower`` is ``None`` for the first partition
+    #: of an upgraded table (``MINVALUE``).
+    lower: datetime | None
+    upper: datetime | None
+    #: Whether a ``DETACH ... CONCURRENTLY`` of it was interrupted (it is finished by the next run).
+    detaching: bool
+    #: Rows as the statistics estimate them, and bytes on disk with indexes and TOAST.
+    rows: int
+    bytes: int
+
+
+@dataclass
+class RetentionReport:
+    """What :func:`maintain` did."""
+
+    #: Partitions dropped, of the key table and of the tombstones.
+    dropped: list[str] = field(default_factory=list)
+    #: Partitions made ahead.
+    created: list[str] = field(default_factory=list)
+    #: Partitions past their range kept, with why.
+    kept: list[tuple[str, str]] = field(default_factory=list)
+    #: Compact tombstones written, and rows flagged for a person moved to a live partition.
+    tombstoned: int = 0
+    moved: int = 0
+
+
+def partitions(conn: psycopg.Connection[Any], parent: str) -> list[Partition]:
+    """The partitions of ``parent`` (a name as ``to_regclass`` reads it), oldest range first."""
+    with conn.cursor() as cursor:
+        return [Partition(*row) for row in cursor.execute(_LIST, (parent,))]
+
+
+def _stamp(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y%m%d%H%M%S")
+
+
+def _aligned_after(moment: datetime, interval: float) -> datetime:
+    """The first multiple of ``interval`` seconds since the epoch after ``moment``."""
+    seconds = moment.timestamp()
+    return datetime.fromtimestamp((math.floor(seconds / interval) + 1) * interval, UTC)
+
+
+class _Tables:
+    """The names of one key table's partitioned tables and the statements on their partitions."""
+
+    def __init__(self, table: str) -> None:
+        self.names = _layout.names(table)
+        parts = table.split(".")
+        self.schema, self.base = parts[:-1], parts[-1]
+        self.keys = self.names["table"].as_string(None)
+        self.tombstones = self.names["tombstones_qualified"].as_string(None)
+
+    def partition(self, prefix: str, lower: datetime) -> sql.Identifier:
+        return sql.Identifier(*self.schema, f"{self.base}{prefix}{_stamp(lower)}")
+
+    def qualified(self, name: str) -> sql.Identifier:
+        return sql.Identifier(*self.schema, name)
+
+
+def maintain(
+    url: str,
+    *,
+    table: str,
+    interval: float,
+    horizon: float,
+    tombstone_ttl: float,
+    lock_timeout: float = 2.0,
+    connect_options: Any = None,
+    now: Callable[[], datetime] | None = None,
+    echo: Callable[[str], None] = logger.info,
+) -> RetentionReport:
+    """Retire the partitions whose range has passed and make partitions ahead, on a connection of its own
+    to ``url`` (a role that owns the tables).
+
+    :param interval: seconds of ``expires_at`` one new partition of the key table covers
+        (``IDEM_PARTITION_INTERVAL``); tombstones' partitions cover more, a quarter of ``tombstone_ttl``
+        when that is longer, so that few are live at once.
+    :param horizon: seconds from now that partitions are made ahead of: the application's longest
+        retention and ``IDEM_PARTITION_AHEAD``.
+    :param tombstone_ttl: seconds a key is remembered after its response expired (``IDEM_TOMBSTONE_TTL``);
+        0 keeps no tombstone.
+    """
+    tables = _Tables(table)
+    report = RetentionReport()
+    with _migrate.connect(url, connect_options) as conn:
+        runner = _migrate._Runner(conn, table, tables.names, lock_timeout, echo)
+        clock = now or (lambda: conn.execute("SELECT now()").fetchone()[0])  # type: ignore[index]
+        grace = timedelta(seconds=min(interval, MAX_GRACE))
+        tomb_interval = max(interval, tombstone_ttl / 4)
+        moment = clock()
+        _ahead(runner, tables, tables.keys, moment + timedelta(seconds=horizon), interval, report)
+        if tombstone_ttl > 0:
+            # Tombstones of every partition retired now, and of the keys written until the horizon.
+            until = moment + timedelta(seconds=horizon + tombstone_ttl)
+            start = datetime.fromtimestamp(
+                math.floor(moment.timestamp() / tomb_interval) * tomb_interval, UTC
+            )
+            _ahead(runner, tables, tables.tombstones, until, tomb_interval, report, start=start)
+        for part in partitions(conn, tables.keys):
+            if part.upper is None or part.upper > clock() - grace:
+                continue
+            if not part.detaching and not _retire(runner, tables, part, tombstone_ttl, interval, report):
+                continue
+            _drop(runner, tables, tables.keys, part, report)
+        for part in partitions(conn, tables.tombstones):
+            if part.upper is not None and part.upper <= clock():
+                _drop(runner, tables, tables.tombstones, part, report)
+    return report
+
+
+def _ahead(
+    runner: _migrate._Runner,
+    tables: _Tables,
+    parent: str,
+    until: datetime,
+    interval: float,
+    report: RetentionReport,
+    *,
+    start: datetime | None = None,
+) -> None:
+    """Make partitions of ``parent`` from the end of its last one (or ``start``) until ``until``.
+
+    Each is created on its own and then attached: ``ATTACH PARTITION`` takes a lock on the parent that
+    writers do not wait on (``CREATE TABLE ... PARTITION OF`` would take one they do), and finds the new
+    table empty at once.
+    """
+    found = partitions(runner.conn, parent)
+    lower = found[-1].upper if found else start
+    if lower is None:  # an unbounded last partition: nothing to add after it
+        return
+    prefix = "_p" if parent == tables.keys else "_t"
+    while lower < until:
+        upper = _aligned_after(lower, interval)
+        name = tables.partition(prefix, lower)
+
+        def create(
+            conn: psycopg.Connection[Any],
+            lower: datetime = lower,
+            upper: datetime = upper,
+            name: sql.Identifier = name,
+        ) -> None:
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+                    " WITH (fillfactor = 80)"
+                ).format(name, sql.SQL(parent))
+            )
+            conn.execute(
+                sql.SQL("ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})").format(
+                    sql.SQL(parent), name, sql.Literal(lower), sql.Literal(upper)
+                )
+            )
+
+        runner.transaction(create)
+        report.created.append(name.as_string(None))
+        lower = upper
+
+
+#: The compact tombstones of a retired partition's finished keys, and where a flagged row goes.
+_TOMBSTONES = """
+INSERT INTO {tombstones} (org_id, idem_key, request_sha, status, location, failed, expires_at)
+SELECT k.org_id, k.idem_key, k.request_sha,
+       coalesce((k.response->>'status')::smallint, 200::smallint),
+       (SELECT h->>1 FROM jsonb_array_elements(
+            CASE WHEN jsonb_typeof(k.response->'headers') = 'array' THEN k.response->'headers'
+                 ELSE '[]'::jsonb END) AS h
+        WHERE lower(h->>0) = 'location' LIMIT 1),
+       k.status = 'failed', e.until
+FROM {partition} AS k,
+LATERAL (SELECT CASE WHEN k.response ? 'tombstone' THEN k.expires_at
+                     ELSE k.expires_at + make_interval(secs => %(tomb)s) END AS until) AS e
+WHERE k.status <> 'processing' AND NOT k.needs_attention AND e.until > now()
+ON CONFLICT DO NOTHING
+"""
+
+_MOVE = """
+WITH moved AS (DELETE FROM {partition} WHERE needs_attention RETURNING *)
+INSERT INTO {table} (org_id, idem_key, request_sha, method, path, task, status, response, created_at,
+                     expires_at, flow, step, state, lease_token, lease_expires_at, attempts,
+                     next_attempt_at, last_error, needs_attention)
+SELECT org_id, idem_key, request_sha, method, path, task, status, response, created_at,
+       greatest(expires_at, now() + make_interval(secs => %(keep)s)), flow, step, state, lease_token,
+       lease_expires_at, attempts, next_attempt_at, last_error, needs_attention
+FROM moved
+"""
+
+
+def _retire(
+    runner: _migrate._Runner,
+    tables: _Tables,
+    part: Partition,
+    tombstone_ttl: float,
+    interval: float,
+    report: RetentionReport,
+) -> bool:
+    """Step 1 of retiring ``part``; whether it may be detached and dropped now."""
+    name = tables.qualified(part.name)
+
+    def work(conn: psycopg.Connection[Any]) -> tuple[int, int] | None:
+        conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(name))
+        busy = conn.execute(
+            sql.SQL("SELECT count(*) FROM {} WHERE status = 'processing'").format(name)
+        ).fetchone()
+        if busy is not None and busy[0]:
+            report.kept.append((part.name, f"{busy[0]} multi-step request(s) still in progress"))
+            return None
+        written = 0
+        if tombstone_ttl > 0:
+            written = conn.execute(
+                sql.SQL(_TOMBSTONES).format(tombstones=sql.SQL(tables.tombstones), partition=name),
+                {"tomb": tombstone_ttl},
+            ).rowcount
+        moved = conn.execute(
+            sql.SQL(_MOVE).format(partition=name, table=tables.names["table"]), {"keep": 2 * interval}
+        ).rowcount
+        return written, moved
+
+    done = runner.transaction(work)
+    if done is None:
+        return False
+    report.tombstoned += done[0]
+    report.moved += done[1]
+    return True
+
+
+def _drop(
+    runner: _migrate._Runner, tables: _Tables, parent: str, part: Partition, report: RetentionReport
+) -> None:
+    """Detach ``part`` from ``parent`` without blocking anyone, then drop it."""
+    name = tables.qualified(part.name)
+    conn = runner.conn
+    if part.detaching:
+        runner.transaction(
+            lambda c: c.execute(
+                sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(sql.SQL(parent), name)
+            )
+        )
+    else:
+        runner.echo(f"Detaching {part.name} (concurrently: requests go on meanwhile).")
+        conn.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.SQL(parent), name))
+    runner.transaction(lambda c: c.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(name)))
+    report.dropped.append(part.name)
