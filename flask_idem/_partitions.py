@@ -255,7 +255,8 @@ INSERT INTO {table} (org_id, idem_key, request_sha, method, path, task, status, 
                      expires_at, flow, step, state, lease_token, lease_expires_at, attempts,
                      next_attempt_at, last_error, needs_attention)
 SELECT org_id, idem_key, request_sha, method, path, task, status, response, created_at,
-       greatest(expires_at, now() + make_interval(secs => %(keep)s)), flow, step, state, lease_token,
+       greatest(expires_at, now() + make_interval(secs => %(keep)s), %(after)s), flow, step, state,
+       lease_token,
        lease_expires_at, attempts, next_attempt_at, last_error, needs_attention
 FROM moved
 """
@@ -287,7 +288,8 @@ def _retire(
                 {"tomb": tombstone_ttl},
             ).rowcount
         moved = conn.execute(
-            sql.SQL(_MOVE).format(partition=name, table=tables.names["table"]), {"keep": 2 * interval}
+            sql.SQL(_MOVE).format(partition=name, table=tables.names["table"]),
+            {"keep": 2 * interval, "after": part.upper},
         ).rowcount
         return written, moved
 

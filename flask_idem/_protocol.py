@@ -208,7 +208,7 @@ def atomic(
     try:
         outcome = in_transaction(state.source, body, batched=True)
     except psycopg.errors.UniqueViolation as e:
-        if e.diag.table_name != state.settings.table.rpartition(".")[2]:
+        if not _is_key_table(e.diag.table_name, state.settings.table):
             raise
         # The key's row, written with COMMIT, met one committed meanwhile (under REPEATABLE READ, whose
         # snapshot predates the key's lock): nothing of this attempt was kept, and the next finds it.
@@ -218,6 +218,12 @@ def atomic(
     else:
         announce(outcome, claim)
     return outcome
+
+
+def _is_key_table(name: str | None, table: str) -> bool:
+    """Whether ``name`` (a violated constraint's table) is the key table or one of its partitions."""
+    base = table.rpartition(".")[2]
+    return name == base or (name is not None and name.startswith(base + "_p"))
 
 
 # -- multi-step: the intent under a lease, then the steps (._steps) -----------------------------------

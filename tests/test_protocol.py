@@ -39,6 +39,7 @@ from flask_idem._protocol import (
 from flask_idem._records import Final, KeyedRequest, KeyRecord, Lease
 from flask_idem._state import IdemState, get_state
 from flask_idem._steps import advance
+from flask_idem.errors import ConfigurationError
 from flask_idem.flow import Flow, OutcomeUnknown, Run
 
 from .support import pgbouncer
@@ -242,6 +243,13 @@ def test_atomic_race_runs_the_work_once(
     options = REPEATABLE_READ if isolation == "repeatable read" else {}
     app = make_app(IDEM_POOL_MAX_SIZE=20, IDEM_CONNECT_OPTIONS=options)
     state = get_state(app)
+    if isolation == "repeatable read" and state.store.partitioned:
+        # On the partitioned key table (layout 4) the unique index of one partition cannot refuse a key
+        # committed meanwhile in another: a transaction that keeps one snapshot is refused, naming why.
+        with pytest.raises(ConfigurationError, match="READ COMMITTED"):
+            atomic(state, claim(uuid.uuid4()), never)
+        assert count(db, "idempotency_keys") == 0
+        return
     for _ in range(4):
         key = uuid.uuid4()
         ran: list[str] = []

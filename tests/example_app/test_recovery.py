@@ -15,6 +15,8 @@ import psycopg
 import pytest
 from flask import Flask
 
+from flask_idem._state import get_state
+
 from ..support.helpers import ROOT, close_pool
 from ..support.shop_actions import (
     add_fault,
@@ -71,7 +73,17 @@ def test_recovery_gives_up_after_the_deadline(
     assert replay.json["type"] == "urn:flask-idem:problem:operation-failed"
     assert charges(gateway_url) == []
     db.execute("UPDATE idempotency_keys SET expires_at = now() - interval '31 days'")  # past the tombstone
-    assert "Purged 1" in runner.invoke(args=["idem", "purge"]).output  # the order's key, not the flagged one
+    purged = runner.invoke(args=["idem", "purge"]).output
+    if get_state(shop).store.partitioned:
+        # Layout 4 drops partitions whose range has passed, not rows: the first partition's range runs
+        # days ahead, so nothing is dropped yet (tests/test_partitions.py retires one, flagged rows moved).
+        assert "Dropped 0 partition(s)" in purged
+        assert sorted(db.execute("SELECT path FROM idempotency_keys").fetchall()) == [
+            ("/orders",),
+            ("/payments",),
+        ]
+        return
+    assert "Purged 1" in purged  # the order's key, not the flagged one
     assert db.execute("SELECT path FROM idempotency_keys").fetchall() == [("/payments",)]
 
 
