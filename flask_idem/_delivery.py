@@ -29,7 +29,7 @@ from psycopg.rows import TupleRow
 from . import _layout, _protocol, _steps, signals
 from ._fingerprint import fingerprint
 from ._outbox import Outbox
-from ._records import Final, KeyedRequest, Lease
+from ._records import Final, Lease
 from ._replay import failure_document
 from ._retry import backoff
 from ._settings import SETTINGS
@@ -43,8 +43,10 @@ from ._task import (
     JobPolicy,
     Publisher,
     TaskDoor,
+    task_failure,
     task_final,
     task_path,
+    task_request,
     task_result,
 )
 from ._transactions import entering_app_code
@@ -209,17 +211,17 @@ def run_delivery(app: Flask, spec: TaskSpec, delivery: Delivery, *, rng: random.
     with app.app_context(), signals.running_task(spec.name):
         state = get_state(app)
         policy = spec.policy or get_jobs(app).policy
+        try:
+            # The statements of the key table's layout, and the form of the task's row (layout 4 names
+            # its task): read once per process, then again while an upgrade may come.
+            state.check_layout()
+        except psycopg.Error as e:
+            return _Delivery(app, state, spec, delivery, policy, rng).unreachable(e)
         run = _Delivery(app, state, spec, delivery, policy, rng)
         try:
             return run.once()
         except psycopg.Error as e:
-            logger.warning(
-                "Task %s could not reach the key table: %s (SQLSTATE %s).",
-                spec.name,
-                type(e).__name__,
-                e.sqlstate,
-            )
-            return run.failed(f"{type(e).__name__} (database)")
+            return run.unreachable(e)
 
 
 class _Delivery:
@@ -235,13 +237,29 @@ class _Delivery:
         self.app, self.state, self.spec = app, state, spec
         self.delivery, self.policy, self.rng = delivery, policy, rng
         body = json.dumps({"args": list(delivery.args), "kwargs": dict(delivery.kwargs)}).encode("utf-8")
-        path = task_path(spec.name)
-        sha = fingerprint(method=TASK_METHOD, path=path, query=b"", mimetype="application/json", body=body)
-        self.keyed = KeyedRequest(delivery.org_id, delivery.key, sha, TASK_METHOD, path)
+        # The same fingerprint in every layout: a row of layout 3 goes on being this task's after the
+        # upgrade to layout 4, whose rows name their task instead of a method and a path.
+        sha = fingerprint(
+            method=TASK_METHOD, path=task_path(spec.name), query=b"", mimetype="application/json", body=body
+        )
+        #: Whether the key table names a task's row and stores its result as such (layout 4 and later).
+        self.named = state.store.partitioned
+        self.keyed = task_request(delivery.org_id, delivery.key, spec.name, sha, named=self.named)
         self.claim = _protocol.Claim(self.keyed, state.settings.key_ttl if spec.ttl is None else spec.ttl)
         self.overdue = time.time() - delivery.enqueued_at > policy.deadline
+        self.door = TaskDoor(named=self.named)
 
     # -- outcomes ------------------------------------------------------------------------------------------
+
+    def unreachable(self, error: psycopg.Error) -> Outcome:
+        """The key table could not be reached: this attempt failed."""
+        logger.warning(
+            "Task %s could not reach the key table: %s (SQLSTATE %s).",
+            self.spec.name,
+            type(error).__name__,
+            error.sqlstate,
+        )
+        return self.failed(f"{type(error).__name__} (database)")
 
     def failed(self, reason: str) -> Outcome:
         """This attempt failed: deliver again after the backoff, or give up past the policy."""
@@ -282,13 +300,14 @@ class _Delivery:
         a warning).
         """
         flow = self.spec.flow
+        document = task_failure(reason) if self.named else failure_document()
         marked: bool | _protocol.Existing
         if held is not None:
-            marked = _protocol.give_up_leased(self.state, held, failure_document(), reason)
+            marked = _protocol.give_up_leased(self.state, held, document, reason)
         else:
             lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds())
             name = flow.name if flow else self.spec.name
-            marked = _protocol.give_up(self.state, self.claim, name, lease, failure_document(), reason)
+            marked = _protocol.give_up(self.state, self.claim, name, lease, document, reason)
         if isinstance(marked, _protocol.InFlight):
             logger.warning(
                 "Task %s (org %s, key %s): %s; this delivery stops, the one holding the key (or flask"
@@ -345,7 +364,7 @@ class _Delivery:
             job._connection = None
 
     def _run(self, conn: psycopg.Connection[TupleRow]) -> Final[Any]:
-        return task_final(self._call(conn))
+        return task_final(self._call(conn), named=self.named)
 
     def _lease_seconds(self) -> float:
         flow = self.spec.flow
@@ -368,7 +387,7 @@ class _Delivery:
             self.delivery.failures + 1, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng
         )
         try:
-            return _steps.advance(self.state, flow, started, lease, _TASK_DOOR, retry_in=retry_in)
+            return _steps.advance(self.state, flow, started, lease, self.door, retry_in=retry_in)
         except _protocol.LeaseLost:
             return self.busy("lease lost to another delivery")
         except _protocol.Pending:
@@ -389,6 +408,3 @@ class _Delivery:
         if outcome.failed:
             raise JobGivenUp(f"Task {self.spec.name} was given up before and is flagged for a person.")
         return Done(task_result(outcome.document), replayed=True)
-
-
-_TASK_DOOR = TaskDoor()

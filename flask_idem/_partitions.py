@@ -232,11 +232,15 @@ def _ahead(
         lower = upper
 
 
-#: The compact tombstones of a retired partition's finished keys, and where a flagged row goes.
+#: The compact tombstones of a retired partition's finished keys, and where a flagged row goes. A row
+#: without a stored status is a task's of layout 4 (``{"result": ...}``, or ``{"error": ...}`` given
+#: up): 200, or 500 for a failed one, as a task's row of layout 3 stores them. Neither form of a task's
+#: row has a ``Location``.
 _TOMBSTONES = """
 INSERT INTO {tombstones} (org_id, idem_key, request_sha, status, location, failed, expires_at)
 SELECT k.org_id, k.idem_key, k.request_sha,
-       coalesce((k.response->>'status')::smallint, 200::smallint),
+       coalesce((k.response->>'status')::smallint,
+                CASE WHEN k.status = 'failed' THEN 500 ELSE 200 END::smallint),
        (SELECT h->>1 FROM jsonb_array_elements(
             CASE WHEN jsonb_typeof(k.response->'headers') = 'array' THEN k.response->'headers'
                  ELSE '[]'::jsonb END) AS h

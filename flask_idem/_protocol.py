@@ -132,6 +132,15 @@ class Replay:
     mismatched: bool = False
     failed: bool = False
 
+    @property
+    def status(self) -> int:
+        """The stored status: a response's; a task's result (stored without one, from layout 4 on) is
+        ``200``, and a task given up ``500``, as a request's would be."""
+        status: int | None = self.document.get("status")
+        if status is None:
+            return 500 if self.failed else 200
+        return status
+
 
 Existing = InFlight | Mismatch | Tombstone | Replay
 
@@ -166,7 +175,7 @@ def announce(outcome: Existing, claim: Claim) -> None:
         signals.send(signals.tombstone_hit, org_id=org_id, key=key, status=status)
     else:
         replayed = signals.mismatch_replayed if outcome.mismatched else signals.response_replayed
-        signals.send(replayed, org_id=org_id, key=key, status=outcome.document["status"])
+        signals.send(replayed, org_id=org_id, key=key, status=outcome.status)
 
 
 def stored(keyed: KeyedRequest, flow: str | None, final: Final[Any]) -> None:

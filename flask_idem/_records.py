@@ -100,10 +100,13 @@ class Stranded:
     flow: str
     step: str | None
     state: dict[str, Any]
-    method: str
-    path: str
+    #: A request's method and path, or a background job's task (layout 4; before it, its method is
+    #: ``TASK`` and its path ``/_tasks/<name>``).
+    method: str | None
+    path: str | None
     attempts: int
     overdue: bool
+    task: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +122,11 @@ class StuckRow:
     age_seconds: float
     needs_attention: bool
     last_error: str | None
-    #: What the row is for: a request's method and path, or ``TASK`` and the task's path for a
-    #: background job (:mod:`flask_idem.jobs`).
-    method: str = ""
-    path: str = ""
+    #: What the row is for: a request's method and path, or a background job's task
+    #: (:mod:`flask_idem.jobs`; on layouts 1 to 3, method ``TASK`` and the task's path).
+    method: str | None = ""
+    path: str | None = ""
+    task: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,16 @@ coalesce(k.lease_expires_at > now(), false) AS lease_live, k.flow, k.step, k.sta
 -- The guard of every write under a lease: the row is still processing, under this worker's token.
 WHERE org_id = %(org_id)s AND idem_key = %(key)s AND status = 'processing' AND lease_token = %(token)s
 
+-- name: fragment subject
+-- What a row is for, unqualified (a claim's UPDATE joins nothing else with these columns): a request's
+-- method and path. A background job's row of layouts 1 to 3 has the method TASK and the path
+-- /_tasks/<name>.
+method, path
+
+-- name: fragment subject partitioned
+-- From layout 4 on, a background job's row names its task, and has no method or path.
+method, path, task
+
 -- name: fragment atomic
 -- An atomic request's row has no flow and no lease.
 NULL, NULL, NULL
@@ -137,13 +147,13 @@ WITH due AS (
 UPDATE {table} AS k SET lease_token = %(token)s,
     lease_expires_at = now() + make_interval(secs => %(lease)s), attempts = k.attempts + 1
 FROM due WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key
-RETURNING k.org_id, k.idem_key AS key, k.flow, k.step, k.state, k.method, k.path, k.attempts,
+RETURNING k.org_id, k.idem_key AS key, k.flow, k.step, k.state, {subject}, k.attempts,
           k.created_at <= now() - make_interval(secs => %(deadline)s) AS overdue
 
 -- name: stuck
 SELECT org_id, idem_key AS key, status, flow, step, attempts,
        extract(epoch FROM now() - created_at)::float8 AS age_seconds, needs_attention, last_error,
-       method, path
+       {subject}
 FROM {table}
 WHERE needs_attention
    OR (status = 'processing' AND created_at <= now() - make_interval(secs => %(older_than)s))
@@ -236,7 +246,7 @@ UPDATE {table} AS t SET lease_token = %(token)s,
 FROM (SELECT org_id, idem_key FROM {table} AS k WHERE {one_org} AND {claimable}
       FOR UPDATE SKIP LOCKED) AS due
 WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key
-RETURNING t.org_id, t.idem_key AS key, t.flow, t.step, t.state, t.method, t.path, t.attempts
+RETURNING t.org_id, t.idem_key AS key, t.flow, t.step, t.state, {subject}, t.attempts
 
 -- name: purge_candidates citus
 SELECT org_id, idem_key AS key FROM {table} AS k
@@ -322,9 +332,10 @@ SELECT EXISTS (SELECT FROM reserved) AS fresh, lock.taken, f.*
 FROM lock LEFT JOIN found AS f ON true
 
 -- name: insert_completed partitioned
--- Under the key's lock, after a lookup that found nothing in any partition (see lock partitioned).
-INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, response, expires_at)
-VALUES (%(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, 'completed', %(response)s,
+-- Under the key's lock, after a lookup that found nothing in any partition (see lock partitioned). An
+-- atomic task's row is written here too, naming its task.
+INSERT INTO {table} (org_id, idem_key, request_sha, method, path, task, status, response, expires_at)
+VALUES (%(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, %(task)s, 'completed', %(response)s,
         statement_timestamp() + make_interval(secs => %(ttl)s))
 
 -- name: stats_totals partitioned

@@ -20,7 +20,7 @@ from ._outbox import outbox_table
 from ._pool import ForkSafeConnectionPool
 from ._settings import Settings
 from ._state import IdemState, get_state
-from ._task import TASK_METHOD
+from ._task import row_task
 from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
 from .errors import ConfigurationError, missing_table_hint
 from .recovery import RecoveryReport, recover, run_forever
@@ -358,7 +358,8 @@ def stuck(older_than: float | None) -> None:
     )
     for row in rows:
         flag = "NEEDS ATTENTION" if row.needs_attention else "slow"
-        task = f" task={row.path.removeprefix('/_tasks/')}" if row.method == TASK_METHOD else ""
+        name = row_task(row.method, row.path, row.task)
+        task = "" if name is None else f" task={name}"
         click.echo(
             f"{flag:15} org={row.org_id} key={row.key}{task} status={row.status} flow={row.flow}"
             f" step={row.step}"

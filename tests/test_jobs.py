@@ -120,8 +120,8 @@ def test_a_redelivered_task_returns_the_stored_result_without_running(
     assert again == _delivery.Done({"value": 21, "doubled": 42}, replayed=True)
     assert effects(db) == [("add", 21)]
     assert len(runs(jobs_app)) == 1
-    row = db.execute("SELECT method, path, status FROM idempotency_keys").fetchone()
-    assert row == ("TASK", "/_tasks/jobs.add", "completed")
+    row = db.execute("SELECT method, path, task, status, response FROM idempotency_keys").fetchone()
+    assert row == (None, None, "jobs.add", "completed", {"result": {"value": 21, "doubled": 42}})
 
 
 def test_a_duplicate_is_deferred_while_the_first_runs(jobs_app: Flask, db: psycopg.Connection[Any]) -> None:

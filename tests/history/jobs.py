@@ -152,7 +152,8 @@ def settle_jobs(cluster: Cluster, jobs: Jobs, timeout: float = 120.0) -> None:
                 "SELECT count(*) FROM idempotency_keys_outbox WHERE sent_at IS NULL"
             ).fetchone()
             open_tasks = db.execute(
-                "SELECT count(*) FROM idempotency_keys WHERE method = 'TASK' AND status = 'processing'"
+                "SELECT count(*) FROM idempotency_keys"
+                " WHERE (task IS NOT NULL OR method = 'TASK') AND status = 'processing'"
             ).fetchone()
             paid = db.execute("SELECT count(*) FROM payments WHERE status = 'succeeded'").fetchone()
             sent = db.execute(
@@ -173,7 +174,8 @@ def check_fulfilment(cluster: Cluster, jobs: Jobs, report: Any) -> None:
         rows = db.execute("SELECT org_id, order_id, status FROM fulfilments").fetchall()
         unsent = db.execute("SELECT count(*) FROM idempotency_keys_outbox WHERE sent_at IS NULL").fetchone()
         flagged = db.execute(
-            "SELECT count(*) FROM idempotency_keys WHERE method = 'TASK' AND status <> 'completed'"
+            "SELECT count(*) FROM idempotency_keys"
+            " WHERE (task IS NOT NULL OR method = 'TASK') AND status <> 'completed'"
         ).fetchone()
     fulfilled = Counter((r[0], r[1]) for r in rows)
     mailed = Counter(
