@@ -227,16 +227,23 @@ def purge(batch_size: int) -> None:
         click.echo(f"Purged {deleted} expired key(s); {tombstoned} turned into tombstones.")
         return
     settings = state.settings
-    report = _partitions.maintain(
-        settings.database_url,
-        table=settings.table,
-        interval=settings.partition_interval,
-        horizon=state.horizon(),
-        tombstone_ttl=settings.tombstone_ttl,
-        lock_timeout=settings.migration_lock_timeout,
-        connect_options=settings.connect_options,
-        echo=click.echo,
-    )
+    try:
+        report = _partitions.maintain(
+            settings.database_url,
+            table=settings.table,
+            interval=settings.partition_interval,
+            horizon=state.horizon(),
+            tombstone_ttl=settings.tombstone_ttl,
+            lock_timeout=settings.migration_lock_timeout,
+            connect_options=settings.connect_options,
+            echo=click.echo,
+        )
+    except psycopg.errors.InsufficientPrivilege:
+        raise click.ClickException(
+            f"flask idem purge creates and drops partitions of {settings.table}, which only the tables'"
+            " owner may do: run it as the role that runs 'flask idem migrate' (for instance with"
+            " FLASK_IDEM_DATABASE_URL set to that role's URL)."
+        ) from None
     for name, why in report.kept:
         click.echo(f"Kept {name}: {why}; it is dropped by a later run once they finish.")
     click.echo(
