@@ -4,10 +4,14 @@ Neither needs an API key. ``/health`` never touches the database, so it answers 
 database holds some of the process's threads (see "Timeouts and failover" in the docs); ``/health/ready``
 asks the database one question within one second (:meth:`flask_idem.Idempotency.deadline`) and answers
 ``503`` with ``Retry-After`` when it cannot, so that a load balancer stops sending traffic rather than
-waiting on it.
+waiting on it. It also reports, in ``warnings``, a key table whose partitions run out soon
+(:meth:`flask_idem.Idempotency.partition_warning`), and still answers ``200``: taking every server out of
+the load balancer would not make partitions; ``flask idem purge`` does.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from .api import Blueprint
 from .extensions import idem
@@ -31,8 +35,10 @@ def health() -> dict[str, str]:
 @bp.doc(security=[])
 @bp.response(200, Health, description="The process and its database answer.")
 @bp.problems(500, 503)
-def ready() -> dict[str, str]:
+def ready() -> dict[str, Any]:
     """Readiness: the database answers one question within a second"""
-    with idem.deadline(READY_DEADLINE), idem.pool.connection() as conn:
-        conn.execute("SELECT 1")
-    return {"status": "ok"}
+    with idem.deadline(READY_DEADLINE):
+        with idem.pool.connection() as conn:
+            conn.execute("SELECT 1")
+        warning = idem.partition_warning()
+    return {"status": "ok"} if warning is None else {"status": "ok", "warnings": [warning]}

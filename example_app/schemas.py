@@ -129,6 +129,10 @@ class Health(Schema):
     """Whether the shop (and, for readiness, its database) answers."""
 
     status = fields.String(required=True, validate=validate.OneOf(["ok"]))
+    warnings = fields.List(
+        fields.String(),
+        metadata={"description": "Readiness: what needs a person soon, such as partitions running out."},
+    )
 
 
 class Problem(Schema):

@@ -21,7 +21,7 @@ from flask import Flask, Response
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from . import _deadline, _layout, _migrate, _view, _webhook
+from . import _deadline, _layout, _migrate, _partitions, _view, _webhook
 from ._async import synchronous
 from ._policy import Fingerprint
 from ._pool import ConnectionSource, ForkSafeConnectionPool, PooledConnection
@@ -380,6 +380,26 @@ class Idempotency:
             than it knows; the message names the command to run.
         """
         get_state().check_layout()
+
+    def partition_warning(self) -> str | None:
+        """A sentence when the current application's partitioned key table (layout 4) runs out of
+        partitions soon, else ``None`` (and on a key table that is not partitioned).
+
+        ``flask idem purge`` makes the partitions a key's expiry needs ahead of time, and a key that
+        expires after the newest partition cannot be written. The sentence comes when the newest ends
+        less than half of :data:`IDEM_PARTITION_AHEAD` past the longest retention: purge has not run
+        for days. It says when the newest ends and names the command to run. Catalog queries only, on a
+        connection of the application's: cheap enough for a readiness probe, which should report it,
+        not fail on it (every process would fail alike, and more partitions are what is missing, not
+        fewer servers); the shop's ``GET /health/ready`` answers it in ``warnings``. ``flask idem
+        stats`` and the metrics warn the same way (:doc:`/retention`).
+        """
+        state = get_state()
+        with state.source.connection() as conn:
+            parts = _partitions.overview(conn, state.settings.table)
+        if parts is None:
+            return None
+        return parts.warning(horizon=state.horizon(), ahead=state.settings.partition_ahead)
 
     def close(self) -> None:
         """Close the current application's connection pool in this process.

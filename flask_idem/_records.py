@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 __all__ = [
     "PARTITIONED",
     "RECORD_FIELDS",
+    "RangeRows",
     "Final",
     "KeyRecord",
     "KeyRef",
@@ -148,6 +149,17 @@ class TableState:
 
 
 @dataclass(frozen=True, slots=True)
+class RangeRows:
+    """The rows of one range of ``expires_at``: of one partition (layout 4), for ``flask idem stats``."""
+
+    rows: int
+    #: Multi-step requests still in progress: purge keeps their partition until they finish.
+    processing: int = 0
+    #: Rows flagged for a person: purge moves them to a live partition.
+    flagged: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class TableStats:
     """What ``flask idem stats`` prints. Reads the whole table: meant for a person, not for a scraper."""
 
@@ -167,6 +179,11 @@ class TableStats:
     #: ``pg_total_relation_size`` of the table (with its indexes and TOAST), and the indexes alone.
     total_bytes: int
     index_bytes: int
+    #: On a partitioned key table (layout 4), when asked for: the rows of each range of ``expires_at``
+    #: the bounds given end (each partition's), and one more range past the last bound; counted, not
+    #: estimated. Likewise the compact tombstones by range (live or not).
+    keys_by_range: list[RangeRows] = field(default_factory=list)
+    tombstones_by_range: list[RangeRows] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ inside the caller's transaction.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -37,6 +39,7 @@ from ._records import (
     KeyRecord,
     KeyRef,
     Lease,
+    RangeRows,
     Reservation,
     Stranded,
     StuckRow,
@@ -403,8 +406,18 @@ class Store:
         assert found is not None  # aggregates always answer one row
         return found
 
-    def stats(self) -> TableStats:
-        """The key table at a glance, for ``flask idem stats``, from one snapshot of it."""
+    def stats(
+        self,
+        *,
+        key_bounds: Sequence[datetime] | None = None,
+        tombstone_bounds: Sequence[datetime] | None = None,
+    ) -> TableStats:
+        """The key table at a glance, for ``flask idem stats``, from one snapshot of it.
+
+        :param key_bounds: on a partitioned key table (layout 4), the upper bounds of its partitions,
+            oldest first: its rows are counted by partition too (:attr:`TableStats.keys_by_range`).
+        :param tombstone_bounds: the same for the partitions of its compact tombstones.
+        """
         with self.source.connection() as conn, conn.transaction():
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             by_status = [(r[0], r[1]) for r in conn.execute(self._sql.stats_by_status)]
@@ -414,8 +427,29 @@ class Store:
             params = {"table": self._sql.qualified, "tomb": self.tombstone_ttl}
             with conn.cursor(row_factory=dict_row) as cursor:
                 totals = cursor.execute(self._sql.stats_totals, params).fetchone()
+                keys = _by_range(cursor, self._sql.stats_by_range, key_bounds)
+                tombstones = _by_range(cursor, self._sql.stats_tombstones_by_range, tombstone_bounds)
         assert totals is not None
-        return TableStats(by_status=by_status, by_flow=by_flow, oldest_processing=oldest, **totals)
+        return TableStats(
+            by_status=by_status,
+            by_flow=by_flow,
+            oldest_processing=oldest,
+            keys_by_range=keys,
+            tombstones_by_range=tombstones,
+            **totals,
+        )
+
+
+def _by_range(
+    cursor: psycopg.Cursor[DictRow], statement: bytes, bounds: Sequence[datetime] | None
+) -> list[RangeRows]:
+    """Rows by range of ``expires_at``, one range per bound and one past them; none without bounds."""
+    if bounds is None:
+        return []
+    found = {
+        row.pop("range"): RangeRows(**row) for row in cursor.execute(statement, {"bounds": list(bounds)})
+    }
+    return [found.get(i, RangeRows(0)) for i in range(len(bounds) + 1)]
 
 
 def _check_snapshots(lock: dict[str, Any]) -> None:
@@ -496,6 +530,8 @@ class _Statements:
         self.stats_by_flow = q("stats_by_flow")
         self.stats_oldest = q("stats_oldest")
         self.stats_totals = q("stats_totals")
+        self.stats_by_range = q("stats_by_range")
+        self.stats_tombstones_by_range = q("stats_tombstones_by_range")
         self.claim_candidates = self.purge_candidates = self.tombstone_candidates = b""
         if distributed:
             self.claim_candidates = q("claim_candidates")

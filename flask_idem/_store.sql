@@ -219,6 +219,20 @@ SELECT count(*) FILTER (WHERE k.needs_attention) AS flagged,
        pg_indexes_size(%(table)s::regclass) AS index_bytes
 FROM {table} AS k
 
+-- name: stats_by_range
+-- On a partitioned key table (layout 4): rows, multi-step rows in progress and flagged rows by range of
+-- expires_at, the ranges ending at %(bounds)s (the partitions' upper bounds, oldest first): range i is the
+-- i-th partition, and the last one is past every bound. Counted by expiry rather than by tableoid, which
+-- names shards on Citus.
+SELECT width_bucket(k.expires_at, %(bounds)s::timestamptz[]) AS range, count(*) AS rows,
+       count(*) FILTER (WHERE k.status = 'processing') AS processing,
+       count(*) FILTER (WHERE k.needs_attention) AS flagged
+FROM {table} AS k GROUP BY 1
+
+-- name: stats_tombstones_by_range
+SELECT width_bucket(t.expires_at, %(bounds)s::timestamptz[]) AS range, count(*) AS rows
+FROM {tombstones} AS t GROUP BY 1
+
 -- On Citus, from here on: rows are read without locks across shards (*_candidates), then acted on one
 -- organisation at a time (one shard, a router query) by a statement that locks them with SKIP LOCKED
 -- and checks again. Only IMMUTABLE functions may take a column in its UPDATE and DELETE, and no STABLE

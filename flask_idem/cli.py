@@ -6,6 +6,7 @@ import functools
 import signal
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import click
@@ -18,6 +19,7 @@ from . import _delivery, _layout, _migrate, _partitions, relay
 from ._cipher import new_key
 from ._outbox import outbox_table
 from ._pool import ForkSafeConnectionPool
+from ._records import RangeRows, TableStats
 from ._settings import Settings
 from ._state import IdemState, get_state
 from ._task import row_task
@@ -203,7 +205,7 @@ def migrate(distributed: bool, check: bool, roles: tuple[str, ...]) -> None:
     default=1000,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Rows deleted per transaction; smaller batches hold locks for less time.",
+    help="Before layout 4: rows deleted per transaction; smaller batches hold locks for less time.",
 )
 @_database_errors
 def purge(batch_size: int) -> None:
@@ -225,16 +227,23 @@ def purge(batch_size: int) -> None:
         click.echo(f"Purged {deleted} expired key(s); {tombstoned} turned into tombstones.")
         return
     settings = state.settings
-    report = _partitions.maintain(
-        settings.database_url,
-        table=settings.table,
-        interval=settings.partition_interval,
-        horizon=state.horizon(),
-        tombstone_ttl=settings.tombstone_ttl,
-        lock_timeout=settings.migration_lock_timeout,
-        connect_options=settings.connect_options,
-        echo=click.echo,
-    )
+    try:
+        report = _partitions.maintain(
+            settings.database_url,
+            table=settings.table,
+            interval=settings.partition_interval,
+            horizon=state.horizon(),
+            tombstone_ttl=settings.tombstone_ttl,
+            lock_timeout=settings.migration_lock_timeout,
+            connect_options=settings.connect_options,
+            echo=click.echo,
+        )
+    except psycopg.errors.InsufficientPrivilege:
+        raise click.ClickException(
+            f"flask idem purge creates and drops partitions of {settings.table}, which only the tables'"
+            " owner may do: run it as the role that runs 'flask idem migrate' (for instance with"
+            " FLASK_IDEM_DATABASE_URL set to that role's URL)."
+        ) from None
     for name, why in report.kept:
         click.echo(f"Kept {name}: {why}; it is dropped by a later run once they finish.")
     click.echo(
@@ -374,15 +383,28 @@ def stats() -> None:
     """Print the key table at a glance: rows by status and by flow and step, flagged rows, tombstones,
     what purge would do now, the oldest processing request and the table's size.
 
+    On the partitioned key table (layout 4), also its partitions and its tombstones' (how many, the
+    oldest and the newest, each one's range, rows and bytes), the passed partitions waiting for purge
+    and why, and a warning when the newest partition ends less than half of IDEM_PARTITION_AHEAD past
+    the longest retention (purge has not run for days).
+
     It counts every row (one pass over the table), so it takes a moment on millions of keys; the
     gauges of flask_idem.metrics are the cheap view for a monitoring system.
     """
     _ready()
     state = _state()
-    found = state.store.stats()
+    table = state.settings.table
+    with state.source.connection() as conn:
+        parts = _partitions.overview(conn, table)
+    if parts is None:
+        found = state.store.stats()
+    else:
+        found = state.store.stats(
+            key_bounds=[p.upper for p in parts.keys if p.upper is not None],
+            tombstone_bounds=[p.upper for p in parts.tombstones if p.upper is not None],
+        )
     click.echo(
-        f"Key table {state.settings.table}: {_size(found.total_bytes)} with indexes"
-        f" ({_size(found.index_bytes)} of indexes)"
+        f"Key table {table}: {_size(found.total_bytes)} with indexes ({_size(found.index_bytes)} of indexes)"
     )
     click.echo("Rows by status:")
     for status, rows in found.by_status or [("(none)", 0)]:
@@ -394,7 +416,10 @@ def stats() -> None:
             click.echo(f"  {flow:<{width}}  {status:<12} {step or '-':<16} {rows:>10}")
     click.echo(f"Flagged for a person: {found.flagged}")
     click.echo(f"Tombstones: {found.tombstones}")
-    click.echo(f"Waiting for purge: {found.to_tombstone} to become tombstones, {found.to_delete} to delete")
+    if parts is None:
+        click.echo(
+            f"Waiting for purge: {found.to_tombstone} to become tombstones, {found.to_delete} to delete"
+        )
     oldest = found.oldest_processing
     if oldest is None:
         click.echo("Oldest processing request: none")
@@ -404,6 +429,81 @@ def stats() -> None:
             f" step={oldest.step or '-'} attempts={oldest.attempts} age={oldest.age_seconds:.0f}s"
             f" last_error={oldest.last_error}"
         )
+    if parts is not None:
+        _print_partitions(parts, found, horizon=state.horizon(), ahead=state.settings.partition_ahead)
+
+
+def _print_partitions(
+    parts: _partitions.Overview, found: TableStats, *, horizon: float, ahead: float
+) -> None:
+    """The partitions part of ``flask idem stats``: both tables' partitions, the passed ones waiting for
+    purge and why, and the warning when the key table's run out soon."""
+    tables = (
+        (parts.table, parts.keys, found.keys_by_range),
+        (f"{parts.table}_tombstones", parts.tombstones, found.tombstones_by_range),
+    )
+    waiting: list[tuple[_partitions.Partition, str]] = []
+    for name, listed, counted in tables:
+        click.echo(f"Partitions of {name}: {len(listed)}{_ends(parts, listed)}")
+        if not listed:
+            continue
+        width = max(len(p.name) for p in listed)
+        click.echo(
+            f"  {'partition':<{width}}  {'expires_at from':<19}  {'to':<19}  {'rows':>10}  {'bytes':>10}"
+        )
+        passed = parts.passed(listed)
+        # One count per bound, and one past the last: as many as partitions, or one more (empty).
+        for part, rows in zip(listed, counted, strict=False):
+            lower, upper = _moment(part.lower, "MINVALUE"), _moment(part.upper, "MAXVALUE")
+            click.echo(
+                f"  {part.name:<{width}}  {lower:<19}  {upper:<19}  {rows.rows:>10}  {_size(part.bytes):>10}"
+            )
+            if part in passed:
+                waiting.append((part, _why_waiting(part, rows, tombstones=listed is parts.tombstones)))
+    click.echo("Passed partitions waiting for purge:" + ("" if waiting else " none"))
+    for part, why in waiting:
+        assert part.upper is not None  # passed
+        ago = _partitions.duration((parts.now - part.upper).total_seconds())
+        click.echo(f"  {part.name} (ended {ago} ago): {why}")
+    warning = parts.warning(horizon=horizon, ahead=ahead)
+    if warning is not None:
+        click.echo(f"Warning: {warning}")
+
+
+def _why_waiting(part: _partitions.Partition, rows: RangeRows, *, tombstones: bool) -> str:
+    """What purge does with a passed partition, or why it keeps it."""
+    if part.detaching:
+        return "its detach was interrupted; the next purge finishes it"
+    if tombstones:
+        return f"{rows.rows} tombstone(s) past their period, to drop"
+    if rows.processing:
+        return (
+            f"kept while {rows.processing} multi-step request(s) are in progress; dropped by the first purge"
+            " after they finish"
+        )
+    moved = f", {rows.flagged} flagged for a person to move to a live partition" if rows.flagged else ""
+    return f"{rows.rows} row(s) to drop once their tombstones are written{moved}"
+
+
+def _ends(parts: _partitions.Overview, listed: list[_partitions.Partition]) -> str:
+    """ "; the oldest, ... ends ...; the newest, ... ends ..." of a table's partitions."""
+
+    def end(part: _partitions.Partition) -> str:
+        if part.upper is None:
+            return f"{part.name}, is unbounded"
+        left = (part.upper - parts.now).total_seconds()
+        when = f"in {_partitions.duration(left)}" if left > 0 else f"{_partitions.duration(left)} ago"
+        return f"{part.name}, ends {_moment(part.upper, '')} UTC ({when})"
+
+    if not listed:
+        return ""
+    if len(listed) == 1:
+        return f"; {end(listed[0])}"
+    return f"; the oldest, {end(listed[0])}; the newest, {end(listed[-1])}"
+
+
+def _moment(moment: datetime | None, unbounded: str) -> str:
+    return unbounded if moment is None else f"{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S}"
 
 
 def _size(size: int) -> str:

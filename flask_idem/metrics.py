@@ -16,7 +16,8 @@ Optional (``pip install "flask-idem[metrics]"``, on prometheus-client)::
 
 Counters and histograms are updated by receivers of :mod:`flask_idem.signals`: nothing is read from
 the database per request. The gauges of the key table's state come from :class:`KeyTableCollector`,
-which runs one statement over two small partial indexes when Prometheus scrapes, never per request.
+which runs one statement over two small partial indexes when Prometheus scrapes, never per request, and
+on the partitioned key table (layout 4) reads its partitions from the catalog.
 
 Under a pre-fork server (gunicorn), set ``PROMETHEUS_MULTIPROC_DIR`` before the server starts:
 prometheus-client then writes each worker's counters to files there, and :meth:`Metrics.response`
@@ -36,7 +37,7 @@ import psycopg
 from blinker import NamedSignal
 from flask import Flask, Response
 
-from . import _delivery, signals
+from . import _delivery, _partitions, signals
 from ._state import get_state
 from .errors import ConfigurationError
 
@@ -221,7 +222,16 @@ class KeyTableCollector(Collector):
       read (the other gauges are then left out of the scrape);
     - for an application with background jobs (:mod:`flask_idem.jobs`), ``flask_idem_outbox_unsent``
       and ``flask_idem_outbox_oldest_unsent_age_seconds``: messages the relay has not published yet,
-      and the oldest one's age (a relay that stopped shows as a growing age).
+      and the oldest one's age (a relay that stopped shows as a growing age);
+    - on the partitioned key table (layout 4), from the catalog only (no row is read), labelled with
+      ``kind`` too (``keys``: the key table's; ``tombstones``: its compact tombstones'):
+      ``flask_idem_partitions`` (how many), ``flask_idem_partitions_bytes`` (on disk, indexes
+      included) and ``flask_idem_partitions_oldest_passed_seconds`` (how long ago the oldest
+      partition's range ended, 0 while it has not: a partition waiting for ``flask idem purge``); and
+      for the key table ``flask_idem_partitions_newest_end_seconds`` (seconds until the newest
+      partition's range ends: no key can expire later) and ``flask_idem_partitions_running_out`` (1
+      when it ends less than half of ``IDEM_PARTITION_AHEAD`` past the longest retention, the warning
+      of ``flask idem stats``).
 
     Applications sharing one database and table are read once, through the one added last. The
     collector does not keep an application alive.
@@ -240,13 +250,7 @@ class KeyTableCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         """Read each key table once and return the gauges."""
-        families = dict(
-            zip(
-                ("processing", "stranded", "flagged", "oldest", "up", "unsent", "unsent_age"),
-                self._families(),
-                strict=True,
-            )
-        )
+        families = dict(zip(_FAMILIES, self._families(), strict=True))
         seen: set[tuple[str, str]] = set()
         for ref in reversed(self._apps):
             app = ref()
@@ -273,6 +277,16 @@ class KeyTableCollector(Collector):
             families["stranded"].add_metric(label, found.stranded)
             families["flagged"].add_metric(label, found.flagged)
             families["oldest"].add_metric(label, found.oldest_processing_seconds)
+            try:
+                with state.source.connection() as conn:
+                    parts = _partitions.overview(conn, state.settings.table)
+            except psycopg.Error as e:
+                logger.warning("Could not read the key table's partitions for metrics: %s.", type(e).__name__)
+                parts = None
+            if parts is not None:
+                _add_partitions(
+                    families, label, parts, horizon=state.horizon(), ahead=state.settings.partition_ahead
+                )
             jobs: _delivery.JobsState | None = app.extensions.get(_delivery.EXTENSION_NAME)
             if jobs is not None:
                 try:
@@ -286,6 +300,8 @@ class KeyTableCollector(Collector):
 
     @staticmethod
     def _families() -> Iterator[GaugeMetricFamily]:
+        for name, text, labels in _PARTITION_GAUGES:
+            yield GaugeMetricFamily(name, text, labels=labels)
         for name, text in (
             ("flask_idem_keys_processing", "Multi-step requests not finished yet."),
             ("flask_idem_keys_stranded", "Processing requests whose lease expired, waiting to be resumed."),
@@ -299,3 +315,72 @@ class KeyTableCollector(Collector):
             ),
         ):
             yield GaugeMetricFamily(name, text, labels=["table"])
+
+
+#: The gauges of the partitions of a partitioned key table (layout 4) and of its tombstones.
+_PARTITION_GAUGES = (
+    (
+        "flask_idem_partitions",
+        "Partitions of the key table (kind=keys) or of its tombstones.",
+        ["table", "kind"],
+    ),
+    (
+        "flask_idem_partitions_bytes",
+        "Bytes on disk of those partitions, indexes included.",
+        ["table", "kind"],
+    ),
+    (
+        "flask_idem_partitions_oldest_passed_seconds",
+        "Seconds since the oldest partition's range ended (waiting for flask idem purge); 0 if it has not.",
+        ["table", "kind"],
+    ),
+    (
+        "flask_idem_partitions_newest_end_seconds",
+        "Seconds until the newest partition of the key table ends: no key can expire later.",
+        ["table"],
+    ),
+    (
+        "flask_idem_partitions_running_out",
+        "1 when the newest partition ends less than half of IDEM_PARTITION_AHEAD past the longest retention.",
+        ["table"],
+    ),
+)
+
+#: The collector's gauges, in the order of :meth:`KeyTableCollector._families`.
+_FAMILIES = (
+    "partitions",
+    "partition_bytes",
+    "partition_passed",
+    "partition_end",
+    "partition_short",
+    "processing",
+    "stranded",
+    "flagged",
+    "oldest",
+    "up",
+    "unsent",
+    "unsent_age",
+)
+
+
+def _add_partitions(
+    families: dict[str, GaugeMetricFamily],
+    label: list[str],
+    parts: _partitions.Overview,
+    *,
+    horizon: float,
+    ahead: float,
+) -> None:
+    """The partition gauges of one key table."""
+    for kind, listed in (("keys", parts.keys), ("tombstones", parts.tombstones)):
+        passed = parts.passed(listed)
+        oldest = (parts.now - passed[0].upper).total_seconds() if passed and passed[0].upper else 0.0
+        families["partitions"].add_metric([*label, kind], len(listed))
+        families["partition_bytes"].add_metric([*label, kind], sum(p.bytes for p in listed))
+        families["partition_passed"].add_metric([*label, kind], oldest)
+    end = parts.newest_end
+    if end is not None:
+        families["partition_end"].add_metric(label, (end - parts.now).total_seconds())
+    families["partition_short"].add_metric(
+        label, int(parts.warning(horizon=horizon, ahead=ahead) is not None)
+    )

@@ -6,16 +6,24 @@ import os
 import re
 import subprocess
 import sys
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+import pytest
 from cryptography.fernet import Fernet
 from flask import Flask
+from psycopg import sql
 
-from flask_idem import Idempotency
+from flask_idem import Idempotency, _partitions
 from flask_idem.cli import idem_cli
 
+from .support import citus
 from .support.helpers import close_pool
+from .support.layouts import create_first_release, drop
+from .support.partitions import insert, passed_table
 from .support.servers import ROOT
 
 
@@ -28,11 +36,38 @@ def test_init_db_is_idempotent(app: Flask) -> None:
         assert "idempotency_keys is ready" in result.output
 
 
-def test_purge_reports_its_count(app: Flask, db: psycopg.Connection[Any]) -> None:
-    """`flask idem purge` prints how many keys it removed and how many it turned into tombstones."""
+@pytest.fixture(params=["layout-4", "layout-1"])
+def any_layout(
+    request: pytest.FixtureRequest, make_app: Callable[..., Flask], direct_database_url: str
+) -> Iterator[tuple[Flask, str]]:
+    """An application on the partitioned key table of layout 4 (the worker's), or on a table of the first
+    release's layout (``legacy_cli_keys``, dropped afterwards), and the table's name."""
+    if request.param == "layout-4":
+        yield make_app(), "idempotency_keys"
+        return
+    drop(direct_database_url, "legacy_cli_keys")
+    create_first_release(direct_database_url, "legacy_cli_keys", distributed=citus.ENABLED)
+    try:
+        yield make_app(IDEM_TABLE="legacy_cli_keys"), "legacy_cli_keys"
+    finally:
+        drop(direct_database_url, "legacy_cli_keys")
+
+
+def test_purge_reports_its_count(any_layout: tuple[Flask, str]) -> None:
+    """`flask idem purge` prints how many keys it removed and how many it turned into tombstones; on
+    layout 4, the partitions it dropped and made, the tombstones it wrote and the flagged rows it moved
+    (tests/test_cli.py::test_stats_shows_partitions_and_what_purge_waits_for has each count at work)."""
+    app, _ = any_layout
     result = app.test_cli_runner().invoke(args=["idem", "purge", "--batch-size", "10"])
-    assert result.exit_code == 0
-    assert result.output.strip() == "Purged 0 expired key(s); 0 turned into tombstones."
+    assert result.exit_code == 0, result.output
+    if app.config.get("IDEM_TABLE") is None:
+        assert re.fullmatch(
+            r"Dropped 0 partition\(s\), wrote 0 tombstone\(s\), moved 0 flagged row\(s\); made \d+"
+            r" partition\(s\) ahead.\n",
+            result.output,
+        ), result.output
+    else:
+        assert result.output == "Purged 0 expired key(s); 0 turned into tombstones.\n"
 
 
 def test_recover_and_stuck_with_nothing_to_do(app: Flask) -> None:
@@ -60,35 +95,41 @@ def test_unreachable_database_is_one_clean_message() -> None:
     assert "s3cr3t" not in result.output
 
 
-def test_stats_shows_the_table_at_a_glance(app: Flask, db: psycopg.Connection[Any]) -> None:
+def test_stats_shows_the_table_at_a_glance(
+    any_layout: tuple[Flask, str], db: psycopg.Connection[Any]
+) -> None:
     """`flask idem stats` counts rows by status and by flow and step, flagged and purgeable rows, and
-    names the oldest processing request."""
-    import re
-    import uuid
-
+    names the oldest processing request; on layout 4 its partitions follow."""
+    app, table = any_layout
     stranded = uuid.uuid4()
     db.execute(
-        "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, status, response,"
-        " expires_at, flow, step, lease_token, lease_expires_at, needs_attention, created_at, attempts,"
-        " last_error) VALUES"
-        " (1, gen_random_uuid(), sha256('a'), 'POST', '/orders', 'completed', '{}', now() + interval '1 day',"
-        "  NULL, NULL, NULL, NULL, false, now(), 0, NULL),"
-        " (1, gen_random_uuid(), sha256('b'), 'POST', '/orders', 'completed', '{}', now() - interval '1 h',"
-        "  NULL, NULL, NULL, NULL, false, now() - interval '1 day', 0, NULL),"
-        " (2, %s, sha256('c'), 'POST', '/payments', 'processing', NULL, now() + interval '1 day',"
-        "  'shop.payments.create', 'intent', gen_random_uuid(), now() - interval '1 minute', false,"
-        "  now() - interval '300 seconds', 2, 'OutcomeUnknown'),"
-        " (2, gen_random_uuid(), sha256('d'), 'POST', '/payments', 'failed', '{}', now() + interval '1 day',"
-        "  'shop.payments.create', 'charge', NULL, NULL, true, now(), 5, 'recovery deadline passed')",
+        sql.SQL(
+            "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response,"
+            " expires_at, flow, step, lease_token, lease_expires_at, needs_attention, created_at, attempts,"
+            " last_error) VALUES"
+            " (1, gen_random_uuid(), sha256('a'), 'POST', '/orders', 'completed', '{{}}',"
+            "  now() + interval '1 day', NULL, NULL, NULL, NULL, false, now(), 0, NULL),"
+            " (1, gen_random_uuid(), sha256('b'), 'POST', '/orders', 'completed', '{{}}',"
+            "  now() - interval '1 h', NULL, NULL, NULL, NULL, false, now() - interval '1 day', 0, NULL),"
+            " (2, %s, sha256('c'), 'POST', '/payments', 'processing', NULL, now() + interval '1 day',"
+            "  'shop.payments.create', 'intent', gen_random_uuid(), now() - interval '1 minute', false,"
+            "  now() - interval '300 seconds', 2, 'OutcomeUnknown'),"
+            " (2, gen_random_uuid(), sha256('d'), 'POST', '/payments', 'failed', '{{}}',"
+            "  now() + interval '1 day', 'shop.payments.create', 'charge', NULL, NULL, true, now(), 5,"
+            "  'recovery deadline passed')"
+        ).format(sql.Identifier(table)),
         (stranded,),
     )
     result = app.test_cli_runner().invoke(args=["idem", "stats"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert re.fullmatch(
-        r"Key table idempotency_keys: [\d.]+ kB with indexes \([\d.]+ kB of indexes\)", lines[0]
+    assert re.fullmatch(rf"Key table {table}: [\d.]+ kB with indexes \([\d.]+ kB of indexes\)", lines[0])
+    # Layout 4 retires passed partitions whole: no row waits for purge on its own.
+    waiting = (
+        [] if table == "idempotency_keys" else ["Waiting for purge: 1 to become tombstones, 0 to delete"]
     )
-    assert lines[1:-1] == [
+    end = 10 + len(waiting)
+    assert lines[1:end] == [
         "Rows by status:",
         "  completed             2",
         "  failed                1",
@@ -98,23 +139,31 @@ def test_stats_shows_the_table_at_a_glance(app: Flask, db: psycopg.Connection[An
         "  shop.payments.create  processing   intent                    1",
         "Flagged for a person: 1",
         "Tombstones: 0",
-        "Waiting for purge: 1 to become tombstones, 0 to delete",
+        *waiting,
     ]
     oldest = re.fullmatch(
         f"Oldest processing request: org=2 key={stranded} flow=shop.payments.create step=intent attempts=2"
         r" age=(\d+)s last_error=OutcomeUnknown",
-        lines[-1],
+        lines[end],
     )
-    assert oldest is not None, lines[-1]
+    assert oldest is not None, lines[end]
     assert 299 <= int(oldest[1]) <= 400
+    if waiting:
+        assert len(lines) == end + 1
+        return
+    assert lines[end + 1].startswith("Partitions of idempotency_keys: ")
+    rows = sum(rows for *_, rows in partition_lines(result.output, "idempotency_keys"))
+    assert rows == 4
 
 
-def test_stats_of_an_empty_table(app: Flask) -> None:
+def test_stats_of_an_empty_table(any_layout: tuple[Flask, str]) -> None:
     """On an empty table, stats says so line by line."""
+    app, _ = any_layout
     output = app.test_cli_runner().invoke(args=["idem", "stats"]).output
     assert "  (none)                0" in output
     assert "Multi-step rows" not in output
-    assert output.endswith("Oldest processing request: none\n")
+    assert "Oldest processing request: none\n" in output
+    assert ("Passed partitions waiting for purge" in output) == (app.config.get("IDEM_TABLE") is None)
 
 
 def test_the_docs_table_lists_every_command() -> None:
@@ -160,3 +209,98 @@ def test_a_command_on_an_application_without_flask_idem_says_so() -> None:
     assert result.exit_code == 1
     assert "flask-idem is not initialised on this application" in result.output
     assert "Traceback" not in result.output
+
+
+def partition_lines(output: str, table: str) -> list[tuple[str, str, str, int]]:
+    """The partitions stats lists under "Partitions of <table>:": name, range and rows."""
+    section = output.split(f"Partitions of {table}: ", 1)[1].split("\nPartitions of ", 1)[0]
+    section = section.split("\nPassed partitions", 1)[0]
+    row = r"^  (\S+)  +(MINVALUE|[\d-]+ [\d:]+)  +([\d-]+ [\d:]+|MAXVALUE)  +(\d+)  +[\d.]+ (?:bytes|kB|MB)$"
+    return [(m[1], m[2], m[3], int(m[4])) for m in re.finditer(row, section, flags=re.MULTILINE)]
+
+
+def catalog_lines(
+    db: psycopg.Connection[Any], table: str, rows: dict[str, int]
+) -> list[tuple[str, str, str, int]]:
+    """What partition_lines should read: the catalog's partitions of ``table``, with ``rows`` by name."""
+
+    def moment(value: datetime | None, unbounded: str) -> str:
+        return unbounded if value is None else f"{value.astimezone(UTC):%Y-%m-%d %H:%M:%S}"
+
+    return [
+        (p.name, moment(p.lower, "MINVALUE"), moment(p.upper, "MAXVALUE"), rows.get(p.name, 0))
+        for p in _partitions.partitions(db, table)
+    ]
+
+
+def test_stats_shows_partitions_and_what_purge_waits_for(
+    make_app: Callable[..., Flask], direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """On layout 4, stats lists both tables' partitions with their ranges and rows, the passed ones waiting
+    for purge and why (a multi-step request in progress keeps one), and warns, naming purge, while the key
+    table has no partition ahead; purge makes them, and drops the passed one once the request finished."""
+    with passed_table(direct_database_url, "stats_keys") as table:
+        insert(db, table, "done")
+        insert(db, table, "flagged", status="failed", flagged=True)
+        insert(db, table, "running", status="processing", response=None, flow="notes.transfer")
+        first = _partitions.partitions(db, table)[0]
+        assert first.name == "stats_keys_p0" and first.upper is not None
+        ended = f"{first.upper.astimezone(UTC):%Y-%m-%d %H:%M:%S}"
+        runner = make_app(IDEM_TABLE=table).test_cli_runner()
+
+        def stats() -> str:
+            result = runner.invoke(args=["idem", "stats"])
+            assert result.exit_code == 0, result.output
+            return result.output
+
+        # Nothing ahead: the passed first partition is all there is, and requests would fail.
+        output = stats()
+        assert partition_lines(output, table) == [("stats_keys_p0", "MINVALUE", ended, 3)]
+        assert f"Partitions of {table}: 1; stats_keys_p0, ends {ended} UTC (2.0 h ago)\n" in output
+        assert f"Partitions of {table}_tombstones: 0\n" in output
+        waiting = output.split("Passed partitions waiting for purge:\n", 1)[1].splitlines()
+        assert waiting[0] == (
+            "  stats_keys_p0 (ended 2.0 h ago): kept while 1 multi-step request(s) are in progress; dropped"
+            " by the first purge after they finish"
+        )
+        assert waiting[1] == (
+            f"Warning: The newest partition of the key table {table} ends at {ended} UTC, which passed: less"
+            " than the longest retention (24.0 h): requests whose key would expire after it fail now. Run"
+            " 'flask idem purge' as the tables' owner (it makes partitions ahead), and run it daily."
+        )
+        assert len(waiting) == 2
+
+        # Purge makes partitions ahead and keeps the passed one while the request runs: no warning.
+        purged = runner.invoke(args=["idem", "purge"])
+        assert purged.exit_code == 0, purged.output
+        assert "Kept stats_keys_p0: 1 multi-step request(s) still in progress" in purged.output
+        output = stats()
+        keys = catalog_lines(db, table, {"stats_keys_p0": 3})
+        assert len(keys) >= 9  # the passed one, and a day each for the 8 days ahead
+        assert partition_lines(output, table) == keys
+        assert partition_lines(output, f"{table}_tombstones") == catalog_lines(db, f"{table}_tombstones", {})
+        newest = _partitions.partitions(db, table)[-1]
+        assert f"the newest, {newest.name}, ends {keys[-1][2]} UTC (in 8." in output
+        assert "Passed partitions waiting for purge:\n  stats_keys_p0 (ended 2.0 h ago): kept while" in output
+        assert "Warning" not in output
+
+        # Once it finished, purge writes the tombstones, moves the flagged row and drops the partition.
+        db.execute(
+            sql.SQL(
+                "UPDATE {} SET status = 'completed', response = '{{}}', lease_token = NULL"
+                " WHERE flow IS NOT NULL"
+            ).format(sql.Identifier(table))
+        )
+        purged = runner.invoke(args=["idem", "purge"])
+        assert "Dropped 1 partition(s), wrote 2 tombstone(s), moved 1 flagged row(s)" in purged.output
+        output = stats()
+        moved = db.execute(sql.SQL("SELECT tableoid::regclass::text FROM {}").format(sql.Identifier(table)))
+        keys = catalog_lines(db, table, {moved.fetchone()[0]: 1})  # type: ignore[index]
+        assert keys[0][0] != "stats_keys_p0" and partition_lines(output, table) == keys
+        tombstones = partition_lines(output, f"{table}_tombstones")
+        assert sum(rows for *_, rows in tombstones) == 2
+        assert [line[:3] for line in tombstones] == [
+            line[:3] for line in catalog_lines(db, f"{table}_tombstones", {})
+        ]
+        assert "Tombstones: 2\n" in output
+        assert "Passed partitions waiting for purge: none\n" in output

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -24,14 +25,17 @@ from flask import Flask
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from flask_idem import OutcomeUnknown
+from flask_idem import OutcomeUnknown, _partitions
 from flask_idem.errors import ConfigurationError
 from flask_idem.metrics import Metrics
 from flask_idem.recovery import recover
 
+from .support import citus
 from .support.flow_app import Ledger, build_flow_app
 from .support.helpers import ROOT, close_pool, gunicorn, headers, wait_for
+from .support.layouts import create_first_release, drop
 from .support.notes_app import build_app, post
+from .support.partitions import insert, passed_table
 from .support.webhook_app import SCHEMA as HOOK_SCHEMA
 from .support.webhook_app import build_webhook_app, event, sign
 
@@ -216,9 +220,74 @@ def test_gauges_read_only_small_indexes(db: psycopg.Connection[Any], make_app: C
     plan = json.dumps(db.execute(b"EXPLAIN (FORMAT JSON) " + statement).fetchone())
     assert "Seq Scan" not in plan, plan
     # Rows with a lease are in two small partial indexes (layout 2's due index has the lease index's
-    # predicate): either will do.
-    assert "idempotency_keys_lease_idx" in plan or "idempotency_keys_due_idx" in plan, plan
-    assert "idempotency_keys_attention_idx" in plan
+    # predicate): either will do. On layout 4 they are the partitions' own indexes of those.
+    used = set(re.findall(r'"Index Name": "([^"]+)"', plan))
+    predicates = {
+        name: predicate
+        for name, predicate in db.execute(
+            "SELECT c.relname, pg_get_expr(i.indpred, i.indrelid) FROM pg_index AS i"
+            " JOIN pg_class AS c ON c.oid = i.indexrelid WHERE c.relname = ANY(%s)",
+            (list(used),),
+        )
+    }
+    assert sorted(predicates) == sorted(used), plan
+    assert {predicates[name] for name in used} <= {"(lease_expires_at IS NOT NULL)", "needs_attention"}, plan
+    assert "needs_attention" in predicates.values(), plan
+
+
+def test_partition_gauges(
+    make_app: Callable[..., Flask],
+    direct_database_url: str,
+    db: psycopg.Connection[Any],
+    registry: CollectorRegistry,
+) -> None:
+    """On layout 4 the gauges count both tables' partitions and their bytes, say how long the oldest has
+    waited for purge and when the newest ends, and flag it running out until purge makes partitions ahead;
+    a key table that is not partitioned has none of them."""
+    with passed_table(direct_database_url, "gauge_keys") as table:
+        insert(db, table, "running", status="processing", response=None, flow="notes.transfer")
+        app = make_app(IDEM_TABLE=table)
+        Metrics(app, registry=registry)
+        keys, tombstones = {"table": table, "kind": "keys"}, {"table": table, "kind": "tombstones"}
+
+        found = scrape(registry)
+        assert value(found, "flask_idem_partitions", **keys) == 1
+        assert value(found, "flask_idem_partitions", **tombstones) == 0
+        assert (
+            value(found, "flask_idem_partitions_bytes", **keys) == _partitions.partitions(db, table)[0].bytes
+        )
+        assert 7200 <= value(found, "flask_idem_partitions_oldest_passed_seconds", **keys) < 7500
+        assert -7500 < value(found, "flask_idem_partitions_newest_end_seconds", table=table) <= -7200
+        assert value(found, "flask_idem_partitions_running_out", table=table) == 1
+
+        assert app.test_cli_runner().invoke(args=["idem", "purge"]).exit_code == 0
+        found = scrape(registry)
+        made = _partitions.partitions(db, table)
+        assert value(found, "flask_idem_partitions", **keys) == len(made) >= 9
+        assert (
+            value(found, "flask_idem_partitions", **tombstones)
+            == len(_partitions.partitions(db, table + "_tombstones"))
+            > 0
+        )
+        assert value(found, "flask_idem_partitions_bytes", **tombstones) > 0
+        # The first partition is kept while its multi-step request runs; the newest ends 8 days ahead
+        # (IDEM_KEY_TTL and IDEM_PARTITION_AHEAD), and nothing runs out.
+        assert value(found, "flask_idem_partitions_oldest_passed_seconds", **keys) >= 7200
+        assert value(found, "flask_idem_partitions_oldest_passed_seconds", **tombstones) == 0
+        assert value(found, "flask_idem_partitions_newest_end_seconds", table=table) >= 8 * 86400 - 60
+        assert value(found, "flask_idem_partitions_running_out", table=table) == 0
+
+    drop(direct_database_url, "legacy_gauge_keys")
+    create_first_release(direct_database_url, "legacy_gauge_keys", distributed=citus.ENABLED)
+    try:
+        legacy = make_app(IDEM_TABLE="legacy_gauge_keys")
+        other = CollectorRegistry()
+        Metrics(legacy, registry=other)
+        found = scrape(other)
+    finally:
+        drop(direct_database_url, "legacy_gauge_keys")
+    assert value(found, "flask_idem_key_table_up", table="legacy_gauge_keys") == 1
+    assert not [name for name, _ in found if name.startswith("flask_idem_partitions")]
 
 
 def test_init_app_rules(make_app: Callable[..., Flask], registry: CollectorRegistry) -> None:

@@ -123,6 +123,7 @@ with app.app_context():
     pool: ConnectionPool[Any] = idem.pool
     idem.create_table()
     idem.check_layout()
+    warning: str | None = idem.partition_warning()
     idem.close()
 
 # -- multi-step flows: both forms of Flow.call, the finish step, what a step sees --------------------------

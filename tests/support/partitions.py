@@ -1,0 +1,66 @@
+"""A partitioned key table (layout 4) of a test's own whose first partition's range has already passed.
+
+The upgrade to layout 4 attaches the old table as the first partition, ``<table>_p0``, for every
+``expires_at`` below ``now() + horizon``; a negative horizon puts that bound in the past, so that a test
+can write rows into a partition whose range has passed (``expires_at`` below the bound) without waiting
+for the clock, and see what ``flask idem stats``, the metrics and ``flask idem purge`` make of them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from flask_idem import _migrate
+
+from . import citus
+from .layouts import drop
+
+__all__ = ["INSERT", "drop_partitioned", "insert", "passed_table"]
+
+#: One row of the key table: org 1, a new key, a fingerprint, expired three hours ago, with the status,
+#: response, flow, lease token and lease time, and flag given.
+INSERT = (
+    "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response, expires_at, flow,"
+    " lease_token, lease_expires_at, needs_attention) VALUES (1, gen_random_uuid(), sha256(%s::bytea),"
+    " 'POST', '/notes', %s, %s, now() - interval '3 hours', %s, %s, now() + %s::interval, %s)"
+)
+
+
+@contextmanager
+def passed_table(url: str, table: str, *, passed: float = 7200.0) -> Iterator[str]:
+    """Create ``table`` in the latest layout, its first partition's range ended ``passed`` seconds ago
+    and no partition after it; drop it, its tombstones and its outbox afterwards."""
+    drop_partitioned(url, table)
+    _migrate.upgrade(url, table=table, distributed=citus.ENABLED, horizon=-passed)
+    try:
+        yield table
+    finally:
+        drop_partitioned(url, table)
+
+
+def drop_partitioned(url: str, table: str) -> None:
+    """Drop ``table`` (with its partitions), its compact tombstones, its outbox and reserve function."""
+    drop(url, table)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table + "_tombstones")))
+
+
+def insert(
+    db: psycopg.Connection[Any],
+    table: str,
+    seed: str,
+    *,
+    status: str = "completed",
+    response: str | None = '{"status": 201, "headers": [["Location", "/notes/1"]], "body": ""}',
+    flow: str | None = None,
+    flagged: bool = False,
+) -> None:
+    """Insert one row that expired three hours ago (into the passed first partition)."""
+    lease = (uuid.uuid4(), "1 hour") if flow is not None else (None, None)
+    db.execute(sql.SQL(INSERT).format(sql.Identifier(table)), (seed, status, response, flow, *lease, flagged))
