@@ -164,7 +164,10 @@ def maintain(
         grace = timedelta(seconds=min(interval, MAX_GRACE))
         tomb_interval = max(interval, tombstone_ttl / 4)
         moment = clock()
-        _ahead(runner, tables, tables.keys, moment + timedelta(seconds=horizon), interval, report)
+        recent = datetime.fromtimestamp(math.floor(moment.timestamp() / interval) * interval, UTC)
+        _ahead(
+            runner, tables, tables.keys, moment + timedelta(seconds=horizon), interval, report, start=recent
+        )
         if tombstone_ttl > 0:
             # Tombstones of every partition retired now, and of the keys written until the horizon.
             until = moment + timedelta(seconds=horizon + tombstone_ttl)
@@ -175,12 +178,17 @@ def maintain(
         for part in partitions(conn, tables.keys):
             if part.upper is None or part.upper > clock() - grace:
                 continue
-            if not part.detaching and not _retire(runner, tables, part, tombstone_ttl, interval, report):
+            try:
+                if part.detaching or _retire(runner, tables, part, tombstone_ttl, interval, report):
+                    _drop(runner, tables, tables.keys, part, report)
+            except psycopg.errors.UndefinedTable:  # another run retired it meanwhile
                 continue
-            _drop(runner, tables, tables.keys, part, report)
         for part in partitions(conn, tables.tombstones):
             if part.upper is not None and part.upper <= clock():
-                _drop(runner, tables, tables.tombstones, part, report)
+                try:
+                    _drop(runner, tables, tables.tombstones, part, report)
+                except psycopg.errors.UndefinedTable:
+                    continue
     return report
 
 
@@ -204,6 +212,8 @@ def _ahead(
     lower = found[-1].upper if found else start
     if lower is None:  # an unbounded last partition: nothing to add after it
         return
+    if start is not None and lower < start:  # no partition for a range passed already
+        lower = start
     prefix = "_p" if parent == tables.keys else "_t"
     while lower < until:
         upper = _aligned_after(lower, interval)
@@ -214,7 +224,10 @@ def _ahead(
             lower: datetime = lower,
             upper: datetime = upper,
             name: sql.Identifier = name,
-        ) -> None:
+        ) -> bool:
+            known = partitions(conn, parent)  # again, under the lock: another run may have made it
+            if known and (known[-1].upper is None or known[-1].upper >= upper):
+                return False
             conn.execute(
                 sql.SQL(
                     "CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
@@ -226,9 +239,10 @@ def _ahead(
                     sql.SQL(parent), name, sql.Literal(lower), sql.Literal(upper)
                 )
             )
+            return True
 
-        runner.transaction(create)
-        report.created.append(name.as_string(None))
+        if runner.transaction(create):
+            report.created.append(name.as_string(None))
         lower = upper
 
 
@@ -319,7 +333,18 @@ def _drop(
         )
     else:
         runner.echo(f"Detaching {part.name} (concurrently: requests go on meanwhile).")
-        conn.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.SQL(parent), name))
+        try:
+            conn.execute(
+                sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.SQL(parent), name)
+            )
+        except psycopg.Error:
+            if conn.broken:
+                raise
+            # Another run detached it, or is detaching it (and finishes, or the next run does): not ours.
+            now = {known.name: known for known in partitions(conn, parent)}
+            if part.name in now and not now[part.name].detaching:
+                raise
+            return
     runner.transaction(lambda c: c.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(name)))
     report.dropped.append(part.name)
 

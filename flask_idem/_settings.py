@@ -26,6 +26,7 @@ from .errors import ConfigurationError
 __all__ = [
     "DEFAULT_REPLAY_HEADERS",
     "SETTINGS",
+    "VIEW_OPTIONS_ATTR",
     "REQUIRED",
     "OnMismatch",
     "ScopeFunc",
@@ -56,6 +57,10 @@ DEFAULT_REPLAY_HEADERS = (
     "Last-Modified",
     "Link",
 )
+
+#: Attribute of a decorated view that holds its options (``flask_idem._view.ViewOptions``), whose ``ttl``
+#: :meth:`IdemState.horizon <flask_idem._state.IdemState.horizon>` reads.
+VIEW_OPTIONS_ATTR = "_flask_idem"
 
 #: The URL schemes libpq accepts.
 _SCHEMES = ("postgresql", "postgres")

@@ -13,15 +13,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
-from flask import Flask, current_app
+from flask import Flask, current_app, has_app_context
 from psycopg.rows import TupleRow
 
 from . import _layout
 from ._cipher import ResponseCipher
 from ._pool import ConnectionSource, ForkSafeConnectionPool
-from ._settings import Settings
+from ._settings import VIEW_OPTIONS_ATTR, Settings
 from ._store import Store
 from .flow import Flow
 
@@ -101,8 +102,20 @@ class IdemState:
 
     def horizon(self) -> float:
         """Seconds ahead of now that this application's keys may expire, and that partitions of the key
-        table are made ahead of: its longest retention and ``IDEM_PARTITION_AHEAD``."""
-        return self.settings.key_ttl + self.settings.partition_ahead
+        table are made ahead of: its longest retention (``IDEM_KEY_TTL``, or a route's longer ``ttl=``
+        among the current application's views) and ``IDEM_PARTITION_AHEAD``."""
+        longest = self.settings.key_ttl
+        if has_app_context():
+            for view in current_app.view_functions.values():
+                views: list[Any] = [view]
+                view_class = getattr(view, "view_class", None)
+                if view_class is not None:  # a MethodView's decorated methods
+                    views += [getattr(view_class, name, None) for name in ("post", "put", "patch", "delete")]
+                for one in views:
+                    ttl = getattr(getattr(one, VIEW_OPTIONS_ATTR, None), "ttl", None)
+                    if isinstance(ttl, (int, float)):
+                        longest = max(longest, float(ttl))
+        return longest + self.settings.partition_ahead
 
     def fire(self, point: str, conn: psycopg.Connection[TupleRow] | None) -> None:
         """Call the test hooks at ``point``: ``"view"`` after the view ran, inside its transaction;

@@ -24,7 +24,7 @@ from ._keys import HEADER, parse_key
 from ._policy import Fingerprint, Fingerprinted, RequestParts, describe_mismatch
 from ._records import Final, KeyedRequest, KeyRecord, Lease
 from ._replay import StoreResponse, record_response, replay_response
-from ._settings import OnMismatch, ScopeFunc, Settings
+from ._settings import VIEW_OPTIONS_ATTR, OnMismatch, ScopeFunc, Settings
 from ._state import IdemState
 from ._transactions import in_transaction, render
 from .errors import (
@@ -62,7 +62,7 @@ _HEADER_ENVIRON = "HTTP_" + HEADER.upper().replace("-", "_")  # where the WSGI e
 
 #: Attribute of a decorated view that holds its :class:`ViewOptions` (read by flask_idem.openapi and
 #: flask_idem.testing).
-OPTIONS_ATTR = "_flask_idem"
+OPTIONS_ATTR = VIEW_OPTIONS_ATTR
 
 logger = logging.getLogger("flask_idem")
 
