@@ -231,8 +231,8 @@ def _ahead(
             conn.execute(
                 sql.SQL(
                     "CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
-                    " WITH (fillfactor = 80)"
-                ).format(name, sql.SQL(parent))
+                    " WITH (fillfactor = {})"
+                ).format(name, sql.SQL(parent), sql.Literal(80 if prefix == "_p" else 100))
             )
             conn.execute(
                 sql.SQL("ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})").format(
@@ -246,26 +246,30 @@ def _ahead(
         lower = upper
 
 
-#: The compact tombstones of a retired partition's finished keys, and where a flagged row goes. A row
-#: without a stored status is a task's of layout 4 (``{"result": ...}``, or ``{"error": ...}`` given
-#: up): 200, or 500 for a failed one, as a task's row of layout 3 stores them. Neither form of a task's
-#: row has a ``Location``.
+#: The compact tombstones of a retired partition's finished keys. A row without a stored status is a
+#: task's of layout 4 (``{"result": ...}``, or ``{"error": ...}`` given up): 200, or 500 for a failed
+#: one, as a task's row of layout 3 stores them. Neither form of a task's row has a ``Location``. A
+#: failed operation's status is kept negative (no column of its own: a tombstone is kept narrow).
 _TOMBSTONES = """
-INSERT INTO {tombstones} (org_id, idem_key, request_sha, status, location, failed, expires_at)
-SELECT k.org_id, k.idem_key, k.request_sha,
-       coalesce((k.response->>'status')::smallint,
-                CASE WHEN k.status = 'failed' THEN 500 ELSE 200 END::smallint),
+INSERT INTO {tombstones} (expires_at, org_id, idem_key, status, request_sha, location)
+SELECT e.until, k.org_id, k.idem_key,
+       (CASE WHEN k.status = 'failed' THEN -1 ELSE 1 END)
+       * coalesce((k.response->>'status')::smallint,
+                  CASE WHEN k.status = 'failed' THEN 500 ELSE 200 END::smallint),
+       k.request_sha,
        (SELECT h->>1 FROM jsonb_array_elements(
             CASE WHEN jsonb_typeof(k.response->'headers') = 'array' THEN k.response->'headers'
                  ELSE '[]'::jsonb END) AS h
-        WHERE lower(h->>0) = 'location' LIMIT 1),
-       k.status = 'failed', e.until
+        WHERE lower(h->>0) = 'location' LIMIT 1)
 FROM {partition} AS k,
 LATERAL (SELECT CASE WHEN k.response ? 'tombstone' THEN k.expires_at
                      ELSE k.expires_at + make_interval(secs => %(tomb)s) END AS until) AS e
 WHERE k.status <> 'processing' AND NOT k.needs_attention AND e.until > now()
-ON CONFLICT DO NOTHING
 """
+
+#: What marks a partition whose tombstones are written (a run that stopped before dropping it leaves it
+#: so, and the next run writes none twice).
+_RETIRED = "flask-idem: tombstones written"
 
 _MOVE = """
 WITH moved AS (DELETE FROM {partition} WHERE needs_attention RETURNING *)
@@ -300,11 +304,14 @@ def _retire(
             report.kept.append((part.name, f"{busy[0]} multi-step request(s) still in progress"))
             return None
         written = 0
-        if tombstone_ttl > 0:
+        marked = conn.execute("SELECT obj_description(%s::regclass, 'pg_class')", (name.as_string(None),))
+        retired = marked.fetchone() == (_RETIRED,)
+        if tombstone_ttl > 0 and not retired:
             written = conn.execute(
                 sql.SQL(_TOMBSTONES).format(tombstones=sql.SQL(tables.tombstones), partition=name),
                 {"tomb": tombstone_ttl},
             ).rowcount
+        conn.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(name, sql.Literal(_RETIRED)))
         moved = conn.execute(
             sql.SQL(_MOVE).format(partition=name, table=tables.names["table"]),
             {"keep": 2 * interval, "after": part.upper},

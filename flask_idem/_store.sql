@@ -307,8 +307,8 @@ SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken,
 -- name: fragment tombstone_record partitioned
 -- A compact tombstone as a later request reads a key's row: the document a tombstone of layout 3
 -- kept in the row (its status and Location), past retention, not to be used anew until expires_at.
-t.request_sha, CASE WHEN t.failed THEN 'failed' ELSE 'completed' END AS status,
-jsonb_build_object('tombstone', true, 'status', t.status, 'headers',
+t.request_sha, CASE WHEN t.status < 0 THEN 'failed' ELSE 'completed' END AS status,
+jsonb_build_object('tombstone', true, 'status', abs(t.status), 'headers',
     CASE WHEN t.location IS NULL THEN '[]'::jsonb
          ELSE jsonb_build_array(jsonb_build_array('Location', t.location)) END) AS response,
 false AS expired, true AS stale, false AS lease_live, NULL::text AS flow, NULL::text AS step,

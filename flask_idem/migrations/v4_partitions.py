@@ -65,7 +65,7 @@ REVISION = Revision(
         "response_check": "_check",
         "lease_check": "_check1",
         "tombstones": "_tombstones",
-        "tombstones_pkey": "_tombstones_pkey",
+        "tombstones_index": "_tombstones_key_idx",
     },
     tables=("tombstones",),
     sql="""
@@ -99,15 +99,18 @@ $bound$;
 -- fingerprint, the final status and the Location of a 303, until expires_at. Partitioned like the key
 -- table, and dropped partition by partition.
 CREATE TABLE IF NOT EXISTS {tombstones_qualified} (
+    -- Columns in this order, fixed-width ones first, leave no padding: about 105 bytes a row.
+    expires_at  timestamptz NOT NULL,
     org_id      bigint      NOT NULL,
     idem_key    uuid        NOT NULL,
-    request_sha bytea       NOT NULL,
+    -- The final answer's status; negative when the operation failed (given up by the recovery job).
     status      smallint    NOT NULL,
-    location    text,
-    failed      boolean     NOT NULL DEFAULT false,
-    expires_at  timestamptz NOT NULL,
-    CONSTRAINT {tombstones_pkey} PRIMARY KEY (org_id, idem_key, expires_at)
+    request_sha bytea       NOT NULL,
+    location    text
 ) PARTITION BY RANGE (expires_at);
+-- Not unique: a tombstone is written once, by the run that retires its key's partition (which marks it),
+-- and a narrower index than (org_id, idem_key, expires_at) keeps tombstones small.
+CREATE INDEX IF NOT EXISTS {tombstones_index} ON {tombstones_qualified} (org_id, idem_key);
 """,
     indexes=(Index("first_key_index", "ON {table} (org_id, idem_key, expires_at)", unique=True),),
     after=(
