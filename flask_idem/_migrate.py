@@ -146,6 +146,7 @@ def upgrade(
     lock_timeout: float = 2.0,
     connect_options: Mapping[str, str | int | None] | None = None,
     horizon: float = DEFAULT_HORIZON,
+    to: int | None = None,
     echo: Callable[[str], None] = logger.info,
 ) -> Report:
     """Create the key table, or bring it to the latest layout, on a connection of its own to ``url``.
@@ -162,8 +163,14 @@ def upgrade(
     :param horizon: seconds ahead of now that the application's keys may expire while the upgrade runs:
         its longest retention and the time partitions are made ahead (layout 4's first partition ends
         past it).
+    :param to: the layout to stop at (``None``: the latest). Revisions after it are not applied, and a
+        table at a later layout is left as it is: for a table in an older layout, which this release
+        still runs on (its tests build one; an application runs on whatever ``migrate`` made).
     :param echo: told of each step, for a person watching.
+    :raises ValueError: when ``to`` is no layout of this release.
     """
+    if to is not None and not 1 <= to <= _layout.latest():
+        raise ValueError(f"There is no layout {to}: layouts are 1 to {_layout.latest()}.")
     names = {**_layout.names(table), "horizon": sql.Literal(float(horizon))}
     with connect(url, connect_options) as conn:
         runner = _Runner(conn, table, names, lock_timeout, echo, distributed=distributed)
@@ -171,11 +178,13 @@ def upgrade(
         report = Report(before=found, after=found.layout or 0)
         runner.report = report
         for revision in todo:
+            if to is not None and revision.layout > to:
+                break
             if runner.apply(revision):
                 report.applied.append(revision.layout)
             report.after = revision.layout
         if distributed and not runner.is_distributed():
-            runner.distribute()
+            runner.distribute(to)
         report.found = _layout.read(conn, table)
     return report
 
@@ -330,14 +339,15 @@ class _Runner:
         ).fetchone()
         return found == (True,)
 
-    def distribute(self) -> None:
-        """Run every revision's Citus statements, in one transaction (each is safe to run again)."""
+    def distribute(self, to: int | None = None) -> None:
+        """Run every revision's Citus statements (up to layout ``to``), in one transaction (each is safe
+        to run again)."""
 
         def run(conn: psycopg.Connection[Any]) -> None:
             # Citus runs a function's DDL over one connection per node, so the whole transaction must.
             conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
             for revision in _layout.revisions():
-                if revision.distributed_sql:
+                if revision.distributed_sql and (to is None or revision.layout <= to):
                     conn.execute(sql.SQL(revision.distributed_sql).format(**self.names))
 
         self.echo("Distributing the tables by org_id on Citus.")

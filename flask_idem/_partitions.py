@@ -155,6 +155,9 @@ def maintain(
         retention and ``IDEM_PARTITION_AHEAD``.
     :param tombstone_ttl: seconds a key is remembered after its response expired (``IDEM_TOMBSTONE_TTL``);
         0 keeps no tombstone.
+    :param now: the clock, the database's ``now()`` by default. Every comparison with the present is
+        with its reading, the statements' included (they take it as a parameter), so that a fake clock
+        ahead of the database's (a test's) retires partitions consistently.
     """
     tables = _Tables(table)
     report = RetentionReport()
@@ -176,10 +179,11 @@ def maintain(
             )
             _ahead(runner, tables, tables.tombstones, until, tomb_interval, report, start=start)
         for part in partitions(conn, tables.keys):
-            if part.upper is None or part.upper > clock() - grace:
+            at = clock()
+            if part.upper is None or part.upper > at - grace:
                 continue
             try:
-                if part.detaching or _retire(runner, tables, part, tombstone_ttl, interval, report):
+                if part.detaching or _retire(runner, tables, part, tombstone_ttl, interval, at, report):
                     _drop(runner, tables, tables.keys, part, report)
             except psycopg.errors.UndefinedTable:  # another run retired it meanwhile
                 continue
@@ -264,7 +268,7 @@ SELECT e.until, k.org_id, k.idem_key,
 FROM {partition} AS k,
 LATERAL (SELECT CASE WHEN k.response ? 'tombstone' THEN k.expires_at
                      ELSE k.expires_at + make_interval(secs => %(tomb)s) END AS until) AS e
-WHERE k.status <> 'processing' AND NOT k.needs_attention AND e.until > now()
+WHERE k.status <> 'processing' AND NOT k.needs_attention AND e.until > %(now)s
 """
 
 #: What marks a partition whose tombstones are written (a run that stopped before dropping it leaves it
@@ -277,7 +281,7 @@ INSERT INTO {table} (org_id, idem_key, request_sha, method, path, task, status, 
                      expires_at, flow, step, state, lease_token, lease_expires_at, attempts,
                      next_attempt_at, last_error, needs_attention)
 SELECT org_id, idem_key, request_sha, method, path, task, status, response, created_at,
-       greatest(expires_at, now() + make_interval(secs => %(keep)s), %(after)s), flow, step, state,
+       greatest(expires_at, %(now)s + make_interval(secs => %(keep)s), %(after)s), flow, step, state,
        lease_token,
        lease_expires_at, attempts, next_attempt_at, last_error, needs_attention
 FROM moved
@@ -290,9 +294,15 @@ def _retire(
     part: Partition,
     tombstone_ttl: float,
     interval: float,
+    now: datetime,
     report: RetentionReport,
 ) -> bool:
-    """Step 1 of retiring ``part``; whether it may be detached and dropped now."""
+    """Step 1 of retiring ``part``; whether it may be detached and dropped now.
+
+    ``now`` is :func:`maintain`'s clock, not the statements' ``now()``: which tombstones are still
+    live, and how far ahead a flagged row moves, are measured against the moment that retires the
+    partition (under a fake clock as well, whose partitions are the ones made ahead).
+    """
     name = tables.qualified(part.name)
 
     def work(conn: psycopg.Connection[Any]) -> tuple[int, int] | None:
@@ -309,12 +319,12 @@ def _retire(
         if tombstone_ttl > 0 and not retired:
             written = conn.execute(
                 sql.SQL(_TOMBSTONES).format(tombstones=sql.SQL(tables.tombstones), partition=name),
-                {"tomb": tombstone_ttl},
+                {"tomb": tombstone_ttl, "now": now},
             ).rowcount
         conn.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(name, sql.Literal(_RETIRED)))
         moved = conn.execute(
             sql.SQL(_MOVE).format(partition=name, table=tables.names["table"]),
-            {"keep": 2 * interval, "after": part.upper},
+            {"keep": 2 * interval, "after": part.upper, "now": now},
         ).rowcount
         return written, moved
 

@@ -793,3 +793,20 @@ def test_column_revision_gives_way_to_a_long_transaction(
     assert db.execute(relfilenode).fetchone() == file_before  # no rewrite
     policies = db.execute(sql.SQL("SELECT DISTINCT test_policy FROM {}").format(keys)).fetchall()
     assert policies == [("strict",)]
+
+
+def test_upgrade_stops_at_the_layout_asked(
+    fresh: str, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """``to`` applies the revisions up to that layout only; the next call goes on from there, and a
+    layout this release does not have is refused before anything is done."""
+    for wrong in (0, _layout.latest() + 1):
+        with pytest.raises(ValueError, match=f"no layout {wrong}"):
+            _migrate.upgrade(direct_database_url, table=fresh, to=wrong)
+    assert layout_of(db, fresh) is None
+    first = _migrate.upgrade(direct_database_url, table=fresh, distributed=citus.ENABLED, to=2)
+    assert (first.applied, first.after, layout_of(db, fresh)) == ([1, 2], 2, 2)
+    second = _migrate.upgrade(direct_database_url, table=fresh, distributed=citus.ENABLED, to=3)
+    assert (second.applied, second.after, layout_of(db, fresh)) == ([3], 3, 3)
+    assert db.execute("SELECT to_regclass(%s)", (fresh + "_outbox",)).fetchone() == (fresh + "_outbox",)
+    assert db.execute("SELECT relkind FROM pg_class WHERE oid = %s::regclass", (fresh,)).fetchone() == ("r",)

@@ -74,11 +74,17 @@ def app_factory(build: Callable[..., Flask]) -> Iterator[Callable[..., Flask]]:
         close_pool(app)
 
 
-def age(db: psycopg.Connection[Any], interval: str) -> None:
-    """Move every key row ``interval`` into the past, as if that much time had gone by."""
+def age(db: psycopg.Connection[Any], interval: str, table: str = "idempotency_keys") -> None:
+    """Move every row of key table ``table`` ``interval`` into the past, as if that much time had gone by.
+
+    Not on a partitioned key table (layout 4): its rows would move to partitions of the past, which do
+    not exist; time passes there for :func:`flask_idem._partitions.maintain`, by its fake clock.
+    """
     # In epoch seconds: Citus refuses a STABLE function (timestamptz - interval) on a column in an UPDATE.
     db.execute(
-        "UPDATE idempotency_keys SET expires_at = to_timestamp("
-        " extract(epoch FROM expires_at - 'epoch'::timestamptz) - extract(epoch FROM %s::interval))",
+        sql.SQL(
+            "UPDATE {} SET expires_at = to_timestamp("
+            " extract(epoch FROM expires_at - 'epoch'::timestamptz) - extract(epoch FROM %s::interval))"
+        ).format(sql.Identifier(*table.split("."))),
         (interval,),
     )
