@@ -132,6 +132,9 @@ BEGIN
     END IF;
     ALTER TABLE {table} RENAME TO {first};
     ALTER TABLE {first_qualified} RENAME CONSTRAINT {pkey} TO {first_pkey};
+    -- The index built concurrently becomes the constraint the partitioned table's unique key attaches
+    -- (a plain unique index would not be taken, and the attach would build one, holding its locks).
+    ALTER TABLE {first_qualified} ADD CONSTRAINT {first_key_index} UNIQUE USING INDEX {first_key_index};
     ALTER INDEX {expires_index_qualified} RENAME TO {first_expires_index};
     ALTER INDEX {lease_index_qualified} RENAME TO {first_lease_index};
     ALTER INDEX {attention_index_qualified} RENAME TO {first_attention_index};
