@@ -14,8 +14,8 @@ import random
 import threading
 import time
 import uuid
-from datetime import UTC, datetime
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
