@@ -208,7 +208,7 @@ def atomic(
     try:
         outcome = in_transaction(state.source, body, batched=True)
     except psycopg.errors.UniqueViolation as e:
-        if e.diag.table_name != state.settings.table.rpartition(".")[2]:
+        if not _is_key_table(e.diag.table_name, state.settings.table):
             raise
         # The key's row, written with COMMIT, met one committed meanwhile (under REPEATABLE READ, whose
         # snapshot predates the key's lock): nothing of this attempt was kept, and the next finds it.
@@ -218,6 +218,16 @@ def atomic(
     else:
         announce(outcome, claim)
     return outcome
+
+
+def _is_key_table(name: str | None, table: str) -> bool:
+    """Whether ``name``, a table an error names, is the key table ``table`` or, on layout 4, one of its
+    partitions (``<table>_p0``, ``<table>_p<stamp>``: the index that refuses a row is a partition's)."""
+    base = table.rpartition(".")[2]
+    if name is None or not name.startswith(base):
+        return False
+    rest = name[len(base) :]
+    return rest == "" or (rest.startswith("_p") and rest[2:].isdigit())
 
 
 # -- multi-step: the intent under a lease, then the steps (._steps) -----------------------------------
