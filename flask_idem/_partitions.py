@@ -31,7 +31,10 @@ statement runs (``statement_timestamp()``), and every retention is positive. Ret
 before.
 
 Every step runs as the owner of the tables (the role of ``flask idem migrate``), under the migration's
-advisory lock, so that two runs, or a run and a migration, never work at once.
+advisory lock, so that two runs, or a run and a migration, never work at once; all but the concurrent
+detach, which cannot run in a transaction. Two runs at once both succeed: a partition is made after
+the last one found under the lock, and a partition another run is retiring is left to it (a detach it
+left pending, as when it was interrupted, is finished by the next run with ``DETACH ... FINALIZE``).
 """
 
 from __future__ import annotations
@@ -116,6 +119,11 @@ def _aligned_after(moment: datetime, interval: float) -> datetime:
     return datetime.fromtimestamp((math.floor(seconds / interval) + 1) * interval, UTC)
 
 
+def _aligned_at(moment: datetime, interval: float) -> datetime:
+    """The last multiple of ``interval`` seconds since the epoch at or before ``moment``."""
+    return datetime.fromtimestamp(math.floor(moment.timestamp() / interval) * interval, UTC)
+
+
 class _Tables:
     """The names of one key table's partitioned tables and the statements on their partitions."""
 
@@ -164,13 +172,14 @@ def maintain(
         grace = timedelta(seconds=min(interval, MAX_GRACE))
         tomb_interval = max(interval, tombstone_ttl / 4)
         moment = clock()
-        _ahead(runner, tables, tables.keys, moment + timedelta(seconds=horizon), interval, report)
+        start = _aligned_at(moment, interval)
+        _ahead(
+            runner, tables, tables.keys, moment + timedelta(seconds=horizon), interval, report, start=start
+        )
         if tombstone_ttl > 0:
             # Tombstones of every partition retired now, and of the keys written until the horizon.
             until = moment + timedelta(seconds=horizon + tombstone_ttl)
-            start = datetime.fromtimestamp(
-                math.floor(moment.timestamp() / tomb_interval) * tomb_interval, UTC
-            )
+            start = _aligned_at(moment, tomb_interval)
             _ahead(runner, tables, tables.tombstones, until, tomb_interval, report, start=start)
         for part in partitions(conn, tables.keys):
             if part.upper is None or part.upper > clock() - grace:
@@ -192,44 +201,44 @@ def _ahead(
     interval: float,
     report: RetentionReport,
     *,
-    start: datetime | None = None,
+    start: datetime,
 ) -> None:
-    """Make partitions of ``parent`` from the end of its last one (or ``start``) until ``until``.
+    """Make partitions of ``parent`` from the end of its last one until ``until``; from ``start`` (the
+    interval that holds now) when there is none, or the last one ended before it: no row can expire in
+    the past, and a run after a long pause makes no partition only to drop it.
 
     Each is created on its own and then attached: ``ATTACH PARTITION`` takes a lock on the parent that
     writers do not wait on (``CREATE TABLE ... PARTITION OF`` would take one they do), and finds the new
-    table empty at once.
+    table empty at once. The last partition is read in the same transaction, under the migration's
+    lock, so that two runs at once make each partition once.
     """
-    found = partitions(runner.conn, parent)
-    lower = found[-1].upper if found else start
-    if lower is None:  # an unbounded last partition: nothing to add after it
-        return
     prefix = "_p" if parent == tables.keys else "_t"
-    while lower < until:
+
+    def create(conn: psycopg.Connection[Any]) -> sql.Identifier | None:
+        found = partitions(conn, parent)
+        last = found[-1].upper if found else start
+        if last is None:  # an unbounded last partition: nothing to add after it
+            return None
+        lower = max(last, start)
+        if lower >= until:
+            return None
         upper = _aligned_after(lower, interval)
         name = tables.partition(prefix, lower)
-
-        def create(
-            conn: psycopg.Connection[Any],
-            lower: datetime = lower,
-            upper: datetime = upper,
-            name: sql.Identifier = name,
-        ) -> None:
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
-                    " WITH (fillfactor = 80)"
-                ).format(name, sql.SQL(parent))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+                " WITH (fillfactor = 80)"
+            ).format(name, sql.SQL(parent))
+        )
+        conn.execute(
+            sql.SQL("ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})").format(
+                sql.SQL(parent), name, sql.Literal(lower), sql.Literal(upper)
             )
-            conn.execute(
-                sql.SQL("ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})").format(
-                    sql.SQL(parent), name, sql.Literal(lower), sql.Literal(upper)
-                )
-            )
+        )
+        return name
 
-        runner.transaction(create)
-        report.created.append(name.as_string(None))
-        lower = upper
+    while (made := runner.transaction(create)) is not None:
+        report.created.append(made.as_string(None))
 
 
 #: The compact tombstones of a retired partition's finished keys, and where a flagged row goes.
@@ -291,7 +300,10 @@ def _retire(
         ).rowcount
         return written, moved
 
-    done = runner.transaction(work)
+    try:
+        done = runner.transaction(work)
+    except psycopg.errors.UndefinedTable:  # another run retired and dropped it meanwhile
+        return False
     if done is None:
         return False
     report.tombstoned += done[0]
@@ -302,17 +314,33 @@ def _retire(
 def _drop(
     runner: _migrate._Runner, tables: _Tables, parent: str, part: Partition, report: RetentionReport
 ) -> None:
-    """Detach ``part`` from ``parent`` without blocking anyone, then drop it."""
+    """Detach ``part`` from ``parent`` without blocking anyone, then drop it.
+
+    Another run may be at it too: a partition that is no partition any more (detached, or dropped) is
+    dropped if it is still there, and one whose detach another run has begun is left to that run.
+    """
     name = tables.qualified(part.name)
     conn = runner.conn
-    if part.detaching:
-        runner.transaction(
-            lambda c: c.execute(
-                sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(sql.SQL(parent), name)
+    try:
+        if part.detaching:
+            runner.transaction(
+                lambda c: c.execute(
+                    sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(sql.SQL(parent), name)
+                )
             )
-        )
-    else:
-        runner.echo(f"Detaching {part.name} (concurrently: requests go on meanwhile).")
-        conn.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.SQL(parent), name))
-    runner.transaction(lambda c: c.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(name)))
+        else:
+            runner.echo(f"Detaching {part.name} (concurrently: requests go on meanwhile).")
+            conn.execute(
+                sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.SQL(parent), name)
+            )
+    except psycopg.errors.ObjectNotInPrerequisiteState:  # "already pending detach": another run's
+        runner.echo(f"{part.name} is being detached by another run; left to it.")
+        return
+    except psycopg.errors.UndefinedTable:  # "is not a partition", "does not exist": detached already
+        pass
+
+    try:  # without IF EXISTS: the table is looked up again once its lock is had
+        runner.transaction(lambda c: c.execute(sql.SQL("DROP TABLE {}").format(name)))
+    except psycopg.errors.UndefinedTable:  # dropped by another run
+        return
     report.dropped.append(part.name)
