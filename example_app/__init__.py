@@ -46,6 +46,8 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
         # The gateway's webhook events (example_app.gateway_events): the secret they are signed with, the
         # same as the gateway's ("whsec_" and base64). Without it there is no POST /webhooks/gateway.
         GATEWAY_WEBHOOK_SECRET=None,
+        # Seconds an event id is kept (a redelivery within it gets the first answer); None: three days.
+        GATEWAY_WEBHOOK_WINDOW=None,
         # GET /metrics and the counters behind it (example_app.metrics).
         METRICS=True,
         # Celery's settings (FLASK_CELERY__broker_url=... overrides one): the broker the relay publishes

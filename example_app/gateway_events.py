@@ -31,10 +31,13 @@ from .extensions import idem
 __all__ = ["gateway_source", "init_app"]
 
 
-def gateway_source(secret: str) -> webhooks.Source:
+def gateway_source(secret: str, window: float | None = None) -> webhooks.Source:
     """The gateway as a webhook source: it signs as Standard Webhooks says, with ``secret``
-    (``whsec_`` and base64), and its events carry their id in ``webhook-id``."""
-    return webhooks.standard(secret, name="gateway")
+    (``whsec_`` and base64), and its events carry their id in ``webhook-id``, kept ``window`` seconds
+    (the source's default, three days, when ``None``)."""
+    if window is None:
+        return webhooks.standard(secret, name="gateway")
+    return webhooks.standard(secret, name="gateway", window=window)
 
 
 def init_app(app: Flask) -> None:
@@ -43,7 +46,7 @@ def init_app(app: Flask) -> None:
     if not secret or "gateway_events.gateway_webhook" in app.view_functions:
         return
 
-    @idem.webhook(gateway_source(secret))
+    @idem.webhook(gateway_source(secret, app.config.get("GATEWAY_WEBHOOK_WINDOW")))
     def gateway_webhook() -> tuple[dict[str, Any], int]:
         event = idem.event.json()
         return apply(idem.event.id, event), 200

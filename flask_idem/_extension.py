@@ -358,13 +358,15 @@ class Idempotency:
         :raises ConfigurationError: when this code cannot run on the table then (a newer flask-idem's
             layout, left as it is); the message says what to deploy.
         """
-        settings = get_state().settings
+        state = get_state()
+        settings = state.settings
         report = _migrate.upgrade(
             settings.database_url,
             table=settings.table,
             distributed=settings.distributed,
             lock_timeout=settings.migration_lock_timeout,
             connect_options=settings.connect_options,
+            horizon=state.horizon(),
         )
         _layout.check(report.found, settings.table)
 

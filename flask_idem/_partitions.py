@@ -4,14 +4,16 @@ The key table and its compact tombstones (``<table>_tombstones``) are partitione
 ``expires_at`` (:mod:`flask_idem.migrations.v4_partitions`). A partition whose range has passed holds
 only keys past their retention, and :func:`maintain` (``flask idem purge``) retires it:
 
-1. one short transaction locks it in ``SHARE`` mode (writers of that partition wait; readers do not),
-   which waits for every transaction still writing to it, and then:
+1. a moment's transaction locks it in ``SHARE`` mode, which waits for every transaction still writing
+   to it, and lets go at once (an ``UPDATE`` of the key table locks every partition: holding the lock
+   longer would hold up every multi-step request). A partition that holds a multi-step request still
+   in progress is kept, untouched, and retired by a later run once they finish (a worker holding a
+   lease keeps writing its row where it is). Otherwise no row can enter it any more, nor start
+   processing there, and a second transaction, which blocks no one:
 
-   - keeps it, untouched, while it holds a multi-step request still in progress: the partition is
-     retired by a later run, once they finish (a worker holding a lease keeps writing its row where it
-     is);
    - writes the compact tombstone of each finished key (its fingerprint, final status and
-     ``Location``, until the end of ``IDEM_TOMBSTONE_TTL``) into the tombstones' table;
+     ``Location``, until the end of ``IDEM_TOMBSTONE_TTL``) into the tombstones' table, and marks the
+     partition done, so that a run stopped before the drop writes none twice;
    - moves rows flagged for a person into a live partition (deleted here and inserted there in the
      same transaction, so that no statement sees the key missing);
 
@@ -31,7 +33,10 @@ statement runs (``statement_timestamp()``), and every retention is positive. Ret
 before.
 
 Every step runs as the owner of the tables (the role of ``flask idem migrate``), under the migration's
-advisory lock, so that two runs, or a run and a migration, never work at once.
+advisory lock, so that two runs, or a run and a migration, never work at once; all but the concurrent
+detach, which cannot run in a transaction. Two runs at once both succeed: a partition is made after
+the last one found under the lock, and a partition another run is retiring is left to it (a detach it
+left pending, as when it was interrupted, is finished by the next run with ``DETACH ... FINALIZE``).
 """
 
 from __future__ import annotations
@@ -116,6 +121,11 @@ def _aligned_after(moment: datetime, interval: float) -> datetime:
     return datetime.fromtimestamp((math.floor(seconds / interval) + 1) * interval, UTC)
 
 
+def _aligned_at(moment: datetime, interval: float) -> datetime:
+    """The last multiple of ``interval`` seconds since the epoch at or before ``moment``."""
+    return datetime.fromtimestamp(math.floor(moment.timestamp() / interval) * interval, UTC)
+
+
 class _Tables:
     """The names of one key table's partitioned tables and the statements on their partitions."""
 
@@ -167,16 +177,14 @@ def maintain(
         grace = timedelta(seconds=min(interval, MAX_GRACE))
         tomb_interval = max(interval, tombstone_ttl / 4)
         moment = clock()
-        recent = datetime.fromtimestamp(math.floor(moment.timestamp() / interval) * interval, UTC)
+        start = _aligned_at(moment, interval)
         _ahead(
-            runner, tables, tables.keys, moment + timedelta(seconds=horizon), interval, report, start=recent
+            runner, tables, tables.keys, moment + timedelta(seconds=horizon), interval, report, start=start
         )
         if tombstone_ttl > 0:
             # Tombstones of every partition retired now, and of the keys written until the horizon.
             until = moment + timedelta(seconds=horizon + tombstone_ttl)
-            start = datetime.fromtimestamp(
-                math.floor(moment.timestamp() / tomb_interval) * tomb_interval, UTC
-            )
+            start = _aligned_at(moment, tomb_interval)
             _ahead(runner, tables, tables.tombstones, until, tomb_interval, report, start=start)
         for part in partitions(conn, tables.keys):
             at = clock()
@@ -204,50 +212,44 @@ def _ahead(
     interval: float,
     report: RetentionReport,
     *,
-    start: datetime | None = None,
+    start: datetime,
 ) -> None:
-    """Make partitions of ``parent`` from the end of its last one (or ``start``) until ``until``.
+    """Make partitions of ``parent`` from the end of its last one until ``until``; from ``start`` (the
+    interval that holds now) when there is none, or the last one ended before it: no row can expire in
+    the past, and a run after a long pause makes no partition only to drop it.
 
     Each is created on its own and then attached: ``ATTACH PARTITION`` takes a lock on the parent that
     writers do not wait on (``CREATE TABLE ... PARTITION OF`` would take one they do), and finds the new
-    table empty at once.
+    table empty at once. The last partition is read in the same transaction, under the migration's
+    lock, so that two runs at once make each partition once.
     """
-    found = partitions(runner.conn, parent)
-    lower = found[-1].upper if found else start
-    if lower is None:  # an unbounded last partition: nothing to add after it
-        return
-    if start is not None and lower < start:  # no partition for a range passed already
-        lower = start
     prefix = "_p" if parent == tables.keys else "_t"
-    while lower < until:
+
+    def create(conn: psycopg.Connection[Any]) -> sql.Identifier | None:
+        found = partitions(conn, parent)
+        last = found[-1].upper if found else start
+        if last is None:  # an unbounded last partition: nothing to add after it
+            return None
+        lower = max(last, start)
+        if lower >= until:
+            return None
         upper = _aligned_after(lower, interval)
         name = tables.partition(prefix, lower)
-
-        def create(
-            conn: psycopg.Connection[Any],
-            lower: datetime = lower,
-            upper: datetime = upper,
-            name: sql.Identifier = name,
-        ) -> bool:
-            known = partitions(conn, parent)  # again, under the lock: another run may have made it
-            if known and (known[-1].upper is None or known[-1].upper >= upper):
-                return False
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
-                    " WITH (fillfactor = {})"
-                ).format(name, sql.SQL(parent), sql.Literal(80 if prefix == "_p" else 100))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+                " WITH (fillfactor = {})"
+            ).format(name, sql.SQL(parent), sql.Literal(80 if parent == tables.keys else 100))
+        )
+        conn.execute(
+            sql.SQL("ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})").format(
+                sql.SQL(parent), name, sql.Literal(lower), sql.Literal(upper)
             )
-            conn.execute(
-                sql.SQL("ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})").format(
-                    sql.SQL(parent), name, sql.Literal(lower), sql.Literal(upper)
-                )
-            )
-            return True
+        )
+        return name
 
-        if runner.transaction(create):
-            report.created.append(name.as_string(None))
-        lower = upper
+    while (made := runner.transaction(create)) is not None:
+        report.created.append(made.as_string(None))
 
 
 #: The compact tombstones of a retired partition's finished keys. A row without a stored status is a
@@ -305,14 +307,18 @@ def _retire(
     """
     name = tables.qualified(part.name)
 
-    def work(conn: psycopg.Connection[Any]) -> tuple[int, int] | None:
+    def settled(conn: psycopg.Connection[Any]) -> int:
+        # SHARE waits for every transaction still writing to the partition, and is let go at once: an
+        # UPDATE of the key table locks every partition, so holding it would hold up every multi-step
+        # request while the tombstones are written. Once it was had, no row can enter the partition
+        # (rows expire from the moment they are written, after its range) nor start processing there.
         conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(name))
         busy = conn.execute(
             sql.SQL("SELECT count(*) FROM {} WHERE status = 'processing'").format(name)
         ).fetchone()
-        if busy is not None and busy[0]:
-            report.kept.append((part.name, f"{busy[0]} multi-step request(s) still in progress"))
-            return None
+        return busy[0] if busy is not None else 0
+
+    def work(conn: psycopg.Connection[Any]) -> tuple[int, int]:
         written = 0
         marked = conn.execute("SELECT obj_description(%s::regclass, 'pg_class')", (name.as_string(None),))
         retired = marked.fetchone() == (_RETIRED,)
@@ -328,8 +334,13 @@ def _retire(
         ).rowcount
         return written, moved
 
-    done = runner.transaction(work)
-    if done is None:
+    try:
+        busy = runner.transaction(settled)
+        if busy:
+            report.kept.append((part.name, f"{busy} multi-step request(s) still in progress"))
+            return False
+        done = runner.transaction(work)
+    except psycopg.errors.UndefinedTable:  # another run retired and dropped it meanwhile
         return False
     report.tombstoned += done[0]
     report.moved += done[1]
@@ -339,30 +350,35 @@ def _retire(
 def _drop(
     runner: _migrate._Runner, tables: _Tables, parent: str, part: Partition, report: RetentionReport
 ) -> None:
-    """Detach ``part`` from ``parent`` without blocking anyone, then drop it."""
+    """Detach ``part`` from ``parent`` without blocking anyone, then drop it.
+
+    Another run may be at it too: a partition that is no partition any more (detached, or dropped) is
+    dropped if it is still there, and one whose detach another run has begun is left to that run.
+    """
     name = tables.qualified(part.name)
     conn = runner.conn
-    if part.detaching:
-        runner.transaction(
-            lambda c: c.execute(
-                sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(sql.SQL(parent), name)
+    try:
+        if part.detaching:
+            runner.transaction(
+                lambda c: c.execute(
+                    sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(sql.SQL(parent), name)
+                )
             )
-        )
-    else:
-        runner.echo(f"Detaching {part.name} (concurrently: requests go on meanwhile).")
-        try:
+        else:
+            runner.echo(f"Detaching {part.name} (concurrently: requests go on meanwhile).")
             conn.execute(
                 sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.SQL(parent), name)
             )
-        except psycopg.Error:
-            if conn.broken:
-                raise
-            # Another run detached it, or is detaching it (and finishes, or the next run does): not ours.
-            now = {known.name: known for known in partitions(conn, parent)}
-            if part.name in now and not now[part.name].detaching:
-                raise
-            return
-    runner.transaction(lambda c: c.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(name)))
+    except psycopg.errors.ObjectNotInPrerequisiteState:  # "already pending detach": another run's
+        runner.echo(f"{part.name} is being detached by another run; left to it.")
+        return
+    except psycopg.errors.UndefinedTable:  # "is not a partition", "does not exist": detached already
+        pass
+
+    try:  # without IF EXISTS: the table is looked up again once its lock is had
+        runner.transaction(lambda c: c.execute(sql.SQL("DROP TABLE {}").format(name)))
+    except psycopg.errors.UndefinedTable:  # dropped by another run
+        return
     report.dropped.append(part.name)
 
 

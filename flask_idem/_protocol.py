@@ -230,9 +230,13 @@ def atomic(
 
 
 def _is_key_table(name: str | None, table: str) -> bool:
-    """Whether ``name`` (a violated constraint's table) is the key table or one of its partitions."""
+    """Whether ``name``, a table an error names, is the key table ``table`` or, on layout 4, one of its
+    partitions (``<table>_p0``, ``<table>_p<stamp>``: the index that refuses a row is a partition's)."""
     base = table.rpartition(".")[2]
-    return name == base or (name is not None and name.startswith(base + "_p"))
+    if name is None or not name.startswith(base):
+        return False
+    rest = name[len(base) :]
+    return rest == "" or (rest.startswith("_p") and rest[2:].isdigit())
 
 
 # -- multi-step: the intent under a lease, then the steps (._steps) -----------------------------------

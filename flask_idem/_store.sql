@@ -300,9 +300,13 @@ WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key
 
 -- name: lock partitioned
 -- Also the transaction's isolation: the lookups after the lock need a snapshot per statement (READ
--- COMMITTED), which the store checks.
-SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken,
-       current_setting('transaction_isolation') = 'read committed' AS fresh_snapshots
+-- COMMITTED), which the store checks. A lock taken is noted in a setting of the transaction
+-- (flask_idem.lock), which the reservation after it reads: it must act on this lock, never take the
+-- lock itself (see reserve partitioned).
+WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken)
+SELECT lock.taken, current_setting('transaction_isolation') = 'read committed' AS fresh_snapshots,
+       CASE WHEN lock.taken THEN set_config('flask_idem.lock', %(lock)s::text, true) END AS noted
+FROM lock
 
 -- name: fragment tombstone_record partitioned
 -- A compact tombstone as a later request reads a key's row: the document a tombstone of layout 3
@@ -328,10 +332,14 @@ LIMIT 1
 SELECT false AS fresh, true AS taken, f.* FROM ({found}) AS f
 
 -- name: reserve partitioned
--- After the lock statement: the lock is the transaction's already (taking it again answers at once),
--- and this statement's snapshot sees every committed row of the key. The INSERT's ON CONFLICT only
--- guards the partition it writes to; the NOT EXISTS under the lock guards the others.
-WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken),
+-- After the lock statement, and only under the lock it took: then this statement's snapshot, taken
+-- after the lock, sees every committed row of the key. It does not try the lock itself: when the lock
+-- statement found the key in flight, the holder may commit and let the lock go after this statement's
+-- snapshot was taken and before a lock tried here, which would then be had while the snapshot misses
+-- the holder's row (in another partition, where no unique index stops the INSERT). The INSERT's ON
+-- CONFLICT only guards the partition it writes to; the NOT EXISTS under the lock guards the others.
+WITH lock AS MATERIALIZED (
+    SELECT coalesce(current_setting('flask_idem.lock', true) = %(lock)s::text, false) AS taken),
 found AS MATERIALIZED ({found}),
 reserved AS (
     INSERT INTO {table} (org_id, idem_key, request_sha, method, path, task, status, expires_at,

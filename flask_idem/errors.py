@@ -377,8 +377,10 @@ def database_error(
     exceptions: a missing table, whose message names the table only, is logged with that message (and
     the fix when the table is ``key_table``, the extension's); and a ``commit()`` or ``rollback()``
     refused inside the extension's transaction (psycopg's ``ProgrammingError``, no SQLSTATE) is logged
-    as such, with why it is refused. Applications can route their own database errors
-    through it::
+    as such, with why it is refused. A row of the partitioned key table (layout 4) whose expiry no
+    partition covers is answered 503, like an unreachable store, and logged as an error naming
+    ``flask idem purge``, which makes partitions ahead. Applications can route their own database
+    errors through it::
 
         @app.errorhandler(psycopg.Error)
         def db_error(e):
@@ -405,6 +407,17 @@ def database_error(
             missing_table_hint(error, key_table),
         )
         return DatabaseFailed()
+    if _no_partition(error, key_table):
+        _logger.error(
+            "Database error in %s: no partition of the key table %s covers the key's expiry (SQLSTATE"
+            " 23514): partitions are made ahead by 'flask idem purge', which has not run in time. Run it"
+            " now, as the tables' owner, and schedule it at least daily; it makes them IDEM_PARTITION_AHEAD"
+            " past IDEM_KEY_TTL, which must also cover a route's longer ttl= or a webhook source's window."
+            " Answered 503 until then.",
+            where,
+            key_table,
+        )
+        return DatabaseUnavailable(retry_after=retry_after)
     if isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError)):
         _logger.warning(
             "Database unavailable in %s: %s (SQLSTATE %s); answered 503.",
@@ -421,6 +434,18 @@ def database_error(
         "".join(traceback.format_tb(error.__traceback__)),
     )
     return DatabaseFailed()
+
+
+def _no_partition(error: psycopg.Error, key_table: str | None) -> bool:
+    """Whether ``error`` is PostgreSQL's refusal of a row of the partitioned key table ``key_table``
+    (layout 4) whose ``expires_at`` no partition covers: the deployment's problem, which ends once
+    partitions are made, not the client's; nothing was recorded."""
+    return (
+        key_table is not None
+        and isinstance(error, psycopg.errors.CheckViolation)
+        and error.diag.table_name == key_table.rsplit(".", 1)[-1]
+        and (error.diag.message_primary or "").startswith("no partition of relation")
+    )
 
 
 def missing_table_hint(error: psycopg.errors.UndefinedTable, key_table: str | None) -> str:

@@ -51,3 +51,25 @@ def test_no_duplicates_no_losses_under_faults() -> None:
     assert report.ok, report.summary()
     if no_broker is None:
         assert report.operations.get("fulfilments", 0) > 0, "no fulfilment was checked"
+
+
+def test_no_duplicates_no_losses_while_partitions_roll() -> None:
+    """The same load and faults on a key table partitioned by the second, whose partitions are made and
+    dropped (detached concurrently) every second during the run: retries of a key land in other
+    partitions than its first attempt, and still nothing is duplicated or lost."""
+    if citus.ENABLED:
+        pytest.skip("partitions of a Citus distributed key table are made by Citus's own functions")
+    with tempfile.TemporaryDirectory(prefix="flask-idem-history-") as workdir:
+        report = run(
+            Path(workdir),
+            duration=15.0,
+            clients=4,
+            seed=11,
+            fault_interval=2.0,
+            max_faults=8,
+            partitions=True,
+        )
+    print(report.summary())
+    assert report.operations, "the clients did nothing"
+    assert report.operations["partition made"] > 15 and report.operations["partition dropped"] > 15
+    assert report.ok, report.summary()

@@ -21,6 +21,7 @@ from pathlib import Path
 from .checker import Report, check, settle
 from .cluster import running_cluster
 from .jobs import broker_missing, check_fulfilment, jobs_nemesis, running_jobs, settle_jobs
+from .partitions import CONFIG, INIT, rolling_partitions
 from .workload import Op, client_loop, nemesis
 
 __all__ = ["run"]
@@ -36,12 +37,14 @@ def run(
     max_faults: int,
     citus: bool = False,
     jobs: bool = True,
+    partitions: bool = False,
 ) -> Report:
     """Run the workload with faults for ``duration`` seconds, then settle and check; return the report.
 
     With ``citus`` the database is a local Citus cluster, and PostgreSQL restarts hit its worker nodes.
     With ``jobs`` (and a broker answering), paid orders are fulfilled by Celery workers through the
-    outbox, under a nemesis of their own (:mod:`.jobs`).
+    outbox, under a nemesis of their own (:mod:`.jobs`). With ``partitions`` the key table's partitions
+    roll every second from its creation to the end of the check (:mod:`.partitions`).
     """
     report = Report()
     history: list[Op] = []
@@ -49,7 +52,13 @@ def run(
     if jobs and (missing := broker_missing()) is not None:
         report.notes.append(f"background jobs not checked: {missing}")
         jobs = False
-    with running_cluster(workdir, seed=seed, citus=citus) as cluster, ExitStack() as stack:
+    config, init = (CONFIG, INIT) if partitions else (None, None)
+    with (
+        running_cluster(workdir, seed=seed, citus=citus, config=config, init_config=init) as cluster,
+        ExitStack() as stack,
+    ):
+        if partitions:
+            stack.enter_context(rolling_partitions(cluster, report))
         workers = stack.enter_context(running_jobs(cluster, workdir)) if jobs else None
         stop_at = time.monotonic() + duration
         threads = [

@@ -25,6 +25,11 @@ def main() -> int:
     parser.add_argument(
         "--no-jobs", action="store_true", help="leave out the background jobs (relay and Celery workers)"
     )
+    parser.add_argument(
+        "--partitions",
+        action="store_true",
+        help="partition the key table by the second and roll its partitions during the run",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flask-idem-history-") as workdir:
         report = run(
@@ -36,6 +41,7 @@ def main() -> int:
             max_faults=args.max_faults,
             citus=args.citus,
             jobs=not args.no_jobs,
+            partitions=args.partitions,
         )
     print(report.summary())
     return 0 if report.ok else 1

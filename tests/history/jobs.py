@@ -94,6 +94,7 @@ def running_jobs(cluster: Cluster, workdir: Path) -> Iterator[Jobs]:
         "FLASK_IDEM_JOB_BACKOFF_CAP": "2",
         "FLASK_IDEM_POOL_TIMEOUT": "2",
         "FLASK_IDEM_DISTRIBUTED": "true" if cluster.citus is not None else "false",
+        **cluster.env(),
     }
     jobs = Jobs(env=env, sink=sink, workdir=workdir, queue=queue)
     jobs.start_relay()
