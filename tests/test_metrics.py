@@ -24,6 +24,7 @@ import requests
 from flask import Flask
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from psycopg import sql
 
 from flask_idem import OutcomeUnknown, _partitions
 from flask_idem.errors import ConfigurationError
@@ -218,7 +219,13 @@ def test_gauges_read_only_small_indexes(db: psycopg.Connection[Any], make_app: C
 
     statement = get_state(app).store._sql.state
     plan = json.dumps(db.execute(b"EXPLAIN (FORMAT JSON) " + statement).fetchone())
-    assert "Seq Scan" not in plan, plan
+    # No sequential scan of rows: on layout 4 the planner may scan a partition made ahead, empty and
+    # never analysed, rather than open its index; the partition holding the rows is read by index.
+    scanned = re.findall(r'"Node Type": "Seq Scan", [^{}]*?"Relation Name": "([^"]+)"', plan)
+    for relation in scanned:
+        [(rows,)] = db.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(relation))).fetchall()
+        assert rows == 0, (relation, plan)
+    assert plan.count('"Seq Scan"') == len(scanned), plan
     # Rows with a lease are in two small partial indexes (layout 2's due index has the lease index's
     # predicate): either will do. On layout 4 they are the partitions' own indexes of those.
     used = set(re.findall(r'"Index Name": "([^"]+)"', plan))
