@@ -1,8 +1,9 @@
 """The key table: every SQL statement of the extension. Nothing else talks to PostgreSQL about keys.
 
 Races are decided by PostgreSQL, never by reading first and writing after: a key is reserved with
-``INSERT ... ON CONFLICT (org_id, idem_key) DO NOTHING RETURNING``, so of any number of concurrent
-requests with one key exactly one inserts the row.
+``INSERT ... ON CONFLICT DO NOTHING RETURNING`` on the unique key ``(org_id, idem_key)``, so of any number
+of concurrent requests with one key exactly one inserts the row (on the partitioned key table of layout 4,
+under the key's lock, after a statement that looked for the key in every partition).
 
 An atomic-mode reservation stays uncommitted while the view runs, and a second ``INSERT`` of the same key
 would wait for it on the unique index. The server must answer 409 at once instead, so every reservation
