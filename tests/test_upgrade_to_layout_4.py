@@ -273,9 +273,11 @@ class Load:
             thread.join(60)
 
 
-def hold_until_given_way(url: str, stop: threading.Event, holding: threading.Event) -> None:
+def hold_until_given_way(
+    url: str, stop: threading.Event, holding: threading.Event, waited: threading.Event
+) -> None:
     """Keep a transaction that wrote to the key table open until the upgrade's first statement has
-    waited for it longer than its lock timeout (it then gives way, and tries again)."""
+    waited for it (``waited``), and then longer than its lock timeout: it gives way, and tries again."""
     with psycopg.connect(url) as conn:
         conn.execute(
             sql.SQL(
@@ -291,7 +293,10 @@ def hold_until_given_way(url: str, stop: threading.Event, holding: threading.Eve
                 "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE %s = ANY (pg_blocking_pids(pid))"
                 " AND query ILIKE '%%ADD COLUMN IF NOT EXISTS task%%')"
             )
-            while not stop.is_set() and watcher.execute(blocked, (pid,)).fetchone() != (True,):
+            while not stop.is_set():
+                if watcher.execute(blocked, (pid,)).fetchone() == (True,):
+                    waited.set()
+                    break
                 time.sleep(0.01)
         time.sleep(3 * LOCK_TIMEOUT)
         conn.commit()
@@ -370,8 +375,10 @@ def test_upgrade_from_layout_3_under_load(
         assert not state.store.partitioned and layout_of(db, TABLE) == 3
 
         # -- the upgrade, under load ---------------------------------------------------------------------
-        stop, holding = threading.Event(), threading.Event()
-        holder = threading.Thread(target=hold_until_given_way, args=(direct_database_url, stop, holding))
+        stop, holding, waited = threading.Event(), threading.Event(), threading.Event()
+        holder = threading.Thread(
+            target=hold_until_given_way, args=(direct_database_url, stop, holding, waited)
+        )
         with Load(app) as load:
             time.sleep(0.5)
             holder.start()
@@ -381,6 +388,7 @@ def test_upgrade_from_layout_3_under_load(
             stop.set()
             holder.join(30)
             assert upgrade.returncode == 0, output
+            assert waited.is_set()  # it met the open transaction, and gave way to it
             wait_for(lambda: state.store.partitioned, timeout=30)  # noticed by the load's requests
             time.sleep(2 * RECHECK)
 
