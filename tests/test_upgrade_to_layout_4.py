@@ -39,7 +39,7 @@ import pytest
 from flask import Flask, request
 from psycopg import sql
 
-from flask_idem import Idempotency, _layout, _migrate, _state
+from flask_idem import Idempotency, _layout, _migrate, _partitions, _state
 from flask_idem._state import get_state
 from flask_idem.flow import Flow, OutcomeUnknown, Run
 
@@ -556,5 +556,68 @@ def test_a_running_application_notices_layout_4_by_itself(
         ).fetchall()
         assert where == [(layout_3 + "_p0",)]  # every key expiring before its bound goes there
         assert all(n == 1 for n in ledger.calls.values()) and len(ledger.calls) == len(fresh) // 2
+    finally:
+        close_pool(app)
+
+
+def test_the_first_partition_is_retired_like_any_other(
+    layout_3: str, database_url: str, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """Once its bound has passed, `purge`'s retirement takes the first partition of an upgraded table
+    (the layout-3 table, from MINVALUE, with its own primary key) as any other: kept while a flow in it
+    is in progress; then its finished keys become compact tombstones (303 with their Location, 410), its
+    flagged row moves to a live partition (still listed by `stuck`, still answered), and it is detached
+    and dropped. Partitions of a second, ahead for five, so that the test waits seconds, not a day."""
+    ledger = Ledger()
+    old, _ = build(database_url, ledger, IDEM_TABLE=layout_3)
+    located, plain, stranded, flagged = (uuid.uuid4() for _ in range(4))
+    try:
+        first = post(old, "/notes", located, {"body": "located"})
+        assert first.status_code == 201
+        assert post(old, "/notes/replayable", plain, {"body": "plain"}).status_code == 201
+        for key in (flagged, stranded):
+            assert post(old, "/payments", key, {"amount": LOSE}).status_code == 503  # answer lost
+        set_row(db, flagged, "next_attempt_at = now(), created_at = now() - interval '2 hours'")
+        assert "1 failed" in cli(old, "recover")
+    finally:
+        close_pool(old)
+    for key in (located, plain, stranded, flagged):
+        age(db, key, "25 hours")  # past retention, within the tombstones' 30 days
+    _migrate.upgrade(direct_database_url, table=layout_3, distributed=citus.ENABLED, horizon=1.0)
+    [first_partition] = _partitions.partitions(db, layout_3)
+    assert first_partition.lower is None and first_partition.upper is not None
+
+    def retire() -> _partitions.RetentionReport:
+        return _partitions.maintain(
+            direct_database_url, table=layout_3, interval=1.0, horizon=5.0, tombstone_ttl=30 * 86400.0
+        )
+
+    wait_for(
+        lambda: (
+            db.execute("SELECT now() > %s + interval '1 second'", (first_partition.upper,)).fetchone()
+            == (True,)
+        )
+    )
+    kept = retire()
+    assert kept.kept == [(layout_3 + "_p0", "1 multi-step request(s) still in progress")]
+    assert kept.dropped == [] and kept.tombstoned == 0 and kept.moved == 0
+
+    app, _ = build(database_url, ledger, IDEM_TABLE=layout_3)
+    try:
+        set_row(db, stranded, "next_attempt_at = now()")
+        assert f"completed org=1 key={stranded} answered 201" in cli(app, "recover")
+        report = retire()
+        assert layout_3 + "_p0" in report.dropped
+        assert (report.tombstoned, report.moved) == (3, 1)  # located, plain, stranded; flagged
+        assert layout_3 + "_p0" not in {part.name for part in _partitions.partitions(db, layout_3)}
+
+        see_other = post(app, "/notes", located, {"body": "located"})
+        assert (see_other.status_code, see_other.headers["Location"]) == (303, first.headers["Location"])
+        assert post(app, "/notes/replayable", plain, {"body": "plain"}).status_code == 410
+        assert post(app, "/payments", stranded, {"amount": LOSE}).status_code == 410
+        assert post(app, "/notes", located, {"body": "other"}).status_code == 422
+        assert f"NEEDS ATTENTION org=1 key={flagged}" in cli(app, "stuck")
+        assert post(app, "/payments", flagged, {"amount": LOSE}).status_code == 500  # its stored answer
+        assert all(n == 1 for n in ledger.calls.values()), ledger.calls
     finally:
         close_pool(app)
