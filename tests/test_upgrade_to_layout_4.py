@@ -40,6 +40,7 @@ from flask import Flask, request
 from psycopg import sql
 
 from flask_idem import Idempotency, _layout, _migrate, _partitions, _state
+from flask_idem._connection import Batched
 from flask_idem._state import get_state
 from flask_idem.flow import Flow, OutcomeUnknown, Run
 
@@ -619,5 +620,42 @@ def test_the_first_partition_is_retired_like_any_other(
         assert f"NEEDS ATTENTION org=1 key={flagged}" in cli(app, "stuck")
         assert post(app, "/payments", flagged, {"amount": LOSE}).status_code == 500  # its stored answer
         assert all(n == 1 for n in ledger.calls.values()), ledger.calls
+    finally:
+        close_pool(app)
+
+
+def test_a_reservation_keeps_the_statements_it_began_with(
+    layout_3: str,
+    database_url: str,
+    direct_database_url: str,
+    db: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The application switches to layout 4's statements while other requests are in the middle of
+    their reservation: each finishes with the statements it began with. Here the switch is made as an
+    atomic request's lock and lookup of layout 3 are sent, with BEGIN: the lock's answer is then read as
+    theirs, not as a partitioned lock's, which has one column more (a 500 before)."""
+    ledger = Ledger()
+    app, _ = build(database_url, ledger, IDEM_TABLE=layout_3)
+    state = get_state(app)
+    try:
+        assert post(app, "/notes", uuid.uuid4(), {"body": "before"}).status_code == 201
+        assert not state.store.partitioned
+        _migrate.upgrade(direct_database_url, table=layout_3, distributed=citus.ENABLED)
+        begin_all = Batched.begin_all
+
+        def switching(self: Batched, statements: Any) -> Any:
+            state.store.use_layout(4)  # as another request's layout check does, at the worst moment
+            return begin_all(self, statements)
+
+        monkeypatch.setattr(Batched, "begin_all", switching)
+        key = uuid.uuid4()
+        body = {"body": f"switched {key}"}
+        answer = post(app, "/notes", key, body)
+        assert answer.status_code == 201, answer.json
+        assert state.store.partitioned
+        monkeypatch.undo()
+        replay = post(app, "/notes", key, body)
+        assert (replay.status_code, replay.json) == (200, answer.json)
     finally:
         close_pool(app)
