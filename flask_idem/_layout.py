@@ -57,9 +57,10 @@ REQUIRED = 1
 #: The oldest layout background jobs run on: layout 3 adds their outbox (flask_idem.jobs).
 JOBS = 3
 
-#: The key table's columns that the code uses, and what ``ADD COLUMN`` puts back when one was dropped by
-#: hand. The layout check compares them with the table's (:func:`drift`); a revision that adds a column
-#: to the key table adds it here (a test compares this with a freshly made table).
+#: The key table's columns that the code uses on layouts 1 to 3, and what ``ADD COLUMN`` puts back when
+#: one was dropped by hand. The layout check compares them with the table's (:func:`drift`); a revision
+#: that changes the key table's columns says so in :func:`columns` (a test compares that with a freshly
+#: made table).
 COLUMNS: Mapping[str, str] = {
     "org_id": "bigint NOT NULL",
     "idem_key": "uuid NOT NULL",
@@ -83,6 +84,14 @@ COLUMNS: Mapping[str, str] = {
 
 #: The column layout 4 adds: a background job's task (its row has no method or path).
 TASK_COLUMN = ("task", "text")
+
+
+def columns(layout: int) -> dict[str, str]:
+    """The key table's columns in ``layout``, in their order, as :data:`COLUMNS` writes them."""
+    found = dict(COLUMNS)
+    if layout >= PARTITIONED:
+        found.update(method="text", path="text", task=TASK_COLUMN[1])
+    return found
 
 
 #: The indexes of layout 1, written in its DDL (later revisions list theirs in :attr:`Revision.indexes`).
@@ -370,19 +379,24 @@ def drift(found: Found, table: str) -> str | None:
     """
     if found.columns is None:
         return None
-    wanted = dict(COLUMNS)
-    if (found.layout or 1) >= PARTITIONED:
-        wanted.update(method="text", path="text", task=TASK_COLUMN[1])
+    wanted = columns(found.layout or 1)
     missing = [name for name in wanted if name not in found.columns]
     if not missing and found.unique_key:
         return None
     target = sql.Identifier(*table.split(".")).as_string(None)
     lacks = [f"column(s) {', '.join(missing)}"] if missing else []
     fixes = [f"ALTER TABLE {target} ADD COLUMN IF NOT EXISTS {name} {wanted[name]};" for name in missing]
-    if not found.unique_key:
-        key = "org_id, idem_key" if (found.layout or 1) < PARTITIONED else "org_id, idem_key, expires_at"
-        lacks.append(f"its primary key ({key})")
-        fixes.append(f"ALTER TABLE {target} ADD PRIMARY KEY ({key});")
+    if not found.unique_key and (found.layout or 1) < PARTITIONED:
+        lacks.append("its primary key (org_id, idem_key)")
+        fixes.append(f"ALTER TABLE {target} ADD PRIMARY KEY (org_id, idem_key);")
+    elif not found.unique_key:
+        # Not a primary key: the first partition of an upgraded table keeps its own, (org_id, idem_key),
+        # and a table has one. A partition's unique index of these columns, if any, is taken over.
+        constraint = sql.Identifier(table.split(".")[-1] + "_key").as_string(None)
+        lacks.append("its unique key (org_id, idem_key, expires_at)")
+        fixes.append(
+            f"ALTER TABLE {target} ADD CONSTRAINT {constraint} UNIQUE (org_id, idem_key, expires_at);"
+        )
     return (
         f"The key table {table} lacks {' and '.join(lacks)}, which this flask-idem uses; its layout"
         f" ({found.layout}) says it has them, so the table was changed by hand and no migration puts them"
@@ -403,9 +417,14 @@ def warnings(found: Found, table: str) -> list[str]:
         )
     if found.indexes is not None:
         wanted, base = names(table), table.split(".")[-1]
+        # A partitioned table's index cannot be built concurrently: built at once, on every partition,
+        # each one's writers waiting while its part is built.
+        partitioned = found.layout >= PARTITIONED
+        create = (
+            "CREATE INDEX IF NOT EXISTS {} " if partitioned else "CREATE INDEX CONCURRENTLY IF NOT EXISTS {} "
+        )
         builds = [
-            sql.SQL("CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ").format(wanted[key])
-            + sql.SQL(definition).format(**wanted)
+            sql.SQL(create).format(wanted[key]) + sql.SQL(definition).format(**wanted)
             for key, suffix, definition in _key_table_indexes(min(found.layout, latest()))
             if base + suffix not in found.indexes
         ]
@@ -413,8 +432,9 @@ def warnings(found: Found, table: str) -> list[str]:
             statements = " ".join(build.as_string(None) + ";" for build in builds)
             said.append(
                 f"The key table {table} lacks indexes of its layout ({found.layout}), dropped by hand;"
-                f" it serves without them, more slowly. Build them again as the table's owner:"
-                f" {statements}"
+                f" it serves without them, more slowly. Build them again as the table's owner"
+                + (" (writes to each partition wait while its part is built)" if partitioned else "")
+                + f": {statements}"
             )
     return said
 
@@ -431,6 +451,8 @@ def _key_table_indexes(layout: int) -> list[tuple[str, str, LiteralString]]:
         for match in _PLAIN_INDEX_RE.finditer(" ".join((revision.sql, *revision.after))):
             definition: LiteralString = match[2]  # cut from a LiteralString
             found.append((match[1], suffixes[match[1]], definition))
+        if revision.layout == PARTITIONED:  # its index is on the table before it, the first partition
+            continue
         found += [
             (index.name, suffixes[index.name], index.definition)
             for index in revision.indexes

@@ -45,7 +45,7 @@ from ._layout import Found, Index, Revision
 from ._retry import backoff
 from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
 
-__all__ = ["ATTEMPTS", "Report", "connect", "grant", "pending", "upgrade"]
+__all__ = ["ATTEMPTS", "Report", "connect", "grant", "pause", "pending", "upgrade"]
 
 logger = logging.getLogger("flask_idem")
 
@@ -129,6 +129,12 @@ def connect(
         conn = psycopg.connect(url, **_CONNECT)
     with conn:
         yield conn
+
+
+def pause(attempt: int) -> float:
+    """Seconds to wait before trying again a transaction whose ``attempt`` (from 1) did not get its locks
+    in time: from :data:`_FIRST_PAUSE` up to :data:`_MAX_PAUSE`, with equal jitter."""
+    return backoff(attempt - 1, base=_FIRST_PAUSE, cap=_MAX_PAUSE, rng=_RNG, jitter="equal")
 
 
 def pending(conn: psycopg.Connection[Any], table: str) -> tuple[Found, list[Revision]]:
@@ -371,7 +377,7 @@ class _Runner:
                     raise
                 if self.report is not None:
                     self.report.lock_retries += 1
-                wait = backoff(attempt - 1, base=_FIRST_PAUSE, cap=_MAX_PAUSE, rng=_RNG, jitter="equal")
+                wait = pause(attempt)
                 self.echo(f"{type(e).__name__}: a lock was not free in time; trying again in {wait:.1f} s.")
                 time.sleep(wait)
         raise AssertionError("unreachable")

@@ -85,16 +85,26 @@ class IdemState:
         if self.layout_checked.is_set():
             return
         recheck = self._layout_recheck
-        if recheck and time.monotonic() < recheck[0]:
-            return
+        if recheck:
+            if time.monotonic() < recheck[0]:
+                return
+            # Read again by one request, not by every one that comes meanwhile.
+            recheck[:] = [time.monotonic() + LAYOUT_RECHECK]
         with self.source.connection() as conn:
             found = _layout.read(conn, self.settings.table)
         _layout.check(found, self.settings.table)
         assert found.layout is not None  # checked
+        before = self.store.partitioned
         self.store.use_layout(found.layout)
         if not recheck:
             for warning in _layout.warnings(found, self.settings.table):
                 logger.warning("%s", warning)
+        elif self.store.partitioned != before:
+            logger.info(
+                "The key table %s was upgraded to layout %s; its statements are used from now on.",
+                self.settings.table,
+                found.layout,
+            )
         if found.layout >= _layout.latest():
             self.layout_checked.set()
         else:

@@ -1,8 +1,9 @@
 """The key table: every SQL statement of the extension. Nothing else talks to PostgreSQL about keys.
 
 Races are decided by PostgreSQL, never by reading first and writing after: a key is reserved with
-``INSERT ... ON CONFLICT (org_id, idem_key) DO NOTHING RETURNING``, so of any number of concurrent
-requests with one key exactly one inserts the row.
+``INSERT ... ON CONFLICT DO NOTHING RETURNING`` on the unique key ``(org_id, idem_key)``, so of any number
+of concurrent requests with one key exactly one inserts the row (on the partitioned key table of layout 4,
+under the key's lock, after a statement that looked for the key in every partition).
 
 An atomic-mode reservation stays uncommitted while the view runs, and a second ``INSERT`` of the same key
 would wait for it on the unique index. The server must answer 409 at once instead, so every reservation
@@ -152,21 +153,23 @@ class Store:
             "lock": lock_id(request.org_id, request.key),
             "task": request.task,
         }
-        statement = self._sql.reserve
+        # One set of statements for the whole reservation: use_layout may swap them meanwhile.
+        q = self._sql
+        statement = q.reserve
         if flow is not None:
             if lease is None:
                 raise TypeError("A multi-step reservation needs a lease.")
             params.update(flow=flow, token=lease.token, lease=lease.seconds)
-            statement = self._sql.reserve_leased
+            statement = q.reserve_leased
         cursor = _cursor(conn)
         opening = batched(conn)
         if flow is None and opening is not None and not opening.begun and self.write_once:
-            return self._reserve_once(conn, opening, params)
+            return self._reserve_once(conn, opening, params, q)
         for _ in range(2):
-            if self._sql.partitioned:
-                row: dict[str, Any] | None = self._lock_then(conn, opening, statement, params)
+            if q.partitioned:
+                row: dict[str, Any] | None = self._lock_then(conn, opening, statement, params, q)
             elif opening is not None and not opening.begun:  # BEGIN goes with it, in one round trip
-                row = opening.begin(self._sql.batches[statement], params).rows[0]
+                row = opening.begin(q.batches[statement], params).rows[0]
             else:
                 row = cursor.execute(statement, params).fetchone()
             assert row is not None  # the statement always answers one row
@@ -176,7 +179,7 @@ class Store:
                 if not row["taken"]:  # and another transaction holds the key: it is in flight
                     return Reservation(reserved=False)
                 # The INSERT met a row committed after the snapshot was taken; a new statement sees it.
-                row = cursor.execute(self._sql.lookup, params).fetchone()
+                row = cursor.execute(q.lookup, params).fetchone()
                 if row is None:
                     return Reservation(reserved=False)
             record = KeyRecord(**{name: row[name] for name in RECORD_FIELDS})
@@ -184,7 +187,7 @@ class Store:
                 return Reservation(reserved=False, record=record)
             if not row["taken"]:  # another request is renewing the expired key right now
                 return Reservation(reserved=False)
-            cursor.execute(self._sql.delete_expired, params)
+            cursor.execute(q.delete_expired, params)
         return Reservation(reserved=False)
 
     def _lock_then(
@@ -193,23 +196,24 @@ class Store:
         opening: Batched | None,
         statement: bytes,
         params: dict[str, Any],
+        q: _Statements,
     ) -> dict[str, Any] | None:
         """On a partitioned key table: the key's lock in a statement of its own, then ``statement``,
         whose snapshot is taken once the lock is held (sent with BEGIN, in one round trip, when the
         transaction is not begun yet)."""
         if opening is not None and not opening.begun:
-            batches = self._sql.batches
-            lock, found = opening.begin_all([(batches[self._sql.lock], params), (batches[statement], params)])
+            batches = q.batches
+            lock, found = opening.begin_all([(batches[q.lock], params), (batches[statement], params)])
             _check_snapshots(lock.rows[0])
             return found.rows[0]
         cursor = _cursor(conn)
-        lock_row = cursor.execute(self._sql.lock, params).fetchone()
+        lock_row = cursor.execute(q.lock, params).fetchone()
         assert lock_row is not None
         _check_snapshots(lock_row)
         return cursor.execute(statement, params).fetchone()
 
     def _reserve_once(
-        self, conn: psycopg.Connection[Any], opening: Batched, params: dict[str, Any]
+        self, conn: psycopg.Connection[Any], opening: Batched, params: dict[str, Any], q: _Statements
     ) -> Reservation:
         """An atomic reservation in a batched transaction: the key's lock and its row, read with BEGIN.
 
@@ -217,12 +221,10 @@ class Store:
         (:meth:`complete`), while the lock keeps every other attempt out (409). It saves the row's
         second version (the completion's ``UPDATE``) that the reservation's ``INSERT`` otherwise needs.
         """
-        batches = self._sql.batches
-        lock, found = opening.begin_all(
-            [(batches[self._sql.lock], params), (batches[self._sql.lookup], params)]
-        )
+        batches = q.batches
+        lock, found = opening.begin_all([(batches[q.lock], params), (batches[q.lookup], params)])
         taken = lock.rows[0]["taken"]
-        if self._sql.partitioned:
+        if q.partitioned:
             _check_snapshots(lock.rows[0])
         if found.rows:
             row = found.rows[0]
@@ -231,7 +233,7 @@ class Store:
                 return Reservation(reserved=False, record=record)
             if not taken:  # another request is renewing the expired key right now
                 return _IN_FLIGHT
-            _cursor(conn).execute(self._sql.delete_expired, params)
+            _cursor(conn).execute(q.delete_expired, params)
         elif not taken:
             return _IN_FLIGHT
         opening.pending = params
@@ -261,14 +263,16 @@ class Store:
             if pending is not None and pending["key"] == owner.key and pending["org_id"] == owner.org_id:
                 closing.pending = None  # type: ignore[union-attr]
                 # Written once, completed, with COMMIT, in one round trip (see _reserve_once).
-                statement = self._sql.batches[self._sql.insert_completed]
+                q = self._sql
+                statement = q.batches[q.insert_completed]
                 closing.defer(statement, {**pending, "response": Jsonb(response)})  # type: ignore[union-attr]
                 return True
             params = {"org_id": owner.org_id, "key": owner.key, "response": Jsonb(response)}
             if closing is not None and closing.begun:
                 # Sent with COMMIT, in one round trip. It updates the transaction's own row, which
                 # nothing else can see, let alone change: it always matches that one row.
-                closing.defer(self._sql.batches[self._sql.complete], params)
+                q = self._sql
+                closing.defer(q.batches[q.complete], params)
                 return True
             return _cursor(conn).execute(self._sql.complete, params).rowcount == 1
         params = {

@@ -59,13 +59,19 @@ NULL, NULL, NULL
 -- Always one row: whether this transaction inserted the row, whether it holds the key's lock (taken
 -- first, without waiting: a key whose lock is held is in flight), and the committed row of the key, if
 -- its snapshot has one (it never sees its own insert). {lease} is the atomic or the leased fragment.
+-- ON CONFLICT names no columns. On layouts 1 to 3 the primary key (org_id, idem_key) is the one unique
+-- key (the unique index the upgrade to layout 4 builds adds expires_at to it). So the statement also runs
+-- on the key table that upgrade has just partitioned, whose unique key is (org_id, idem_key, expires_at),
+-- until this process reads the new layout (IdemState.check_layout, within a minute): every key it writes
+-- until then goes to the first partition, the layout-3 table with its primary key, which ends past the
+-- application's longest retention.
 WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken),
 reserved AS (
     INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, expires_at,
                          flow, lease_token, lease_expires_at)
     SELECT %(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, 'processing',
            now() + make_interval(secs => %(ttl)s), {lease} FROM lock WHERE lock.taken
-    ON CONFLICT (org_id, idem_key) DO NOTHING
+    ON CONFLICT DO NOTHING
     RETURNING 1
 )
 SELECT EXISTS (SELECT FROM reserved) AS fresh, lock.taken, {record}

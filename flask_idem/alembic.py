@@ -24,10 +24,13 @@ Alembic is imported by the functions that use it: importing this module needs no
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from importlib.resources import files
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 from psycopg import sql
 
 from . import _layout
@@ -50,6 +53,8 @@ __all__ = [
     "run_migrations",
     "run_upgrade",
 ]
+
+logger = logging.getLogger("flask_idem")
 
 #: The branch label of flask-idem's revisions. The application's revisions follow them, and so carry it
 #: too; ``flask db upgrade flask_idem_0002`` (a revision's id) upgrades flask-idem's tables alone.
@@ -169,20 +174,27 @@ def run_migrations(url: str | None = None, *, target_metadata: Any = None, **opt
         **options,
     }
     if context.is_offline_mode():
-        context.configure(dialect_name="postgresql", literal_binds=True, **settings)
+        # Named parameters, as Alembic's own env.py template has them: SQL printed for a person is not
+        # escaped for a driver's pyformat (no percent sign doubled).
+        context.configure(
+            dialect_name="postgresql", literal_binds=True, dialect_opts={"paramstyle": "named"}, **settings
+        )
         with context.begin_transaction():
             context.run_migrations()
         return
 
-    import psycopg
     from sqlalchemy import create_engine
     from sqlalchemy.pool import NullPool
 
     conninfo = with_connect_options(conninfo, {**DEFAULT_CONNECT_OPTIONS, **connect_options})
     # The connection string goes to psycopg alone: SQLAlchemy's URL would need its own driver prefix
-    # and escaping, and a libpq key=value string is no URL at all.
+    # and escaping, and a libpq key=value string is no URL at all. It prepares nothing, as flask idem
+    # migrate's connection: a migration runs few statements, and behind PgBouncer (before 1.21) a
+    # prepared statement would meet other clients' of the same name on a shared server connection.
     engine = create_engine(
-        "postgresql+psycopg://", creator=lambda: psycopg.connect(conninfo), poolclass=NullPool
+        "postgresql+psycopg://",
+        creator=lambda: psycopg.connect(conninfo, prepare_threshold=None),
+        poolclass=NullPool,
     )
     try:
         with engine.connect() as connection:
@@ -310,18 +322,29 @@ def _begin(lock_timeout: float, table: str) -> None:
 def run_upgrade(revision: Revision) -> None:
     """Apply ``revision`` inside Alembic's migration (its ``upgrade()``).
 
-    The same statements as ``flask idem migrate``, in Alembic's transaction, under the same short
-    ``lock_timeout``; indexes are built concurrently in Alembic's ``autocommit_block()``, which commits
-    the transaction before and begins a new one after. A lock not had in time fails the upgrade (run it
-    again: every statement is safe to run twice) instead of being retried as ``flask idem migrate`` does.
+    The same statements and transactions as ``flask idem migrate``, under the same short
+    ``lock_timeout``: the revision's DDL in Alembic's transaction; its indexes built concurrently in
+    Alembic's ``autocommit_block()``, which commits the transaction before and begins a new one after;
+    each of its ``after`` steps in a transaction of its own (an empty ``autocommit_block()`` commits
+    between them), the last one recording the layout and committed at once, so that the lock it took is
+    not held through the revisions that follow. Online, a statement whose lock was not had in time (or
+    that a deadlock broke) is rolled back to a savepoint and tried again after a pause, as ``flask idem
+    migrate`` tries its transactions again; every statement is safe to run twice, so an upgrade that
+    still fails may simply be run again.
     """
     from alembic import context, op
 
     table, distributed, lock_timeout, horizon = _target()
     names = {**_layout.names(table), "horizon": sql.Literal(horizon)}
+
+    def commit() -> None:
+        with op.get_context().autocommit_block():  # commits Alembic's transaction and begins one after
+            pass
+        _begin(lock_timeout, table)
+
     _begin(lock_timeout, table)
     if revision.sql:
-        _execute(sql.SQL(revision.sql).format(**names))
+        _retried(sql.SQL(revision.sql).format(**names))
     for index in revision.indexes:
         name = names[f"{index.name}_qualified"].as_string(None)
         if not context.is_offline_mode():
@@ -346,12 +369,10 @@ def run_upgrade(revision: Revision) -> None:
             _execute(create + sql.SQL(index.definition).format(**names))
     if revision.indexes:
         _begin(lock_timeout, table)
-    for step in revision.after:
-        _execute(sql.SQL(step).format(**names))
-        if step is not revision.after[-1]:
-            with op.get_context().autocommit_block():  # commits this step's transaction
-                pass
-            _begin(lock_timeout, table)
+    for number, step in enumerate(revision.after, start=1):
+        _retried(sql.SQL(step).format(**names))
+        if number < len(revision.after):
+            commit()
     if distributed and revision.distributed_sql:
         _execute(sql.SQL("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'"))
         _execute(sql.SQL(revision.distributed_sql).format(**names))
@@ -359,6 +380,36 @@ def run_upgrade(revision: Revision) -> None:
         **names, layout=sql.Literal(revision.layout), comment=sql.Literal(revision.comment())
     )
     _execute(record)
+    if revision.after:
+        commit()
+
+
+def _retried(statement: sql.Composable) -> None:
+    """Run ``statement`` in a savepoint, tried again after a growing pause with jitter while it fails for
+    a lock not had within the lock timeout, or a deadlock (up to :data:`flask_idem._migrate.ATTEMPTS`
+    times); offline, print it."""
+    from alembic import context, op
+    from sqlalchemy.exc import OperationalError
+
+    from ._migrate import ATTEMPTS, pause
+
+    if context.is_offline_mode():
+        _execute(statement)
+        return
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            with op.get_bind().begin_nested():  # rolled back to the savepoint, its locks let go
+                _execute(statement)
+            return
+        except OperationalError as e:
+            lock = isinstance(e.orig, (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected))
+            if not lock or attempt == ATTEMPTS:
+                raise
+            wait = pause(attempt)
+            logger.info(
+                "%s: a lock was not free in time; trying again in %.1f s.", type(e.orig).__name__, wait
+            )
+            time.sleep(wait)
 
 
 def run_downgrade(revision: Revision) -> None:

@@ -13,11 +13,9 @@ undoes afterwards.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import subprocess
-import sys
 import textwrap
 import uuid
 import warnings
@@ -40,8 +38,8 @@ from flask_idem import ConfigurationError, Idempotency, _layout, _migrate, error
 from flask_idem import alembic as idem_alembic
 
 from .support import citus
-from .support.layouts import check_distributed, create_first_release, layout_of
-from .support.servers import ROOT
+from .support.alembic_project import PLAIN_ALEMBIC, alembic, plain_project
+from .support.layouts import catalog, check_distributed, create_first_release, layout_of
 
 
 @contextmanager
@@ -163,6 +161,8 @@ def test_new_project(projects: Any, scratch: str) -> None:
     assert offline.exit_code == 0, offline.output
     assert 'CREATE TABLE IF NOT EXISTS "idempotency_keys"' in offline.output
     assert 'CREATE INDEX CONCURRENTLY IF NOT EXISTS "idempotency_keys_due_idx"' in offline.output
+    assert "ATTACH PARTITION" in offline.output  # layout 4's swap, printed as written:
+    assert "%%" not in offline.output  # nothing doubled by the pyformat escaping of Flask-Migrate's env.py
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") is None
     assert project.flask_db("upgrade").exit_code == 0
@@ -192,6 +192,12 @@ def test_new_project(projects: Any, scratch: str) -> None:
     assert len(project.revisions()) == 1  # no empty revision either
 
 
+#: Every column of the first release's key table (later layouts add more).
+FIRST_RELEASE_ROWS = sql.SQL("SELECT {} FROM idempotency_keys").format(
+    sql.SQL(", ").join(map(sql.Identifier, _layout.COLUMNS))
+)
+
+
 def test_existing_first_release_table_is_upgraded(projects: Any, scratch: str) -> None:
     """A key table made by the first release's `init-db`, holding a key the route stored, is adopted and
     upgraded by `flask db upgrade`; after a restart the key replays and a fresh key is taken."""
@@ -204,13 +210,13 @@ def test_existing_first_release_table_is_upgraded(projects: Any, scratch: str) -
     assert stored.status_code == 201
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") == 1
-        rows = conn.execute("SELECT * FROM idempotency_keys").fetchall()
+        rows = conn.execute(FIRST_RELEASE_ROWS).fetchall()
     assert before.flask_db("init").exit_code == 0
     result = before.flask_db("upgrade")
     assert result.exit_code == 0, result.output
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") == _layout.latest()
-        assert conn.execute("SELECT * FROM idempotency_keys").fetchall() == rows
+        assert conn.execute(FIRST_RELEASE_ROWS).fetchall() == rows  # and a task column, NULL
         if citus.ENABLED:
             check_distributed(conn, "idempotency_keys")
 
@@ -357,70 +363,6 @@ def test_include_object_leaves_only_flask_idem_tables_out() -> None:
     assert hook(Reflected(None), "idempotency_keys_expires_at_idx", "index", True, None) is True
 
 
-#: The plain Alembic project of the upgrades page: alembic.ini, migrations/env.py, script.py.mako.
-PLAIN_ALEMBIC = ROOT / "tests" / "support" / "plain_alembic"
-
-#: The application the plain project's env.py imports: the quickstart's shape, plain psycopg.
-QUICKSTART = """
-from flask import Flask, g, request
-
-from flask_idem import Idempotency
-
-idem = Idempotency(scope=lambda: g.get("org_id"))
-
-
-def create_app():
-    app = Flask(__name__)
-    app.config["IDEM_DATABASE_URL"] = "postgresql://localhost/shop"
-    app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
-    app.config.from_prefixed_env()
-    idem.init_app(app)
-
-    @app.before_request
-    def authenticate():
-        g.org_id = 1
-
-    @app.post("/orders")
-    @idem.idempotent()
-    def create_order():
-        row = idem.connection.execute(
-            "INSERT INTO orders (org_id, note) VALUES (%s, %s) RETURNING id",
-            (g.org_id, request.get_json()["note"]),
-        ).fetchone()
-        return {"id": row[0]}, 201
-
-    return app
-"""
-
-
-def plain_project(directory: Path, *, ini: str | None = None) -> Path:
-    """The plain Alembic project copied into ``directory``, with the quickstart-like application."""
-    shutil.copytree(PLAIN_ALEMBIC, directory)
-    (directory / "migrations" / "versions").mkdir()
-    (directory / "quickstart").mkdir()
-    (directory / "quickstart" / "__init__.py").write_text(QUICKSTART)
-    if ini is not None:
-        (directory / "alembic.ini").write_text(ini)
-    return directory
-
-
-def alembic(project: Path, conninfo: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """``alembic ARGS`` run in ``project``, the application pointed at ``conninfo`` as a deployment
-    would (``FLASK_IDEM_DATABASE_URL``)."""
-    env = {**os.environ, "FLASK_IDEM_DATABASE_URL": conninfo}
-    if citus.ENABLED:
-        env["FLASK_IDEM_DISTRIBUTED"] = "true"
-    return subprocess.run(
-        [sys.executable, "-m", "alembic", *args],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def checked_app(conninfo: str) -> tuple[Flask, Idempotency]:
     """An application on ``conninfo`` whose layout check and idempotent route the test calls."""
     app = Flask(__name__)
@@ -504,3 +446,122 @@ def test_plain_alembic_without_flask_idem_revisions_is_refused(scratch: str, tmp
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") is None
         assert conn.execute("SELECT to_regclass('alembic_version')").fetchone() == (None,)
+
+
+def transactions_of(script: str) -> list[str]:
+    """The shape of an offline script: its BEGIN and COMMIT, and the statements that must stand outside
+    a transaction (the concurrent index builds) or in one of their own (layout 4's steps)."""
+    marks = {
+        "BEGIN;": "BEGIN",
+        "COMMIT;": "COMMIT",
+        "CREATE UNIQUE INDEX CONCURRENTLY": "unique index",
+        "VALIDATE CONSTRAINT": "validate",
+        "ATTACH PARTITION": "attach",
+        "UPDATE alembic_version": "version",
+    }
+    return [
+        name
+        for line in script.splitlines()
+        for mark, name in marks.items()
+        if line.strip() == mark or mark[-1] != ";" and mark in line
+    ]
+
+
+def without_moments(found: dict[str, Any]) -> dict[str, Any]:
+    """A catalog with its timestamps (the first partition's bound) written as ``T0``."""
+    return {
+        name: [re.sub(r"'\d{4}-[^']+'", "T0", item) if isinstance(item, str) else item for item in value]
+        if isinstance(value, list)
+        else value
+        for name, value in found.items()
+    }
+
+
+def test_offline_sql_upgrades_layout_3_to_4_when_run_by_psql(scratch: str, tmp_path: Path) -> None:
+    """`alembic upgrade flask_idem_0003:heads --sql` prints what a person runs with psql: each step of
+    layout 4 committed before the next (the unique index built between COMMIT and BEGIN), and nothing
+    escaped for a driver. Run so on a layout-3 table holding a key, it makes the layout 4 that `flask
+    idem migrate` makes (same catalog of the key table and of its first partition), Alembic's history
+    says flask_idem_0004, and the key replays."""
+    project = plain_project(tmp_path / "project")
+    made = alembic(project, scratch, "upgrade", _layout.alembic_id(3))
+    assert made.returncode == 0, made.stderr
+    with psycopg.connect(scratch, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE orders (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, org_id bigint NOT NULL,"
+            " note text NOT NULL)"
+        )
+    app, idem = checked_app(scratch)
+    key = str(uuid.uuid4())
+    try:
+        first = app.test_client().post("/orders", json={"note": "a"}, headers={"Idempotency-Key": key})
+        assert first.status_code == 201, first.json
+    finally:
+        with app.app_context():
+            idem.close()
+
+    offline = alembic(project, scratch, "upgrade", f"{_layout.alembic_id(3)}:heads", "--sql")
+    assert offline.returncode == 0, offline.stderr
+    assert transactions_of(offline.stdout) == [
+        *("BEGIN", "COMMIT"),  # the column, the NOT VALID checks, the tombstones' table
+        "unique index",
+        *("BEGIN", "validate", "validate", "COMMIT"),
+        *("BEGIN", "attach", "COMMIT"),  # and the layout recorded
+        *("BEGIN", "version", "COMMIT"),
+    ]
+    assert "%%" not in offline.stdout
+    script = tmp_path / "upgrade.sql"
+    script.write_text(offline.stdout)
+    run = subprocess.run(
+        ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", scratch, "-f", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+
+    _migrate.upgrade(scratch, table="reference_keys", distributed=citus.ENABLED)
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == _layout.latest()
+        for suffix in ("", "_p0"):
+            upgraded = without_moments(catalog(conn, "idempotency_keys" + suffix))
+            assert upgraded == without_moments(catalog(conn, "reference_keys" + suffix))
+    current = alembic(project, scratch, "current")
+    assert current.stdout.split() == [_layout.alembic_id(4), "(head)"], current.stderr
+    app, idem = checked_app(scratch)
+    try:
+        replay = app.test_client().post("/orders", json={"note": "a"}, headers={"Idempotency-Key": key})
+    finally:
+        with app.app_context():
+            idem.close()
+    assert (replay.status_code, replay.json) == (200, first.json)
+
+
+def test_layout_4_is_not_downgraded(scratch: str, tmp_path: Path) -> None:
+    """`alembic downgrade` past flask_idem_0004, online or printed with --sql, refuses with what to do
+    instead, and changes nothing: the key table stays partitioned, in layout 4, and Alembic's history
+    at flask_idem_0004."""
+    project = plain_project(tmp_path / "project")
+    upgraded = alembic(project, scratch, "upgrade", "heads")
+    assert upgraded.returncode == 0, upgraded.stderr
+    with psycopg.connect(scratch) as conn:
+        before = catalog(conn, "idempotency_keys")
+    for args in (
+        ["downgrade", _layout.alembic_id(3)],
+        ["downgrade", "flask_idem_0004:flask_idem_0003", "--sql"],
+    ):
+        refused = alembic(project, scratch, *args)
+        assert refused.returncode != 0, refused.stdout
+        assert "flask-idem's layout 4 (flask_idem_0004) cannot be undone in place" in refused.stderr
+        assert "restore a backup taken before the upgrade" in refused.stderr
+    with psycopg.connect(scratch) as conn:
+        assert layout_of(conn, "idempotency_keys") == 4
+        assert catalog(conn, "idempotency_keys") == before
+        kind = conn.execute(
+            "SELECT relkind FROM pg_class WHERE oid = 'idempotency_keys'::regclass"
+        ).fetchone()
+        assert kind == ("p",)
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
+            (_layout.alembic_id(4),)
+        ]

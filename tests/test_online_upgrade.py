@@ -232,7 +232,8 @@ def test_control_a_plain_index_build_is_seen_blocking(
     (on Citus, whose deadlock detector may cancel the build once they have waited a while)."""
 
     def plain_build(runner: Any, index: _layout.Index) -> None:
-        create = sql.SQL("CREATE INDEX IF NOT EXISTS {} ").format(runner.names[index.name])
+        head = "CREATE UNIQUE INDEX IF NOT EXISTS {} " if index.unique else "CREATE INDEX IF NOT EXISTS {} "
+        create = sql.SQL(head).format(runner.names[index.name])
         runner.conn.execute(create + sql.SQL(index.definition).format(**runner.names))
 
     monkeypatch.setattr(_migrate._Runner, "_build", plain_build)

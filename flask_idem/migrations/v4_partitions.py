@@ -28,13 +28,18 @@ any partition once that bound has passed. Steps, each safe to run twice:
 2. the unique index ``(org_id, idem_key, expires_at)`` that the partitioned table's primary key needs
    is built concurrently on the old table;
 3. a transaction validates the two constraints (a scan that takes no lock writers wait on);
-4. a transaction renames the old table to ``<table>_p0``, creates the partitioned ``<table>`` and
-   attaches the old one as its first partition (no scan: the valid constraint proves the bound), and
-   records the layout.
+4. a transaction renames the old table to ``<table>_p0``, makes the unique index of step 2 its
+   constraint, creates the partitioned ``<table>`` and attaches the old one as its first partition (no
+   scan: the valid constraint proves the bound; no index built: the partition's indexes are taken
+   over), and records the layout. Writers wait for this transaction only: a few milliseconds, however
+   many keys the table holds.
 
-The code of layouts 1 to 3 cannot run on a partitioned table; this release's code runs on both, and
-switches by itself once the upgrade is recorded (it reads the layout again every minute while it runs on
-an older one). Deploy it first, then upgrade.
+Older releases' code cannot run on a partitioned table (``compatible_from``); this release's code runs on
+both, and switches by itself once the upgrade is recorded (it reads the layout again every minute while
+it runs on an older one; until then its statements of layout 3 write into the first partition, which
+holds every key that expires before its bound). Deploy it first, then upgrade.
+
+There is no way back in place (Alembic's downgrade refuses): restore a backup taken before.
 """
 
 from flask_idem._layout import Index, Revision
@@ -89,8 +94,10 @@ BEGIN
         -- Later than every key kept, and than every key written while the upgrade runs.
         bound := date_trunc('second', greatest(now() + make_interval(secs => {horizon}),
                                                (SELECT max(expires_at) FROM {table}) + interval '1 second'));
-        EXECUTE format('ALTER TABLE %s ADD CONSTRAINT %I CHECK (expires_at < %L::timestamptz) NOT VALID',
-                       {table_literal}, {first_bound_name}, bound);
+        -- Concatenated, not format()'s placeholders: no percent sign, which the SQL printed by an
+        -- offline Alembic run with pyformat's escaping (Flask-Migrate's env.py) would double.
+        EXECUTE 'ALTER TABLE ' || {table_literal} || ' ADD CONSTRAINT ' || quote_ident({first_bound_name})
+                || ' CHECK (expires_at < ' || quote_literal(bound) || '::timestamptz) NOT VALID';
     END IF;
 END
 $bound$;
@@ -132,13 +139,17 @@ BEGIN
     END IF;
     ALTER TABLE {table} RENAME TO {first};
     ALTER TABLE {first_qualified} RENAME CONSTRAINT {pkey} TO {first_pkey};
-    -- The index built concurrently becomes the constraint the partitioned table's unique key attaches
-    -- (a plain unique index would not be taken, and the attach would build one, holding its locks).
-    ALTER TABLE {first_qualified} ADD CONSTRAINT {first_key_index} UNIQUE USING INDEX {first_key_index};
-    ALTER INDEX {expires_index_qualified} RENAME TO {first_expires_index};
-    ALTER INDEX {lease_index_qualified} RENAME TO {first_lease_index};
-    ALTER INDEX {attention_index_qualified} RENAME TO {first_attention_index};
+    ALTER INDEX IF EXISTS {expires_index_qualified} RENAME TO {first_expires_index};
+    ALTER INDEX IF EXISTS {lease_index_qualified} RENAME TO {first_lease_index};
+    ALTER INDEX IF EXISTS {attention_index_qualified} RENAME TO {first_attention_index};
     ALTER INDEX IF EXISTS {due_index_qualified} RENAME TO {first_due_index};
+    -- The unique index built concurrently (step 2) becomes a constraint of its own name (no scan, no
+    -- build): the partitioned table's unique constraint takes over a partition's index only when a
+    -- constraint stands on it, and would otherwise build a second one here, with every writer waiting.
+    IF NOT EXISTS (SELECT FROM pg_constraint
+                   WHERE conrelid = {first_literal}::regclass AND conname = {first_key_index_name}) THEN
+        ALTER TABLE {first_qualified} ADD CONSTRAINT {first_key_index} UNIQUE USING INDEX {first_key_index};
+    END IF;
 
     CREATE TABLE {table} (
         org_id           bigint      NOT NULL,
@@ -172,12 +183,12 @@ BEGIN
     ) PARTITION BY RANGE (expires_at);
 
     -- The old table, as it is: no scan, its valid bound constraint proves the partition's range.
-    EXECUTE format('ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM (MINVALUE) TO (%L)',
-                   {table_literal}, {first_literal},
-                   substring(pg_get_constraintdef((SELECT oid FROM pg_constraint
-                                                   WHERE conrelid = {first_literal}::regclass
-                                                     AND conname = {first_bound_name}))
-                             FROM '''([^'']+)'''));
+    EXECUTE 'ALTER TABLE ' || {table_literal} || ' ATTACH PARTITION ' || {first_literal}
+            || ' FOR VALUES FROM (MINVALUE) TO ('
+            || quote_literal(substring(pg_get_constraintdef((SELECT oid FROM pg_constraint
+                                                             WHERE conrelid = {first_literal}::regclass
+                                                               AND conname = {first_bound_name}))
+                                       FROM '''([^'']+)''')) || ')';
 END
 $swap$;
 
@@ -205,7 +216,14 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    """Alembic: layout 4 is not undone (its partitions may hold keys of many days); restore a backup."""
-    from flask_idem.alembic import run_downgrade
+    """Alembic: refused. Layout 4 cannot be undone in place: the partitioned key table cannot become the
+    table of layout 3 again without a copy of every key, under a lock that would stop the application
+    (and the code of layout 3 could not serve keys kept as compact tombstones). Nothing is changed."""
+    from alembic.util import CommandError
 
-    run_downgrade(REVISION)
+    raise CommandError(
+        "flask-idem's layout 4 (flask_idem_0004) cannot be undone in place: the key table is partitioned"
+        " by time, and making it one table again would copy every key under a lock that stops the"
+        " application. Nothing was changed. This flask-idem runs on layout 4; to go back, restore a backup"
+        " taken before the upgrade. Your own revisions after flask_idem_0004 can still be downgraded to it."
+    )
