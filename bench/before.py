@@ -19,6 +19,13 @@ table gives the median of the rounds' ratios and their quartiles:
   flask-idem is on: the method's own error (A/A);
 - **(b) fresh key**: ``POST /orders`` with a new key per request;
 - **(c) replay**: ``POST /orders`` cycling through 1000 finished keys.
+
+When the two codes make different layouts of the key table (``--before dd82ca5``, the last of layout 3,
+against layout 4), each serves a key table of its own: "before" one made by its own migration
+(``idempotency_keys_before``), "now" the shop's; the finished keys that (c) replays are copied into
+both. ``--now-daily`` gives "now" a key table as it is once ``flask idem purge`` has run (layout 4's
+daily partitions, eight days ahead; a fresh table keeps its first partition for eight days), with the
+same keys copied into it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -33,6 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/before.py` from anywhere
 
+import psycopg  # noqa: E402
+from psycopg import sql  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from bench import report  # noqa: E402
@@ -62,6 +72,9 @@ def main() -> None:
     parser.add_argument("--now-env", action="append", default=[], help="NAME=VALUE for 'now'")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seconds", type=float, default=8)
+    parser.add_argument(
+        "--now-daily", action="store_true", help="serve 'now' from a key table in daily partitions (layout 4)"
+    )
     args = parser.parse_args()
     plan = Plan(seconds=args.seconds, warmup=3, rounds=args.rounds, big_rows=0, workers=2, threads=4)
     ensure_tool("wrk", "wrk")
@@ -81,6 +94,19 @@ def main() -> None:
         org_id, api_key = set_up_shop(url)
         with gunicorn(url, workers=1, threads=plan.threads, log=tmp / "gunicorn.log") as shop:
             replay_file = _precreate_keys(shop, url, org_id, api_key, plan, tmp)
+        layouts = {name: _layout_of(root) for name, root in roots.items()}
+        tables = {"now": "idempotency_keys", "before": "idempotency_keys"}
+        if layouts["before"] != layouts["now"]:
+            tables["before"] = "idempotency_keys_before"
+            _run_in(roots["before"], "from flask_idem._migrate import upgrade; import sys;"
+                    " upgrade(sys.argv[1], table=sys.argv[2])", url, tables["before"])  # fmt: skip
+        if args.now_daily:
+            tables["now"] = "idempotency_keys_daily"
+            _daily_table(url, tables["now"])
+        for name, table in tables.items():
+            if table != "idempotency_keys":
+                _copy_keys(url, "idempotency_keys", table, replay_file)
+                envs[name]["FLASK_IDEM_TABLE"] = table
         scenarios: dict[str, tuple[str, str, list[str]]] = {
             "(a) baseline: POST /bench/orders, no decorator (A/A)": ("/bench/orders", "fresh.lua", []),
             "(b) fresh key: POST /orders": ("/orders", "fresh.lua", []),
@@ -114,7 +140,50 @@ def main() -> None:
                 for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
                     print(f"# round {r + 1}/{plan.rounds}: {label}", flush=True)
                     runs[label].append(pair(label, plan.seconds))
-    _print(runs, args, machine)
+    _print(runs, args, machine, {name: f"{tables[name]} (layout {layouts[name]})" for name in tables})
+
+
+def _layout_of(root: Path) -> int:
+    """The newest layout of the key table that the code under ``root`` makes."""
+    out = _run_in(root, "from flask_idem import _layout; print(_layout.revisions()[-1].layout)")
+    return int(out)
+
+
+def _run_in(root: Path, code: str, *args: str) -> str:
+    """Run ``code`` with the flask_idem under ``root`` (it comes first on ``sys.path``)."""
+    command = [sys.executable, "-c", code, *args]
+    return subprocess.run(command, cwd=root, capture_output=True, text=True, check=True).stdout
+
+
+def _daily_table(url: str, table: str) -> None:
+    """A key table of this checkout in daily partitions, eight days ahead, as after ``flask idem purge``."""
+    from flask_idem._migrate import upgrade
+    from flask_idem._partitions import maintain
+
+    day = 86_400.0
+    upgrade(url, table=table, horizon=60.0, echo=lambda _: None)  # the first partition ends in a minute
+    maintain(url, table=table, interval=day, horizon=8 * day, tombstone_ttl=30 * day, echo=lambda _: None)
+
+
+def _copy_keys(url: str, source: str, target: str, keys: Path) -> None:
+    """Copy the rows of the keys listed in ``keys`` from ``source`` into ``target`` (their common columns)."""
+    with psycopg.connect(url) as conn:
+        columns = [
+            name
+            for (name,) in conn.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0"
+                " AND NOT attisdropped AND attname IN (SELECT attname FROM pg_attribute"
+                " WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped) ORDER BY attnum",
+                (target, source),
+            )
+        ]
+        names = sql.SQL(", ").join(map(sql.Identifier, columns))
+        conn.execute(
+            sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} WHERE idem_key = ANY(%s::uuid[])").format(
+                sql.Identifier(target), names, names, sql.Identifier(source)
+            ),
+            (keys.read_text().split(),),
+        )
 
 
 def _watch(server: Server, url: str, name: str) -> dict[str, list[int]]:
@@ -122,7 +191,12 @@ def _watch(server: Server, url: str, name: str) -> dict[str, list[int]]:
     return {"app": server.worker_pids(), "db": backend_pids(url, f"bench-{name}")}
 
 
-def _print(runs: dict[str, list[tuple[WrkRun, WrkRun]]], args: argparse.Namespace, machine: str) -> None:
+def _print(
+    runs: dict[str, list[tuple[WrkRun, WrkRun]]],
+    args: argparse.Namespace,
+    machine: str,
+    tables: dict[str, str],
+) -> None:
     def ratio(label: str, value: Callable[[WrkRun], float]) -> report.Paired:
         return report.paired([b for b, _ in runs[label]], [n for _, n in runs[label]], value)
 
@@ -133,7 +207,8 @@ def _print(runs: dict[str, list[tuple[WrkRun, WrkRun]]], args: argparse.Namespac
     def side(commit: str | None, env: list[str]) -> str:
         return (commit or "this checkout") + (f" with {' '.join(env)}" if env else "")
 
-    print(f"now: {side(None, args.now_env)}; before: {side(args.before, args.before_env)}\n")
+    print(f"now: {side(None, args.now_env)}, key table {tables['now']}; before:"
+          f" {side(args.before, args.before_env)}, key table {tables['before']}\n")  # fmt: skip
     print("| scenario | now / before, req/s | now / before, capacity | CPU ms/req before (app / db) | now |")
     print("| --- | --- | --- | --- | --- |")
     for label, pairs in runs.items():
@@ -148,6 +223,12 @@ def _print(runs: dict[str, list[tuple[WrkRun, WrkRun]]], args: argparse.Namespac
         " pair, order rotated per round, after a 3 s warm-up of each\n- load average at the end: "
         + ", ".join(f"{v:.2f}" for v in os.getloadavg())
     )
+    failed = {
+        label: [sum(r.status_errors + r.socket_errors for r in side) for side in zip(*pairs, strict=True)]
+        for label, pairs in runs.items()
+    }
+    print("- non-2xx responses and socket errors, before / now: "
+          + "; ".join(f"{label[:3]} {b} / {n}" for label, (b, n) in failed.items()))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -69,6 +69,10 @@ class Plan:
     big_rows: int
     workers: int
     threads: int
+    #: Days of daily partitions (f)'s keys are spread over (0: the table as the migration leaves it).
+    spread: int = 0
+    #: The scenarios to run, by letter.
+    scenarios: str = "abcdefghi"
 
     @property
     def connections(self) -> int:
@@ -84,6 +88,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="rounds of the throughput scenarios (default 6)")
     parser.add_argument("--seconds", type=float, help="seconds per measurement (default 10, 3 with --quick)")
     parser.add_argument("--big-rows", type=int, help="rows of (f)'s key table (default 10M)")
+    parser.add_argument(
+        "--spread",
+        type=int,
+        default=0,
+        metavar="DAYS",
+        help="spread (f)'s keys over DAYS daily partitions made by flask idem purge (layout 4)",
+    )
+    parser.add_argument(
+        "--scenarios", default="abcdefghi", help="the scenarios to run, by letter (default all: abcdefghi)"
+    )
     parser.add_argument("--show-sql", action="store_true", help="print the pgbench script of (e) and exit")
     parser.add_argument(
         "--citus",
@@ -103,7 +117,11 @@ def main() -> None:
         big_rows=args.big_rows or (1_000_000 if args.quick else 10_000_000),
         workers=args.workers,
         threads=args.threads,
+        spread=args.spread,
+        scenarios=args.scenarios,
     )
+    if args.spread and args.citus:
+        parser.error("--spread runs on one server: flask idem purge does not make partitions on Citus here")
     ensure_tool("wrk", "wrk")
     ensure_tool("pgbench", "postgresql-client")
     server = os.environ.get("FLASK_IDEM_BENCH_DATABASE_URL", DEFAULT_SERVER_URL)
@@ -127,24 +145,28 @@ def main() -> None:
 
         with serve() as shop:
             replay_file = _precreate_keys(shop, url, org_id, api_key, plan, tmp)
-        big_file = _load_big_table(url, org_id, plan.big_rows, tmp, notes)
+        big_file = None
+        if "f" in plan.scenarios:
+            big_file = _load_big_table(url, org_id, plan.big_rows, plan.spread, tmp, notes)
         rows = _throughput(url, api_key, replay_file, big_file, plan, tmp, notes)
-        with serve(access_log=tmp / "access.log") as shop:
-            for clients, keys in ((64, 4), (plan.workers * plan.threads, 2)):
-                rows.append(_inflight(shop, url, org_id, api_key, clients, keys, plan, tmp, notes))
-        with serve() as shop:  # (b) had half the machine beside (a); (e) has all of it, and so has this
-            for seconds in (plan.warmup, plan.seconds):
-                alone = wrk("fresh.lua", shop.base + "/orders", [api_key, _seed()], threads=1,
-                            connections=plan.connections, seconds=seconds)  # fmt: skip
-        database = _pgbench(url, org_id, api_key, plan, tmp, notes)
-        database.ratio = f"(b) alone {alone.rps:.0f} req/s = {alone.rps / database.rps:.2f} × (e)"
-        database.goal = "report the ratio"
-        rows.append(database)
-        notes.append(
-            f"(e)'s ratio: (b) measured alone, {plan.workers} workers × {plan.threads} threads, wrk -t1"
-            f" -c{plan.connections}, {plan.seconds:g} s after a {plan.warmup:g} s warm-up, so that both have"
-            " the whole machine"
-        )
+        if "d" in plan.scenarios:
+            with serve(access_log=tmp / "access.log") as shop:
+                for clients, keys in ((64, 4), (plan.workers * plan.threads, 2)):
+                    rows.append(_inflight(shop, url, org_id, api_key, clients, keys, plan, tmp, notes))
+        if "e" in plan.scenarios:
+            with serve() as shop:  # (b) had half the machine beside (a); (e) has all of it, and so has this
+                for seconds in (plan.warmup, plan.seconds):
+                    alone = wrk("fresh.lua", shop.base + "/orders", [api_key, _seed()], threads=1,
+                                connections=plan.connections, seconds=seconds)  # fmt: skip
+            database = _pgbench(url, org_id, api_key, plan, tmp, notes)
+            database.ratio = f"(b) alone {alone.rps:.0f} req/s = {alone.rps / database.rps:.2f} × (e)"
+            database.goal = "report the ratio"
+            rows.append(database)
+            notes.append(
+                f"(e)'s ratio: (b) measured alone, {plan.workers} workers × {plan.threads} threads, wrk -t1"
+                f" -c{plan.connections}, {plan.seconds:g} s after a {plan.warmup:g} s warm-up, so that both"
+                " have the whole machine"
+            )
     notes.append("load average at the end: " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     report.print_table(rows, notes)
 
@@ -167,11 +189,26 @@ def _precreate_keys(shop: Server, url: str, org_id: int, api_key: str, plan: Pla
     return path
 
 
-def _load_big_table(url: str, org_id: int, rows: int, tmp: Path, notes: list[str]) -> Path:
-    """Bulk-load ``rows`` finished keys of the bench organisation into BIG_TABLE; sample REPLAY_KEYS."""
-    from flask_idem._migrate import upgrade
+def _load_big_table(url: str, org_id: int, rows: int, spread: int, tmp: Path, notes: list[str]) -> Path:
+    """Bulk-load ``rows`` finished keys of the bench organisation into BIG_TABLE; sample REPLAY_KEYS.
 
-    upgrade(url, table=BIG_TABLE, distributed=_distributed())  # the very DDL of idempotency_keys, renamed
+    With ``spread`` (days), the table is made as ``flask idem purge`` leaves it on layout 4 (a first
+    partition that ends a minute from now, then daily partitions), and the keys' expiries are spread
+    evenly over the ``spread`` days from an hour from now, so over as many partitions, each of which a
+    lookup reads.
+    """
+    from flask_idem._migrate import upgrade
+    from flask_idem._partitions import maintain
+
+    day = 86_400.0
+    if spread:
+        upgrade(url, table=BIG_TABLE, horizon=60.0, echo=lambda _: None)
+        maintain(url, table=BIG_TABLE, interval=day, horizon=(spread + 1) * day, tombstone_ttl=30 * day,
+                 echo=lambda _: None)  # fmt: skip
+        expiry = sql.SQL("now() + interval '1 hour' + random() * make_interval(secs => %(span)s)")
+    else:
+        upgrade(url, table=BIG_TABLE, distributed=_distributed())  # the very DDL of idempotency_keys, renamed
+        expiry = sql.SQL("now() + interval '1 day'")
     print(f"# loading {rows:,} rows into {BIG_TABLE} ...", flush=True)
     with psycopg.connect(url, autocommit=True) as conn:
         # Every row answers a replay of the same request: the fingerprint and stored response of a real
@@ -181,28 +218,35 @@ def _load_big_table(url: str, org_id: int, rows: int, tmp: Path, notes: list[str
         conn.execute(
             sql.SQL(
                 "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response, expires_at)"
-                " SELECT %(org)s, k, s.request_sha, s.method, s.path, 'completed', s.response,"
-                "        now() + interval '1 day'"
+                " SELECT %(org)s, k, s.request_sha, s.method, s.path, 'completed', s.response, {}"
                 " FROM (SELECT gen_random_uuid() AS k FROM generate_series(1, %(rows)s) ORDER BY 1) AS keys,"
                 "      (SELECT request_sha, method, path, response FROM idempotency_keys"
                 "       WHERE org_id = %(org)s AND status = 'completed' LIMIT 1) AS s"
-            ).format(table),
-            {"org": org_id, "rows": rows},
+            ).format(table, expiry),
+            {"org": org_id, "rows": rows, **({"span": spread * day - 7200.0} if spread else {})},
         )
         conn.execute(sql.SQL("VACUUM ANALYZE {}").format(table))
         conn.execute("CHECKPOINT")
-        keys = conn.execute(
-            sql.SQL("SELECT idem_key FROM {} TABLESAMPLE BERNOULLI (%s) LIMIT %s").format(table),
+        keys = conn.execute(  # a sample over every partition, shuffled before the limit
+            sql.SQL(
+                "SELECT idem_key FROM (SELECT idem_key FROM {} TABLESAMPLE BERNOULLI (%s)) AS s"
+                " ORDER BY random() LIMIT %s"
+            ).format(table),
             (min(100.0, 300.0 * REPLAY_KEYS / rows), REPLAY_KEYS),
         ).fetchall()
         sizes = conn.execute(
-            "SELECT pg_size_pretty(pg_table_size(%(t)s::regclass)),"
-            " pg_size_pretty(pg_indexes_size(%(t)s::regclass))",
-            {"t": BIG_TABLE},
+            "SELECT pg_size_pretty(sum(pg_table_size(relid))), pg_size_pretty(sum(pg_indexes_size(relid))),"
+            " count(*) FILTER (WHERE (SELECT reltuples FROM pg_class WHERE oid = relid) > 0)"
+            " FROM pg_partition_tree(%s) WHERE isleaf",
+            (BIG_TABLE,),
         ).fetchone()
-    assert sizes is not None
-    notes.append(f"(f) {BIG_TABLE}: {rows:,} rows, table {sizes[0]}, indexes {sizes[1]}; the replayed keys"
-                 f" are {len(keys)} random ones of them")  # fmt: skip
+        shop = conn.execute(
+            "SELECT count(*) FROM pg_partition_tree('idempotency_keys') WHERE isleaf"
+        ).fetchone()
+    assert sizes is not None and shop is not None
+    notes.append(f"(f) {BIG_TABLE}: {rows:,} rows, table {sizes[0]}, indexes {sizes[1]}, in {sizes[2]}"
+                 f" partition(s) with rows (idempotency_keys, (c)'s: {shop[0]}); the replayed keys are"
+                 f" {len(keys)} random ones of them")  # fmt: skip
     path = tmp / "big-keys.txt"
     path.write_text("".join(f"{key}\n" for (key,) in keys))
     return path
@@ -224,10 +268,10 @@ class Side:
 
 
 def _throughput(
-    url: str, api_key: str, replay_file: Path, big_file: Path, plan: Plan, tmp: Path, notes: list[str]
+    url: str, api_key: str, replay_file: Path, big_file: Path | None, plan: Plan, tmp: Path, notes: list[str]
 ) -> list[Result]:
-    """Scenarios (a), (b), (c), (f), (g), (h) and (i), each measured at the same moments as what it is
-    compared to.
+    """Scenarios (a), (b), (c), (f), (g), (h) and (i) (those of ``plan.scenarios``), each measured at the
+    same moments as what it is compared to.
 
     Each comparison is a pair of wrk runs at once, against two gunicorns that split the usual setup
     between them (half the workers each, so the machine runs as many threads as in the other
@@ -243,7 +287,8 @@ def _throughput(
             baseline,
             Side("twin", "/orders", "replay.lua", replay_file),
         ),
-        f"(f) replay, {plan.big_rows:,}-row key table": (
+        f"(f) replay, {plan.big_rows:,}-row key table"
+        + (f" over {plan.spread} daily partitions" if plan.spread else ""): (
             replay,
             Side("big", "/orders", "replay.lua", big_file),
         ),
@@ -257,16 +302,20 @@ def _throughput(
             Side("twin", "/bench/orders-plain"),
         ),
     }
-    labels = list(pairs)
+    labels = [label for label in pairs if label[1] in plan.scenarios]
+    if not labels:
+        return []
+    by = {label[1]: label for label in labels}
     runs: dict[str, list[tuple[WrkRun, WrkRun]]] = {label: [] for label in labels}
     half = max(1, plan.workers // 2)
+    needed = {side.server for label in labels for side in pairs[label]}
     with contextlib.ExitStack() as stack:
         servers = {
             name: stack.enter_context(
                 gunicorn(make_conninfo(url, application_name=f"bench-{name}"), workers=half,
                          threads=plan.threads, log=tmp / "gunicorn.log", env=env)
             )
-            for name, env in TWINS.items()
+            for name, env in TWINS.items() if name in needed
         }  # fmt: skip
 
         def job(side: Side) -> WrkJob:
@@ -297,22 +346,32 @@ def _throughput(
         return report.cpu_per_request(measured(label), group)
 
     results = [report.summary(label, measured(label)) for label in labels]
-    (a, b, c, f, g, h, i), goal = results, "bounds (b)"
-    a.ratio, a.goal = f"req/s {ratio(labels[0], report.rps)} × (a)", "near 1.00: the method's own error"
-    report.judge(b, ratio(labels[1], report.rps), "req/s", ">= 0.90 × (a)", 0.90)
-    report.judge(c, ratio(labels[2], report.rps), "req/s", ">= 1.0 × (a)", 1.0)
-    flat = ratio(labels[3], lambda run: run.p99_us)
-    f.ratio, f.goal, f.verdict = (
-        f"p99 {flat} × (c)",
-        "p99 <= 1.2 × (c)",
-        "met" if flat.median <= 1.2 else "MISSED",
-    )
-    g.ratio, g.goal = f"req/s {ratio(labels[4], report.rps)} × (a)", goal
-    h.ratio, h.goal = f"req/s {ratio(labels[5], report.rps)} × (a)", goal
-    i.ratio, i.goal = f"req/s {ratio(labels[6], report.rps)} × (a)", "what the shop's framework costs"
+    row, goal = {label[1]: result for label, result in zip(labels, results, strict=True)}, "bounds (b)"
+    if "a" in row:
+        row["a"].ratio = f"req/s {ratio(by['a'], report.rps)} × (a)"
+        row["a"].goal = "near 1.00: the method's own error"
+    if "b" in row:
+        report.judge(row["b"], ratio(by["b"], report.rps), "req/s", ">= 0.90 × (a)", 0.90)
+    if "c" in row:
+        report.judge(row["c"], ratio(by["c"], report.rps), "req/s", ">= 1.0 × (a)", 1.0)
+    if "f" in row:
+        flat = ratio(by["f"], lambda run: run.p99_us)
+        row["f"].ratio, row["f"].goal, row["f"].verdict = (
+            f"p99 {flat} × (c)",
+            "p99 <= 1.2 × (c)",
+            "met" if flat.median <= 1.2 else "MISSED",
+        )
+        if "c" not in row:  # what (f) was compared with: (c)'s replays, measured beside it
+            partner = report.summary(
+                "(c) replay of finished keys, measured beside (f)", [x for x, _ in runs[by["f"]]]
+            )
+            results.insert(labels.index(by["f"]), partner)
+    for letter, text in (("g", goal), ("h", goal), ("i", "what the shop's framework costs")):
+        if letter in row:
+            row[letter].ratio, row[letter].goal = f"req/s {ratio(by[letter], report.rps)} × (a)", text
     notes.append(
-        f"(a),(b),(c),(f),(g),(h),(i) side by side: each scenario runs at the same time as what it is"
-        f" compared to ((f) with (c), the others with (a)), each on its own gunicorn of {half}"
+        f"{','.join(label[:3] for label in labels)} side by side: each scenario runs at the same time as"
+        f" what it is compared to ((f) with (c), the others with (a)), each on its own gunicorn of {half}"
         f" worker(s) × {plan.threads} threads driven by wrk -t1 -c{max(1, plan.connections // 2)};"
         f" {plan.rounds} rounds of {plan.seconds:g} s per pair, order rotated per round, after a"
         f" {plan.warmup:g} s warm-up of each; a ratio is the median of the rounds' ratios, with its"
@@ -322,7 +381,7 @@ def _throughput(
     notes.append(
         "capacity from CPU per request (requests per CPU second of the server's workers and backends),"
         " round by round:"
-        + ",".join(f" {label[:3]} {ratio(label, report.capacity)} × {'(c)' if label == labels[3] else '(a)'}"
+        + ",".join(f" {label[:3]} {ratio(label, report.capacity)} × {'(c)' if label[1] == 'f' else '(a)'}"
                    for label in labels)
     )  # fmt: skip
     notes.append(
@@ -337,21 +396,22 @@ def _throughput(
                     for group in ("app", "db", "wrk")) for label in labels)
         + f" ({os.cpu_count()} CPUs = {os.cpu_count()}000 CPU ms per second)"
     )  # fmt: skip
-    notes.append(
-        "what a fresh key costs, CPU ms per request, (b) − (a) measured at the same moments, app /"
-        " PostgreSQL: "
-        + " / ".join(f"{cpu_ms(labels[1], group) - cpu_ms(labels[0], group):+.3f}" for group in ("app", "db"))
-    )
+    if "a" in by and "b" in by:
+        notes.append(
+            "what a fresh key costs, CPU ms per request, (b) − (a) measured at the same moments, app /"
+            " PostgreSQL: "
+            + " / ".join(f"{cpu_ms(by['b'], group) - cpu_ms(by['a'], group):+.3f}" for group in ("app", "db"))
+        )
     notes.append(
         "CPU used by other processes on the machine, per round, in % of all CPUs: "
         + "; ".join(f"{label[:3]} {report.others_share(measured(label))}" for label in labels)
     )
     with psycopg.connect(url) as conn:
         updates = conn.execute(
-            "SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
-            " WHERE relname = 'idempotency_keys'"
+            "SELECT sum(n_tup_ins), sum(n_tup_upd), sum(n_tup_hot_upd) FROM pg_stat_user_tables"
+            " WHERE relid IN (SELECT relid FROM pg_partition_tree('idempotency_keys'))"
         ).fetchone()
-    if updates is not None:
+    if updates is not None and updates[0] is not None:
         notes.append(f"idempotency_keys so far: {updates[0]} rows inserted, {updates[1]} updated, of which"
                      f" {updates[2]} HOT (heap-only) updates")  # fmt: skip
     return results
@@ -466,14 +526,18 @@ def pgbench_script() -> str:
     The key table's statements come from flask_idem._store itself, so they cannot drift; the API-key
     lookup and the order INSERT are example_app's. Each key is two random bigints; the first doubles as
     the advisory lock id (the store derives it with BLAKE2b on the client, which costs the server nothing).
+    On one server an atomic request writes its key's row once (``Store._reserve_once``): the key's lock
+    and a lookup with BEGIN, the row, completed, with COMMIT, on the partitioned key table that
+    ``flask idem migrate`` makes (layout 4). On Citus it reserves first and completes after.
     """
     from flask_idem._store import _Statements
 
-    statements = _Statements("idempotency_keys", distributed=_distributed())
+    distributed = _distributed()
+    statements = _Statements("idempotency_keys", distributed=distributed, partitioned=not distributed)
     key = "(lpad(to_hex(:k1::bigint), 16, '0') || lpad(to_hex(:k2::bigint), 16, '0'))::uuid"
     values = {"org_id": ":org", "key": key, "sha": "decode(:sha, 'hex')", "method": "'POST'",
               "path": "'/orders'", "ttl": "86400", "flow": "NULL", "token": "NULL", "lease": "NULL",
-              "lock": ":k1::bigint", "response": ":response", "tomb": "2592000"}  # fmt: skip
+              "lock": ":k1::bigint", "response": ":response", "tomb": "2592000", "task": "NULL"}  # fmt: skip
 
     def render(statement: bytes) -> str:
         text = statement.decode("utf-8")
@@ -483,17 +547,22 @@ def pgbench_script() -> str:
             raise SystemExit(f"bench/run.py does not know a parameter of this statement:\n{text}")
         return text + ";"
 
+    if distributed:
+        before, after = [render(statements.reserve)], [render(statements.complete)]
+    else:
+        before = [render(statements.lock), render(statements.lookup)]
+        after = [render(statements.insert_completed)]
     return "\n".join([
         "\\set k1 random(1, 9223372036854775806)",
         "\\set k2 random(1, 9223372036854775806)",
         "SELECT id FROM orgs WHERE api_key_sha = decode(:apisha, 'hex') AND revoked_at IS NULL;",
         "BEGIN;",
-        render(statements.reserve),
+        *before,
         # Text for pgbench, never executed from Python.
         "INSERT INTO orders (org_id, idempotency_key, amount, currency)"  # noqa: S608
         f" VALUES (:org, {key}, 1250, 'EUR')"
         " ON CONFLICT (org_id, idempotency_key) DO NOTHING RETURNING id, amount, currency, created_at;",
-        render(statements.complete),
+        *after,
         "COMMIT;",
         "",
     ])  # fmt: skip

@@ -314,7 +314,10 @@ def _retire(
         # (rows expire from the moment they are written, after its range) nor start processing there.
         conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(name))
         busy = conn.execute(
-            sql.SQL("SELECT count(*) FROM {} WHERE status = 'processing'").format(name)
+            # Committed processing rows always have a lease: the lease index answers, not a scan.
+            sql.SQL(
+                "SELECT count(*) FROM {} WHERE lease_expires_at IS NOT NULL AND status = 'processing'"
+            ).format(name)
         ).fetchone()
         return busy[0] if busy is not None else 0
 
