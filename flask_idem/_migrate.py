@@ -183,6 +183,10 @@ def upgrade(
         found, todo = pending(conn, table)
         report = Report(before=found, after=found.layout or 0)
         runner.report = report
+        if distributed and found.layout is not None and not runner.is_distributed():
+            # First the tables there are, so that the revisions to apply find them distributed (their
+            # Citus statements co-locate new tables with the key table).
+            runner.distribute(found.layout)
         for revision in todo:
             if to is not None and revision.layout > to:
                 break
@@ -241,7 +245,9 @@ class _Runner:
         self.distributed = distributed
         self.table = table
         self.names = names
-        self.lock_timeout = sql.Literal(f"{max(1, round(lock_timeout * 1000))}ms")
+        #: Milliseconds a statement of a transaction waits for a lock.
+        self.lock_timeout_ms = max(1, round(lock_timeout * 1000))
+        self.lock_timeout = sql.Literal(f"{self.lock_timeout_ms}ms")
         self.echo = echo
         self.lock = _layout.lock_key(table)
         self.report: Report | None = None
@@ -277,11 +283,14 @@ class _Runner:
                 return False
             for index in revision.indexes:
                 self._drop_if_invalid(conn, index.name)
+            citus = self.distributed and revision.distributed_sql and not recorded
+            if citus:
+                # Citus runs a function's DDL over one connection per node, so the whole transaction must
+                # (it refuses to distribute a table after a command that went over the shards in parallel).
+                conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
             if revision.sql and not recorded:
                 conn.execute(sql.SQL(revision.sql).format(**self.names))
-            if self.distributed and revision.distributed_sql and not recorded:
-                # Citus runs a function's DDL over one connection per node, so the whole transaction must.
-                conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
+            if citus:
                 conn.execute(sql.SQL(revision.distributed_sql).format(**self.names))
             if not revision.indexes and not revision.after:
                 self._record(conn, revision)
@@ -365,6 +374,9 @@ class _Runner:
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 with self.conn.transaction():
+                    if self.distributed:
+                        # The timeouts hold on the nodes too, where Citus takes the locks of the shards.
+                        self.conn.execute("SET LOCAL citus.propagate_set_commands TO 'local'")
                     self.conn.execute(
                         sql.SQL("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = {}").format(
                             self.lock_timeout

@@ -74,6 +74,10 @@ ORDER BY b.upper NULLS LAST
 """
 
 
+#: Whether Citus is installed in the database (then :meth:`_migrate._Runner.is_distributed` may ask).
+_CITUS = "SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL"
+
+
 @dataclass(frozen=True, slots=True)
 class Partition:
     """One partition of the key table or of its tombstones."""
@@ -173,6 +177,7 @@ def maintain(
     report = RetentionReport()
     with _migrate.connect(url, connect_options) as conn:
         runner = _migrate._Runner(conn, table, tables.names, lock_timeout, echo)
+        runner.distributed = conn.execute(_CITUS).fetchone() == (True,) and runner.is_distributed()
         clock = now or (lambda: conn.execute("SELECT now()").fetchone()[0])  # type: ignore[index]
         grace = timedelta(seconds=min(interval, MAX_GRACE))
         tomb_interval = max(interval, tombstone_ttl / 4)
@@ -235,6 +240,11 @@ def _ahead(
             return None
         upper = _aligned_after(lower, interval)
         name = tables.partition(prefix, lower)
+        if runner.distributed:
+            # On Citus the attach distributes the new table: its shards are made, and attached to the
+            # key table's, over one connection per node, or the transaction's own connections may wait
+            # on one another (Citus then cancels it as a distributed deadlock).
+            conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
         conn.execute(
             sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
@@ -256,9 +266,11 @@ def _ahead(
 #: task's of layout 4 (``{"result": ...}``, or ``{"error": ...}`` given up): 200, or 500 for a failed
 #: one, as a task's row of layout 3 stores them. Neither form of a task's row has a ``Location``. A
 #: failed operation's status is kept negative (no column of its own: a tombstone is kept narrow).
+#: The end of each tombstone is computed in a subquery over the partition, not in a LATERAL one without
+#: FROM: Citus pushes the INSERT ... SELECT down to the shards only so.
 _TOMBSTONES = """
 INSERT INTO {tombstones} (expires_at, org_id, idem_key, status, request_sha, location)
-SELECT e.until, k.org_id, k.idem_key,
+SELECT k.until, k.org_id, k.idem_key,
        (CASE WHEN k.status = 'failed' THEN -1 ELSE 1 END)
        * coalesce((k.response->>'status')::smallint,
                   CASE WHEN k.status = 'failed' THEN 500 ELSE 200 END::smallint),
@@ -267,10 +279,10 @@ SELECT e.until, k.org_id, k.idem_key,
             CASE WHEN jsonb_typeof(k.response->'headers') = 'array' THEN k.response->'headers'
                  ELSE '[]'::jsonb END) AS h
         WHERE lower(h->>0) = 'location' LIMIT 1)
-FROM {partition} AS k,
-LATERAL (SELECT CASE WHEN k.response ? 'tombstone' THEN k.expires_at
-                     ELSE k.expires_at + make_interval(secs => %(tomb)s) END AS until) AS e
-WHERE k.status <> 'processing' AND NOT k.needs_attention AND e.until > %(now)s
+FROM (SELECT p.*, CASE WHEN p.response ? 'tombstone' THEN p.expires_at
+                       ELSE p.expires_at + make_interval(secs => %(tomb)s) END AS until
+      FROM {partition} AS p) AS k
+WHERE k.status <> 'processing' AND NOT k.needs_attention AND k.until > %(now)s
 """
 
 #: What marks a partition whose tombstones are written (a run that stopped before dropping it leaves it
@@ -312,7 +324,10 @@ def _retire(
         # UPDATE of the key table locks every partition, so holding it would hold up every multi-step
         # request while the tombstones are written. Once it was had, no row can enter the partition
         # (rows expire from the moment they are written, after its range) nor start processing there.
-        conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(name))
+        if runner.distributed:
+            _wait_for_writers(conn, name, runner.lock_timeout_ms)
+        else:
+            conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(name))
         busy = conn.execute(
             # Committed processing rows always have a lease: the lease index answers, not a scan.
             sql.SQL(
@@ -350,6 +365,42 @@ def _retire(
     return True
 
 
+#: On Citus, a transaction of its own on the node of each shard of a partition, which waits for every
+#: transaction still writing to the shard (its ``SHARE`` lock, let go at once) but no longer than the
+#: lock timeout (``%s`` is the shard, filled in by Citus; ``{timeout}`` in milliseconds). Citus refuses
+#: a command on a shard unless told, as its error says, with citus.enable_manual_changes_to_shards.
+_BARRIER = (
+    "DO $barrier$ BEGIN PERFORM set_config('lock_timeout', '{timeout}ms', true);"
+    " PERFORM set_config('citus.enable_manual_changes_to_shards', 'on', true);"
+    " LOCK TABLE %s IN SHARE MODE; END $barrier$"
+)
+_PLACEMENTS = "SELECT shardid, success, result FROM run_command_on_placements(%s::regclass, %s)"
+
+
+def _wait_for_writers(conn: psycopg.Connection[Any], name: sql.Identifier, timeout_ms: int) -> None:
+    """On Citus: wait for every transaction still writing to partition ``name``.
+
+    ``LOCK TABLE`` on a distributed table locks its table on each node (the coordinator's, and the
+    workers' copies of its metadata), not its shards, where the rows are written: it would not wait for
+    a request that inserted a row there through its delegated reserve function. Each shard is locked in
+    ``SHARE`` mode instead, in a transaction of its own on its node (Citus's manual propagation,
+    ``run_command_on_placements``), and let go at once: the same moment's lock as on PostgreSQL.
+
+    :raises psycopg.errors.LockNotAvailable: when a shard's lock was not had within ``timeout_ms``
+        (the caller's transaction is tried again).
+    """
+    command = _BARRIER.format(timeout=timeout_ms)
+    failed = [
+        (shard, result)
+        for shard, success, result in conn.execute(_PLACEMENTS, (name.as_string(None), command))
+        if not success
+    ]
+    if any("lock timeout" in (result or "") for _, result in failed):
+        raise psycopg.errors.LockNotAvailable(f"a shard of {name.as_string(None)} is busy: {failed}")
+    if failed:
+        raise RuntimeError(f"Locking the shards of {name.as_string(None)} failed: {failed}")
+
+
 def _drop(
     runner: _migrate._Runner, tables: _Tables, parent: str, part: Partition, report: RetentionReport
 ) -> None:
@@ -357,11 +408,28 @@ def _drop(
 
     Another run may be at it too: a partition that is no partition any more (detached, or dropped) is
     dropped if it is still there, and one whose detach another run has begun is left to that run.
+
+    On Citus, ``DETACH PARTITION ... CONCURRENTLY`` is refused on a distributed table ("currently
+    unsupported", Citus 13; citusdata/citus#5264), and so is ``FINALIZE``. The nearest safe thing is a
+    plain ``DETACH PARTITION`` in a transaction of its own under the migration's short lock timeout,
+    which the nodes apply too (``citus.propagate_set_commands``), tried again after a pause when it runs
+    out: it changes the catalog only (no scan, no row), but takes the key table's ``ACCESS EXCLUSIVE``
+    lock on every shard for that moment, so it waits for the transactions using the key table and
+    holds up the requests behind it, for at most the lock timeout per try.
     """
     name = tables.qualified(part.name)
     conn = runner.conn
     try:
-        if part.detaching:
+        if runner.distributed:
+            runner.echo(
+                f"Detaching {part.name} (Citus: a moment's lock on the key table, under the lock timeout)."
+            )
+            runner.transaction(
+                lambda c: c.execute(
+                    sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(sql.SQL(parent), name)
+                )
+            )
+        elif part.detaching:
             runner.transaction(
                 lambda c: c.execute(
                     sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(sql.SQL(parent), name)

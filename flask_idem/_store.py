@@ -86,7 +86,7 @@ class Store:
         expired; 0 forgets it at once.
     :param distributed: the table is a Citus distributed table (``flask idem migrate`` with
         ``IDEM_DISTRIBUTED``), and reservations go through its delegated function (layout 1's
-        ``distributed_sql``, :mod:`flask_idem.migrations`).
+        ``distributed_sql``, and layout 4's on the partitioned table, :mod:`flask_idem.migrations`).
     :param layout: the key table's layout, until :meth:`use_layout` tells another: the statements of
         the partitioned table (layout 4 and later) by default.
     """
@@ -166,13 +166,15 @@ class Store:
         if flow is None and opening is not None and not opening.begun and self.write_once:
             return self._reserve_once(conn, opening, params, q)
         for _ in range(2):
-            if q.partitioned:
+            if q.partitioned and not q.distributed:
                 row: dict[str, Any] | None = self._lock_then(conn, opening, statement, params, q)
             elif opening is not None and not opening.begun:  # BEGIN goes with it, in one round trip
                 row = opening.begin(q.batches[statement], params).rows[0]
             else:
                 row = cursor.execute(statement, params).fetchone()
             assert row is not None  # the statement always answers one row
+            if q.partitioned and q.distributed:  # the reserve function of layout 4
+                _check_snapshots(row)
             if row["fresh"]:
                 return _RESERVED
             if row["request_sha"] is None:  # no committed row for the key in this statement's snapshot
@@ -494,6 +496,7 @@ class _Statements:
             "table": name,
             "tombstones": sql.Identifier(*parts[:-1], parts[-1] + "_tombstones"),
             "reserve_function": sql.Identifier(*parts[:-1], parts[-1] + "_reserve"),
+            "reserve4_function": sql.Identifier(*parts[:-1], parts[-1] + "_reserve4"),
         }
         q = SqlFile("_store.sql", names, distributed=distributed, partitioned=partitioned)
         names = q.names
@@ -503,6 +506,9 @@ class _Statements:
         #: The columns of a key's row as a later request reads them (the reserve function of layout 1's
         #: distributed_sql answers the same; a test compares them).
         self.record = names["record"].as_bytes(None)
+        #: On the partitioned table: the key's row in any partition, else its live compact tombstone (the
+        #: reserve function of layout 4's distributed_sql looks the same way; a test compares them).
+        self.found = names["found"].as_bytes(None) if partitioned else b""
         self.lookup = q("lookup")
         self.lock = q("lock")
         self.insert_completed = q("insert_completed")

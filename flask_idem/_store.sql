@@ -359,6 +359,14 @@ reserved AS (
 SELECT EXISTS (SELECT FROM reserved) AS fresh, lock.taken, f.*
 FROM lock LEFT JOIN found AS f ON true
 
+-- name: reserve partitioned citus
+-- The same answer from the reserve function of layout 4 (its distributed_sql), run on the node of the
+-- key's shard: the lock, then the lookup in every partition and among the tombstones and the INSERT,
+-- each a statement of its own there. Also the transaction's isolation (fresh_snapshots, see lock
+-- partitioned), read there. No lock statement before it: the lock is the shard's node's.
+SELECT * FROM {reserve4_function}(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)s, %(path)s, %(task)s,
+                                  %(ttl)s, %(lock)s, {lease}, %(tomb)s)
+
 -- name: insert_completed partitioned
 -- Under the key's lock, after a lookup that found nothing in any partition (see lock partitioned). An
 -- atomic task's row is written here too, naming its task.

@@ -10,14 +10,18 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from typing import Any
 
 import psycopg
 import pytest
+from flask import Flask
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb
 
 from example_app import create_app
+from flask_idem import _migrate, _partitions
 from flask_idem._pool import ForkSafeConnectionPool, PooledConnection
 from flask_idem._records import KeyedRequest, KeyRef, Lease, Reservation, lock_id
 from flask_idem._state import get_state
@@ -25,6 +29,9 @@ from flask_idem._store import Store
 
 from .support import citus
 from .support.helpers import count, headers
+from .support.layouts import drop
+from .support.notes_app import post
+from .support.servers import wait_for
 
 pytestmark = pytest.mark.skipif(not citus.ENABLED, reason="runs only with FLASK_IDEM_TEST_CITUS=1")
 
@@ -91,8 +98,9 @@ def store(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Store]:
 
 
 def test_tables_are_distributed_and_colocated(db: psycopg.Connection[Any]) -> None:
-    """The key table, its outbox, orders, payments and fulfilments are distributed by org_id in one
-    co-location group; orgs is a reference table; the reserve function is delegated with the key table."""
+    """The key table (partitioned, with its first partition), its outbox, its tombstones, orders, payments
+    and fulfilments are distributed by org_id in one co-location group; orgs is a reference table; the
+    reserve functions are delegated with the key table."""
     rows = dict(
         db.execute(
             "SELECT logicalrelid::text, partmethod::text || ':'"
@@ -105,11 +113,14 @@ def test_tables_are_distributed_and_colocated(db: psycopg.Connection[Any]) -> No
     assert rows["orders"] == keys and rows["payments"] == keys
     assert rows["idempotency_keys_outbox"] == keys and rows["fulfilments"] == keys
     assert rows["orgs"].startswith("n::")
-    function = db.execute(
-        "SELECT distribution_argument_index, colocationid, force_delegation FROM pg_dist_object"
-        " WHERE objid = 'idempotency_keys_reserve'::regproc"
-    ).fetchone()
-    assert function == (0, int(keys.rsplit(":", 1)[1]), True)
+    assert rows["idempotency_keys_tombstones"] == keys and rows["idempotency_keys_p0"] == keys
+    for function in ("idempotency_keys_reserve", "idempotency_keys_reserve4"):
+        found = db.execute(
+            "SELECT distribution_argument_index, colocationid, force_delegation FROM pg_dist_object"
+            " WHERE objid = %s::regproc",
+            (function,),
+        ).fetchone()
+        assert found == (0, int(keys.rsplit(":", 1)[1]), True), function
 
 
 def test_store_statements_are_router_queries(
@@ -138,7 +149,9 @@ def test_store_statements_are_router_queries(
     assert len(statements) == 9
     for query, params in statements:
         assert_router(plan(db, query, params), query)
-    assert "Function Scan on idempotency_keys_reserve" in plan(db, *statements[0])
+    assert "Function Scan on idempotency_keys_reserve4" in plan(db, *statements[0])
+    # The lookup in every partition and among the tombstones (a replay's, after an expired key's delete).
+    assert_router(plan(db, store._sql.lookup, {"org_id": 7, "key": atomic, "tomb": 60.0}), "lookup")
 
 
 def test_plain_reserve_statement_is_multi_step(
@@ -151,7 +164,8 @@ def test_plain_reserve_statement_is_multi_step(
             plain.reserve(conn, KeyedRequest(7, uuid.uuid4(), SHA, "P", "/"), ttl=1.0)
     finally:
         plain.source.close()
-    explained = plan(db, *next((q, p) for q, p in recorded if is_data_statement(q)))
+    reserve = next((q, p) for q, p in recorded if is_data_statement(q) and b"INSERT INTO" in q)
+    explained = plan(db, *reserve)
     assert "Distributed Subplan" in explained and "pull to coordinator" in explained
 
 
@@ -316,3 +330,145 @@ def test_recovery_claim_stuck_and_purge_span_shards(store: Store, db: psycopg.Co
     with store.source.connection() as conn, conn.transaction():
         more = store.claim_stranded(conn, token=uuid.uuid4(), lease=60, limit=5, deadline=60, flows=["f"])
     assert len(claimed) == 5 and {r.org_id for r in more} == set(range(1, 9)) - claimed
+
+
+# -- layout 4: the key table partitioned by time --------------------------------------------------------
+
+#: A key table of its own for the tests below, whose first partition ends a second after it is made, so
+#: that partitions of a second or two follow it (IDEM_PARTITION_INTERVAL).
+SHORT = "short_keys"
+
+
+@pytest.fixture
+def short_table(direct_database_url: str, db: psycopg.Connection[Any]) -> Iterator[str]:
+    """``short_keys``, distributed, its first partition ending a second from now; dropped afterwards."""
+    drop(direct_database_url, SHORT)
+    _migrate.upgrade(direct_database_url, table=SHORT, distributed=True, horizon=1.0)
+    yield SHORT
+    drop(direct_database_url, SHORT)
+
+
+def partition_of(db: psycopg.Connection[Any], table: str, moment: datetime) -> _partitions.Partition:
+    """The partition of ``table`` whose range holds ``moment``."""
+    found = [
+        part
+        for part in _partitions.partitions(db, table)
+        if (part.lower is None or part.lower <= moment) and (part.upper is None or moment < part.upper)
+    ]
+    assert len(found) == 1, (moment, _partitions.partitions(db, table))
+    return found[0]
+
+
+def test_reservations_across_a_partition_boundary_find_the_key(
+    citus_cluster: citus.Cluster,
+    short_table: str,
+    database_url: str,
+    direct_database_url: str,
+    db: psycopg.Connection[Any],
+) -> None:
+    """A key reserved in one partition is found by reservations whose rows would go to the next one,
+    through any node: in flight while the first attempt's transaction is open, its answer once it
+    committed; never a second row. The primary key guards one partition only: the key's lock and the
+    lookup in every partition, in the delegated reserve function, decide."""
+    ttl = 3.0
+    _partitions.maintain(
+        direct_database_url, table=short_table, interval=2.0, horizon=ttl + 20, tombstone_ttl=0
+    )
+    store = Store(
+        ForkSafeConnectionPool(database_url, max_size=2),
+        table=short_table,
+        distributed=True,
+        tombstone_ttl=3600.0,
+    )
+    urls = _node_urls(citus_cluster, database_url)
+    key = uuid.uuid4()
+    request = KeyedRequest(9, key, SHA, "POST", "/x")
+    try:
+        with psycopg.connect(urls[0], autocommit=True) as a, psycopg.connect(urls[2], autocommit=True) as b:
+            b.execute("SET lock_timeout = '2s'")
+            with a.transaction():
+                assert store.reserve(a, request, ttl=ttl).reserved
+                row = a.execute(
+                    sql.SQL("SELECT expires_at FROM {} WHERE org_id = 9 AND idem_key = %s").format(
+                        sql.Identifier(short_table)
+                    ),
+                    (key,),
+                ).fetchone()
+                assert row is not None
+                first = partition_of(db, short_table, row[0])
+                assert first.upper is not None
+
+                def next_partition() -> bool:
+                    """A reservation now would expire past the first attempt's partition."""
+                    later = db.execute("SELECT now() + make_interval(secs => %s)", (ttl,)).fetchone()
+                    return later is not None and later[0] >= first.upper
+
+                while not next_partition():
+                    with b.transaction():  # meanwhile, through a worker: in flight
+                        assert store.reserve(b, request, ttl=ttl) == Reservation(reserved=False)
+                with b.transaction():
+                    assert store.reserve(b, request, ttl=ttl) == Reservation(reserved=False)
+                store.complete(a, request, {"status": 201})
+            with b.transaction():
+                found = store.reserve(b, request, ttl=ttl)
+                moment = b.execute(
+                    "SELECT statement_timestamp() + make_interval(secs => %s)", (ttl,)
+                ).fetchone()
+        assert not found.reserved and found.record is not None and found.record.status == "completed"
+        assert moment is not None and partition_of(db, short_table, moment[0]).name != first.name
+        rows = db.execute(
+            sql.SQL("SELECT count(*) FROM {} WHERE idem_key = %s").format(sql.Identifier(short_table)), (key,)
+        ).fetchone()
+        assert rows == (1,)
+    finally:
+        store.source.close()
+
+
+def test_maintain_drops_passed_partitions_and_tombstones_answer(
+    short_table: str, make_app: Callable[..., Flask], db: psycopg.Connection[Any]
+) -> None:
+    """`flask idem purge` on the distributed partitioned table: partitions made ahead, a passed one
+    retired (its keys' compact tombstones written, then detached and dropped), and a late retry
+    answered from the tombstone: 303 to the first answer's Location, or 410 without one."""
+    app = make_app(
+        IDEM_TABLE=short_table,
+        IDEM_KEY_TTL=2,
+        IDEM_TOMBSTONE_TTL=3600,
+        IDEM_PARTITION_INTERVAL=1,
+        IDEM_PARTITION_AHEAD=10,
+    )
+    runner = app.test_cli_runner()
+    made = runner.invoke(args=["idem", "purge"])
+    assert made.exit_code == 0, made.output
+    located, plain = uuid.uuid4(), uuid.uuid4()
+    first = post(app, "/notes", located, {"body": "located"})
+    assert first.status_code == 201
+    assert post(app, "/notes/replayable", plain, {"body": "plain"}).status_code == 201
+    expiries = [
+        row[0] for row in db.execute(sql.SQL("SELECT expires_at FROM {}").format(sql.Identifier(short_table)))
+    ]
+    assert len(expiries) == 2
+    holding = {partition_of(db, short_table, moment).name for moment in expiries}
+    last = max(p.upper for p in _partitions.partitions(db, short_table) if p.name in holding)  # type: ignore[type-var]
+
+    def passed() -> bool:
+        """Their partitions' ranges passed, and the grace after (the interval)."""
+        now = db.execute("SELECT now() - interval '1 second'").fetchone()
+        return now is not None and now[0] >= last
+
+    wait_for(passed, timeout=30, interval=0.2, message="the partitions' ranges did not pass")
+    purged = runner.invoke(args=["idem", "purge"])
+    assert purged.exit_code == 0, purged.output
+    assert "wrote 2 tombstone(s)" in purged.output
+    assert not holding & {p.name for p in _partitions.partitions(db, short_table)}
+    for name in holding:
+        assert db.execute("SELECT to_regclass(%s)", (name,)).fetchone() == (None,)
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(short_table))).fetchone() == (
+        0,
+    )
+
+    late = post(app, "/notes", located, {"body": "located"})
+    assert (late.status_code, late.headers["Location"]) == (303, first.headers["Location"])
+    gone = post(app, "/notes/replayable", plain, {"body": "plain"})
+    assert gone.status_code == 410
+    assert count(db, "notes") == 2

@@ -103,6 +103,22 @@ def test_reserve_function_answers_the_store_columns() -> None:
     assert " ".join(body.split()) == " ".join(record.split())
 
 
+def test_partitioned_reserve_function_looks_as_the_store_does() -> None:
+    """Layout 4's reserve function (Citus) looks for a key in every partition and among the tombstones
+    with the very statement the store's reservations on the partitioned table use, and answers its
+    columns."""
+    from flask_idem._store import _Statements
+
+    found = _Statements("idempotency_keys", partitioned=True).found.decode()
+    for parameter, variable in (("%(org_id)s", "p_org_id"), ("%(key)s", "p_key"), ("%(tomb)s", "p_tomb")):
+        found = found.replace(parameter, variable)
+    revision = _layout.revisions()[3]
+    function = sql.SQL(revision.distributed_sql).format(**_layout.names("idempotency_keys")).as_string(None)
+    body = function[function.index("LEFT JOIN LATERAL (") + len("LEFT JOIN LATERAL (") :]
+    body = body[: body.index(") AS f ON true")]
+    assert " ".join(body.split()) == " ".join(found.split())
+
+
 def test_fresh_table_gets_the_latest_layout(fresh: str, apps: Callable[..., Flask]) -> None:
     """`init-db` on a missing table makes the latest layout; `migrate --check` is then happy, and
     `migrate` has nothing to do."""

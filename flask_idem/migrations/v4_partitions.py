@@ -71,12 +71,12 @@ REVISION = Revision(
         "lease_check": "_check1",
         "tombstones": "_tombstones",
         "tombstones_index": "_tombstones_key_idx",
+        "reserve4": "_reserve4",
     },
     tables=("tombstones",),
+    # Each statement on the key table stands in a DO block: Citus sends the text of a DDL statement on a
+    # distributed table to the nodes, and refuses a text of several statements there.
     sql="""
-ALTER TABLE {table} ADD COLUMN IF NOT EXISTS task text;
-ALTER TABLE {table} ALTER COLUMN method DROP NOT NULL, ALTER COLUMN path DROP NOT NULL;
-
 DO $bound$
 DECLARE
     bound timestamptz;
@@ -84,6 +84,8 @@ BEGIN
     IF (SELECT relkind FROM pg_class WHERE oid = {table_literal}::regclass) = 'p' THEN
         RETURN;  -- partitioned already: this step ran, and the ones after it
     END IF;
+    ALTER TABLE {table} ADD COLUMN IF NOT EXISTS task text;
+    ALTER TABLE {table} ALTER COLUMN method DROP NOT NULL, ALTER COLUMN path DROP NOT NULL;
     IF NOT EXISTS (SELECT FROM pg_constraint
                    WHERE conrelid = {table_literal}::regclass AND conname = {task_check_name}) THEN
         ALTER TABLE {table} ADD CONSTRAINT {task_check}
@@ -123,22 +125,79 @@ CREATE INDEX IF NOT EXISTS {tombstones_index} ON {tombstones_qualified} (org_id,
     after=(
         """
 DO $validate$
+DECLARE
+    failed text;
 BEGIN
-    IF (SELECT relkind FROM pg_class WHERE oid = {table_literal}::regclass) = 'r' THEN
-        ALTER TABLE {table} VALIDATE CONSTRAINT {first_bound};
-        ALTER TABLE {table} VALIDATE CONSTRAINT {task_check};
+    IF (SELECT relkind FROM pg_class WHERE oid = {table_literal}::regclass) <> 'r' THEN
+        RETURN;
     END IF;
+    IF to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
+        -- On Citus, a CHECK constraint added to a distributed table is named on each shard with the
+        -- shard's id (the task's, here), while the partitioned table's shards name theirs as the table
+        -- does; the attach would find the task's constraint missing on the old table's shards. Each
+        -- shard's is renamed as the table names it, by Citus's manual propagation (a transaction of its
+        -- own per shard, under this transaction's lock timeout), before this transaction touches the
+        -- shards. Safe to run twice: a constraint renamed already is left alone.
+        EXECUTE $citus$
+            SELECT string_agg(p.result, '; ')
+            FROM pg_catalog.pg_dist_partition AS d, LATERAL run_command_on_placements(d.logicalrelid, $1) AS p
+            WHERE d.logicalrelid = $2::regclass AND NOT p.success
+        $citus$ INTO failed
+        USING format(
+            $command$
+            DO $rename$
+            DECLARE
+                suffixed name;
+            BEGIN
+                PERFORM set_config('lock_timeout', %L, true);
+                SELECT s.conname INTO suffixed FROM pg_constraint AS s, pg_constraint AS t
+                WHERE s.conrelid = '%%1$s'::regclass AND s.contype = 'c' AND s.conname <> t.conname
+                    AND t.conrelid = %L::regclass AND t.conname = %L
+                    AND pg_get_constraintdef(s.oid) = pg_get_constraintdef(t.oid);
+                IF suffixed IS NOT NULL THEN
+                    EXECUTE 'ALTER TABLE %%1$s RENAME CONSTRAINT ' || quote_ident(suffixed) || ' TO '
+                        || quote_ident(%L);
+                END IF;
+            END
+            $rename$
+            $command$,
+            current_setting('lock_timeout'), replace({table_literal}, '%', '%%'),
+            replace({task_check_name}, '%', '%%'), replace({task_check_name}, '%', '%%')),
+            {table_literal};
+        IF failed LIKE '%lock timeout%' THEN
+            RAISE EXCEPTION 'renaming a constraint on a shard of %: %', {table_literal}, failed
+                USING ERRCODE = 'lock_not_available';
+        ELSIF failed IS NOT NULL THEN
+            RAISE EXCEPTION 'renaming a constraint on a shard of %: %', {table_literal}, failed;
+        END IF;
+    END IF;
+    ALTER TABLE {table} VALIDATE CONSTRAINT {first_bound};
+    ALTER TABLE {table} VALIDATE CONSTRAINT {task_check};
 END
 $validate$;
 """,
         """
 DO $swap$
+DECLARE
+    -- On Citus: whether the old table is distributed. Its partitioned successor must then be too, in
+    -- its co-location group (the application's co-located tables stay with it), before the attach.
+    distributed boolean := to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL;
 BEGIN
     IF (SELECT relkind FROM pg_class WHERE oid = {table_literal}::regclass) = 'p' THEN
         RETURN;
     END IF;
+    IF distributed THEN
+        EXECUTE 'SELECT EXISTS (SELECT FROM pg_catalog.pg_dist_partition WHERE logicalrelid = $1::regclass)'
+            INTO distributed USING {table_literal};
+    END IF;
+    IF distributed THEN
+        -- One connection per node for the whole transaction: Citus refuses to distribute a table
+        -- after a command that went over the shards in parallel (the renames).
+        PERFORM set_config('citus.multi_shard_modify_mode', 'sequential', true);
+    END IF;
     ALTER TABLE {table} RENAME TO {first};
-    ALTER TABLE {first_qualified} RENAME CONSTRAINT {pkey} TO {first_pkey};
+    -- The primary key's index, and with it the constraint (Citus refuses RENAME CONSTRAINT).
+    ALTER INDEX {pkey_qualified} RENAME TO {first_pkey};
     ALTER INDEX IF EXISTS {expires_index_qualified} RENAME TO {first_expires_index};
     ALTER INDEX IF EXISTS {lease_index_qualified} RENAME TO {first_lease_index};
     ALTER INDEX IF EXISTS {attention_index_qualified} RENAME TO {first_attention_index};
@@ -181,6 +240,9 @@ BEGIN
         CONSTRAINT {lease_check} CHECK (status <> 'processing' OR flow IS NULL OR lease_token IS NOT NULL),
         CONSTRAINT {task_check} CHECK ((task IS NULL) = (method IS NOT NULL AND path IS NOT NULL))
     ) PARTITION BY RANGE (expires_at);
+    IF distributed THEN
+        PERFORM create_distributed_table({table_literal}, 'org_id', colocate_with => {first_literal});
+    END IF;
 
     -- The old table, as it is: no scan, its valid bound constraint proves the partition's range.
     EXECUTE 'ALTER TABLE ' || {table_literal} || ' ATTACH PARTITION ' || {first_literal}
@@ -189,20 +251,94 @@ BEGIN
                                                              WHERE conrelid = {first_literal}::regclass
                                                                AND conname = {first_bound_name}))
                                        FROM '''([^'']+)''')) || ')';
+
+    -- The partitioned table's indexes take over the old table's (each found equal, and attached).
+    -- Purge drops partitions, and needs no index by expiry.
+    CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (lease_expires_at) WHERE lease_expires_at IS NOT NULL;
+    CREATE INDEX IF NOT EXISTS {attention_index} ON {table} (created_at) WHERE needs_attention;
+    CREATE INDEX IF NOT EXISTS {due_index} ON {table} ((greatest(lease_expires_at, next_attempt_at)))
+        WHERE lease_expires_at IS NOT NULL;
 END
 $swap$;
-
--- The partitioned table's indexes take over the old table's (each found equal, and attached). Purge
--- drops partitions, and needs no index by expiry.
-CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (lease_expires_at) WHERE lease_expires_at IS NOT NULL;
-CREATE INDEX IF NOT EXISTS {attention_index} ON {table} (created_at) WHERE needs_attention;
-CREATE INDEX IF NOT EXISTS {due_index} ON {table} ((greatest(lease_expires_at, next_attempt_at)))
-    WHERE lease_expires_at IS NOT NULL;
 """,
     ),
+    # The tombstones are sharded by organisation with the key table (the old one when this runs before
+    # the swap, which keeps its co-location group; the partitioned one after it, or when `migrate
+    # --distributed` distributes tables made without Citus).
+    #
+    # The reservation on Citus, as layout 1's (a function run on the node of the key's shard, delegated
+    # with force_delegation), for the partitioned table: the key's advisory lock first, then the lookup
+    # in every partition and among the live compact tombstones, then the INSERT only if none. Each is a
+    # statement of its own in PL/pgSQL, which takes a new snapshot per statement under READ COMMITTED:
+    # the lookup sees every row of the key committed before the lock was had. Same answer as the
+    # store's reserve statement of layout 4 (the "found" fragment), and whether the transaction reads
+    # with a snapshot per statement (fresh_snapshots: the store refuses REPEATABLE READ and SERIALIZABLE,
+    # whose one snapshot may predate the lock). Expiry from statement_timestamp(), as the store's.
     distributed_sql="""
-SELECT create_distributed_table({tombstones_literal}, 'org_id', colocate_with => {first_literal})
+SELECT create_distributed_table({tombstones_literal}, 'org_id', colocate_with => {table_literal})
 WHERE NOT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = {tombstones_literal}::regclass);
+
+CREATE OR REPLACE FUNCTION {reserve4_qualified}(
+    p_org_id bigint, p_key uuid, p_sha bytea, p_method text, p_path text, p_task text, p_ttl float8,
+    p_lock bigint, p_flow text, p_token uuid, p_lease float8, p_tomb float8
+) RETURNS TABLE (
+    fresh boolean, taken boolean, request_sha bytea, status text, response jsonb, expired boolean,
+    stale boolean, lease_live boolean, flow text, step text, state jsonb, fresh_snapshots boolean
+) LANGUAGE plpgsql AS $$
+DECLARE
+    v_fresh_snapshots boolean := current_setting('transaction_isolation') = 'read committed';
+    v_taken boolean := pg_try_advisory_xact_lock(p_lock);
+BEGIN
+    IF v_taken AND v_fresh_snapshots
+        AND NOT EXISTS (SELECT FROM {table} AS k WHERE k.org_id = p_org_id AND k.idem_key = p_key)
+        AND NOT EXISTS (SELECT FROM {tombstones_qualified} AS t
+                        WHERE t.org_id = p_org_id AND t.idem_key = p_key AND t.expires_at > now())
+    THEN
+        INSERT INTO {table} AS k (org_id, idem_key, request_sha, method, path, task, status, expires_at,
+                                  flow, lease_token, lease_expires_at)
+        VALUES (p_org_id, p_key, p_sha, p_method, p_path, p_task, 'processing',
+                statement_timestamp() + make_interval(secs => p_ttl), p_flow, p_token,
+                now() + make_interval(secs => p_lease))
+        ON CONFLICT DO NOTHING;
+        IF FOUND THEN
+            RETURN QUERY SELECT true, true, NULL::bytea, NULL::text, NULL::jsonb, NULL::boolean,
+                                NULL::boolean, NULL::boolean, NULL::text, NULL::text, NULL::jsonb, true;
+            RETURN;
+        END IF;
+    END IF;
+    -- The "found" fragment of the store (flask_idem/_store.sql), as a later request reads it.
+    RETURN QUERY
+        SELECT false, v_taken, f.*, v_fresh_snapshots FROM (SELECT) AS one LEFT JOIN LATERAL (
+            (SELECT k.request_sha, k.status, k.response,
+                    k.status <> 'processing' AND NOT k.needs_attention
+                        AND (k.response ? 'tombstone' IS TRUE AND k.expires_at <= now()
+                             OR k.response ? 'tombstone' IS NOT TRUE
+                                AND k.expires_at <= now() - make_interval(secs => p_tomb)) AS expired,
+                    k.status <> 'processing' AND NOT k.needs_attention
+                        AND (k.response ? 'tombstone' OR k.expires_at <= now()) AS stale,
+                    coalesce(k.lease_expires_at > now(), false) AS lease_live, k.flow, k.step, k.state
+             FROM {table} AS k WHERE k.org_id = p_org_id AND k.idem_key = p_key LIMIT 1)
+            UNION ALL
+            (SELECT t.request_sha, CASE WHEN t.status < 0 THEN 'failed' ELSE 'completed' END AS status,
+                    jsonb_build_object('tombstone', true, 'status', abs(t.status), 'headers',
+                        CASE WHEN t.location IS NULL THEN '[]'::jsonb
+                             ELSE jsonb_build_array(jsonb_build_array('Location', t.location)) END)
+                        AS response,
+                    false AS expired, true AS stale, false AS lease_live, NULL::text AS flow,
+                    NULL::text AS step, '{{}}'::jsonb AS state
+             FROM {tombstones_qualified} AS t
+             WHERE t.org_id = p_org_id AND t.idem_key = p_key AND t.expires_at > now() LIMIT 1)
+            LIMIT 1
+        ) AS f ON true;
+END
+$$;
+
+SELECT create_distributed_function(
+    ({reserve4_literal}
+        || '(bigint, uuid, bytea, text, text, text, float8, bigint, text, uuid, float8, float8)')
+        ::regprocedure,
+    'p_org_id', colocate_with => {table_literal}, force_delegation => true
+);
 """,
     grants="GRANT SELECT, INSERT, UPDATE, DELETE ON {tombstones_qualified} TO {role};",
 )

@@ -49,20 +49,20 @@ def create_first_release(url: str, table: str, *, distributed: bool = False) -> 
 
 
 def drop(url: str, table: str) -> None:
-    """Drop ``table`` (with its partitions), its outbox, its tombstones and its reserve function, and the
+    """Drop ``table`` (with its partitions), its outbox, its tombstones and its reserve functions, and the
     first partition an interrupted upgrade to layout 4 may have left, if they exist."""
     parts = table.split(".")
-    function = sql.Identifier(*parts[:-1], parts[-1] + "_reserve")
     with psycopg.connect(url, autocommit=True) as conn:
-        for suffix in ("_outbox", "_tombstones"):
+        for suffix in ("_outbox", "_tombstones", ""):
             conn.execute(
                 sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(*parts[:-1], parts[-1] + suffix))
             )
-        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(*parts)))
         conn.execute(
             sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(*parts[:-1], parts[-1] + "_p0"))
         )
-        conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}").format(function))
+        for suffix in ("_reserve", "_reserve4"):
+            function = sql.Identifier(*parts[:-1], parts[-1] + suffix)
+            conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}").format(function))
 
 
 def check_distributed(conn: psycopg.Connection[Any], table: str) -> None:
