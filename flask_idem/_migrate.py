@@ -69,10 +69,11 @@ _RNG = random.Random()
 _SESSION = "-c statement_timeout=0 -c lock_timeout=0"
 
 #: Whether another session is building index %(name)s right now (a migration's build, which runs as the
-#: same role and so shows its query; on Citus the build's locks are on the workers, not here).
+#: same role and so shows its query; on Citus the build's locks are on the workers, not here). A unique
+#: index's build too (layout 4's): missed, the other migration would try to drop it while it is built.
 _BUILDING = (
     "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND state = 'active'"
-    " AND datname = current_database() AND query ILIKE 'CREATE INDEX CONCURRENTLY%%'"
+    " AND datname = current_database() AND query ~* '^CREATE (UNIQUE )?INDEX CONCURRENTLY '"
     " AND strpos(query, %(name)s) > 0)"
 )
 #: Seconds between two looks at another migration's index build.
@@ -281,13 +282,14 @@ class _Runner:
             recorded = (_layout.read(conn, self.table).layout or 0) >= revision.layout
             if recorded and valid(conn):
                 return False
-            for index in revision.indexes:
-                self._drop_if_invalid(conn, index.name)
             citus = self.distributed and revision.distributed_sql and not recorded
             if citus:
                 # Citus runs a function's DDL over one connection per node, so the whole transaction must
-                # (it refuses to distribute a table after a command that went over the shards in parallel).
+                # (it refuses to distribute a table, or a function, after a command that went over the
+                # shards in parallel: an invalid index dropped, an ALTER TABLE).
                 conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
+            for index in revision.indexes:
+                self._drop_if_invalid(conn, index.name)
             if revision.sql and not recorded:
                 conn.execute(sql.SQL(revision.sql).format(**self.names))
             if citus:

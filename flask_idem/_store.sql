@@ -385,3 +385,17 @@ SELECT count(*) FILTER (WHERE k.needs_attention) AS flagged,
        (SELECT coalesce(sum(pg_indexes_size(p.relid)), 0)::bigint
         FROM pg_partition_tree(%(table)s::regclass) AS p WHERE p.isleaf) AS index_bytes
 FROM {table} AS k
+
+-- name: stats_totals partitioned citus
+-- The same on Citus, which pushes no subquery of the select list down beside aggregates: each part is
+-- a subquery of its own, joined on the coordinator. Sizes are the shards' (citus_total_relation_size of
+-- each partition; its indexes are what citus_table_size leaves out).
+SELECT k.flagged, t.tombstones, k.to_delete, 0::bigint AS to_tombstone, s.total_bytes, s.index_bytes
+FROM (SELECT count(*) FILTER (WHERE k.needs_attention) AS flagged,
+             count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND {gone}) AS to_delete
+      FROM {table} AS k) AS k,
+     (SELECT count(*) AS tombstones FROM {tombstones} AS t WHERE t.expires_at > now()) AS t,
+     (SELECT coalesce(sum(citus_total_relation_size(p.relid)), 0)::bigint AS total_bytes,
+             coalesce(sum(citus_total_relation_size(p.relid) - citus_table_size(p.relid)), 0)::bigint
+                 AS index_bytes
+      FROM pg_partition_tree(%(table)s::regclass) AS p WHERE p.isleaf) AS s
