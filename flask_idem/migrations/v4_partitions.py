@@ -138,37 +138,42 @@ BEGIN
         -- shard's is renamed as the table names it, by Citus's manual propagation (a transaction of its
         -- own per shard, under this transaction's lock timeout), before this transaction touches the
         -- shards. Safe to run twice: a constraint renamed already is left alone.
+        -- No percent sign written here (see step 1): run_command_on_placements's placeholder for the
+        -- shard's name is made with chr(37), and the values are put in by replace().
         EXECUTE $citus$
             SELECT string_agg(p.result, '; ')
             FROM pg_catalog.pg_dist_partition AS d, LATERAL run_command_on_placements(d.logicalrelid, $1) AS p
             WHERE d.logicalrelid = $2::regclass AND NOT p.success
         $citus$ INTO failed
-        USING format(
+        USING replace(replace(replace(replace(
             $command$
             DO $rename$
             DECLARE
                 suffixed name;
             BEGIN
-                PERFORM set_config('lock_timeout', %L, true);
+                PERFORM set_config('lock_timeout', @timeout@, true);
                 SELECT s.conname INTO suffixed FROM pg_constraint AS s, pg_constraint AS t
-                WHERE s.conrelid = '%%1$s'::regclass AND s.contype = 'c' AND s.conname <> t.conname
-                    AND t.conrelid = %L::regclass AND t.conname = %L
+                WHERE s.conrelid = '@shard@'::regclass AND s.contype = 'c' AND s.conname <> t.conname
+                    AND t.conrelid = @table@::regclass AND t.conname = @name@
                     AND pg_get_constraintdef(s.oid) = pg_get_constraintdef(t.oid);
                 IF suffixed IS NOT NULL THEN
-                    EXECUTE 'ALTER TABLE %%1$s RENAME CONSTRAINT ' || quote_ident(suffixed) || ' TO '
-                        || quote_ident(%L);
+                    EXECUTE 'ALTER TABLE @shard@ RENAME CONSTRAINT ' || quote_ident(suffixed) || ' TO '
+                        || quote_ident(@name@);
                 END IF;
             END
             $rename$
             $command$,
-            current_setting('lock_timeout'), replace({table_literal}, '%', '%%'),
-            replace({task_check_name}, '%', '%%'), replace({task_check_name}, '%', '%%')),
+            '@timeout@', quote_literal(current_setting('lock_timeout'))),
+            '@table@', quote_literal(replace({table_literal}, chr(37), chr(37) || chr(37)))),
+            '@name@', quote_literal(replace({task_check_name}, chr(37), chr(37) || chr(37)))),
+            '@shard@', chr(37) || 's'),
             {table_literal};
-        IF failed LIKE '%lock timeout%' THEN
-            RAISE EXCEPTION 'renaming a constraint on a shard of %: %', {table_literal}, failed
-                USING ERRCODE = 'lock_not_available';
+        IF position('lock timeout' IN failed) > 0 THEN
+            RAISE EXCEPTION USING ERRCODE = 'lock_not_available',
+                MESSAGE = 'renaming a constraint on a shard of ' || {table_literal} || ': ' || failed;
         ELSIF failed IS NOT NULL THEN
-            RAISE EXCEPTION 'renaming a constraint on a shard of %: %', {table_literal}, failed;
+            RAISE EXCEPTION USING
+                MESSAGE = 'renaming a constraint on a shard of ' || {table_literal} || ': ' || failed;
         END IF;
     END IF;
     ALTER TABLE {table} VALIDATE CONSTRAINT {first_bound};
