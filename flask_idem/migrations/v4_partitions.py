@@ -166,7 +166,7 @@ BEGIN
             '@timeout@', quote_literal(current_setting('lock_timeout'))),
             '@table@', quote_literal(replace({table_literal}, chr(37), chr(37) || chr(37)))),
             '@name@', quote_literal(replace({task_check_name}, chr(37), chr(37) || chr(37)))),
-            '@shard@', chr(37) || 's'),
+            '@shard@', chr(37) || '1$s'),
             {table_literal};
         IF position('lock timeout' IN failed) > 0 THEN
             RAISE EXCEPTION USING ERRCODE = 'lock_not_available',
