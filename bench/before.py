@@ -24,8 +24,8 @@ When the two codes make different layouts of the key table (``--before dd82ca5``
 against layout 4), each serves a key table of its own: "before" one made by its own migration
 (``idempotency_keys_before``), "now" the shop's; the finished keys that (c) replays are copied into
 both. ``--now-daily`` gives "now" a key table as it is once ``flask idem purge`` has run (layout 4's
-daily partitions, eight days ahead; a fresh table keeps its first partition for eight days), with the
-same keys copied into it.
+daily partitions over the next days and a spare one until eight days ahead; a fresh table keeps its
+first partition for eight days), with the same keys copied into it.
 """
 
 from __future__ import annotations
@@ -156,13 +156,22 @@ def _run_in(root: Path, code: str, *args: str) -> str:
 
 
 def _daily_table(url: str, table: str) -> None:
-    """A key table of this checkout in daily partitions, eight days ahead, as after ``flask idem purge``."""
+    """A key table of this checkout in daily partitions as ``flask idem purge`` makes them with the
+    defaults (one day's retention, seven days ahead in a spare partition)."""
     from flask_idem._migrate import upgrade
     from flask_idem._partitions import maintain
 
     day = 86_400.0
     upgrade(url, table=table, horizon=60.0, echo=lambda _: None)  # the first partition ends in a minute
-    maintain(url, table=table, interval=day, horizon=8 * day, tombstone_ttl=30 * day, echo=lambda _: None)
+    maintain(
+        url,
+        table=table,
+        interval=day,
+        horizon=8 * day,
+        tombstone_ttl=30 * day,
+        ahead=7 * day,
+        echo=lambda _: None,
+    )
 
 
 def _copy_keys(url: str, source: str, target: str, keys: Path) -> None:

@@ -60,6 +60,9 @@ logger = logging.getLogger("flask_idem")
 #: The longest wait after a partition's range passed before it is retired.
 MAX_GRACE = 60.0
 
+#: How often ``flask idem purge`` is expected to run at least (the docs say daily).
+_DAY = 86_400.0
+
 #: A partition: its name, its range (``None``: unbounded), and whether a detach was begun and not
 #: finished (an interrupted ``DETACH ... CONCURRENTLY``).
 _LIST = """
@@ -154,6 +157,7 @@ def maintain(
     interval: float,
     horizon: float,
     tombstone_ttl: float,
+    ahead: float = 0.0,
     lock_timeout: float = 2.0,
     connect_options: Any = None,
     now: Callable[[], datetime] | None = None,
@@ -169,6 +173,12 @@ def maintain(
         retention and ``IDEM_PARTITION_AHEAD``.
     :param tombstone_ttl: seconds a key is remembered after its response expired (``IDEM_TOMBSTONE_TTL``);
         0 keeps no tombstone.
+    :param ahead: of ``horizon``, the seconds made ahead only in case runs stop (``IDEM_PARTITION_AHEAD``):
+        partitions of ``interval`` are made until a day (or an interval, when longer) past the longest
+        retention, and one spare partition covers the rest, until it is needed (it is replaced while
+        empty, and kept as it is once a row is in it). Every lookup of a key reads every partition: a
+        spare instead of a week of empty ones keeps that cost down. 0 makes partitions of ``interval``
+        all the way.
     :param now: the clock, the database's ``now()`` by default. Every comparison with the present is
         with its reading, the statements' included (they take it as a parameter), so that a fake clock
         ahead of the database's (a test's) retires partitions consistently.
@@ -182,15 +192,20 @@ def maintain(
         grace = timedelta(seconds=min(interval, MAX_GRACE))
         tomb_interval = max(interval, tombstone_ttl / 4)
         moment = clock()
+        # Until the next run (daily, or at half of ahead when that is sooner): keys written meanwhile
+        # expire up to the longest retention after.
+        before_next = timedelta(seconds=max(interval, min(ahead / 2, _DAY)))
         start = _aligned_at(moment, interval)
-        _ahead(
-            runner, tables, tables.keys, moment + timedelta(seconds=horizon), interval, report, start=start
-        )
+        until = moment + timedelta(seconds=horizon)
+        near = moment + timedelta(seconds=horizon - ahead) + before_next if ahead > 0 else until
+        _ahead(runner, tables, tables.keys, until, interval, report, start=start, near=near)
         if tombstone_ttl > 0:
-            # Tombstones of every partition retired now, and of the keys written until the horizon.
+            # Tombstones of every partition retired now, and of the keys written until the horizon
+            # (those retired by the runs until the next one end before near).
             until = moment + timedelta(seconds=horizon + tombstone_ttl)
+            near = moment + timedelta(seconds=tombstone_ttl) + before_next if ahead > 0 else until
             start = _aligned_at(moment, tomb_interval)
-            _ahead(runner, tables, tables.tombstones, until, tomb_interval, report, start=start)
+            _ahead(runner, tables, tables.tombstones, until, tomb_interval, report, start=start, near=near)
         for part in partitions(conn, tables.keys):
             at = clock()
             if part.upper is None or part.upper > at - grace:
@@ -218,10 +233,16 @@ def _ahead(
     report: RetentionReport,
     *,
     start: datetime,
+    near: datetime,
 ) -> None:
     """Make partitions of ``parent`` from the end of its last one until ``until``; from ``start`` (the
     interval that holds now) when there is none, or the last one ended before it: no row can expire in
     the past, and a run after a long pause makes no partition only to drop it.
+
+    Partitions of ``interval`` are made until ``near``, and one spare partition from there to ``until``
+    (none when ``near`` is ``until``). A spare that ``near`` has reached since is replaced while it is
+    empty (detached without blocking anyone, found empty, and dropped; attached again if a row came in
+    meanwhile); one that holds a row stays as it is, a wider partition, retired once its range passed.
 
     Each is created on its own and then attached: ``ATTACH PARTITION`` takes a lock on the parent that
     writers do not wait on (``CREATE TABLE ... PARTITION OF`` would take one they do), and finds the new
@@ -229,6 +250,16 @@ def _ahead(
     lock, so that two runs at once make each partition once.
     """
     prefix = "_p" if parent == tables.keys else "_t"
+
+    def spare(conn: psycopg.Connection[Any]) -> Partition | None:
+        found = partitions(conn, parent)
+        last = found[-1] if found else None
+        if last is None or last.lower is None or last.upper is None or last.detaching:
+            return None
+        if last.lower >= near or last.upper - last.lower <= timedelta(seconds=interval):
+            return None
+        query = sql.SQL("SELECT EXISTS (SELECT FROM {})").format(tables.qualified(last.name))
+        return None if conn.execute(query).fetchone() == (True,) else last
 
     def create(conn: psycopg.Connection[Any]) -> sql.Identifier | None:
         found = partitions(conn, parent)
@@ -238,7 +269,7 @@ def _ahead(
         lower = max(last, start)
         if lower >= until:
             return None
-        upper = _aligned_after(lower, interval)
+        upper = _aligned_after(lower if lower < near else until, interval)
         name = tables.partition(prefix, lower)
         if runner.distributed:
             # On Citus the attach distributes the new table: its shards are made, and attached to the
@@ -251,15 +282,55 @@ def _ahead(
                 " WITH (fillfactor = {})"
             ).format(name, sql.SQL(parent), sql.Literal(80 if parent == tables.keys else 100))
         )
-        conn.execute(
-            sql.SQL("ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})").format(
-                sql.SQL(parent), name, sql.Literal(lower), sql.Literal(upper)
-            )
-        )
+        _attach(conn, parent, name, lower, upper)
         return name
 
+    if (empty := runner.transaction(spare)) is not None:
+        _replace(runner, tables, parent, empty, report)
     while (made := runner.transaction(create)) is not None:
         report.created.append(made.as_string(None))
+
+
+def _attach(
+    conn: psycopg.Connection[Any], parent: str, name: sql.Identifier, lower: datetime, upper: datetime
+) -> None:
+    conn.execute(
+        sql.SQL("ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})").format(
+            sql.SQL(parent), name, sql.Literal(lower), sql.Literal(upper)
+        )
+    )
+
+
+def _replace(
+    runner: _migrate._Runner, tables: _Tables, parent: str, part: Partition, report: RetentionReport
+) -> None:
+    """Detach the spare partition ``part``, found empty, without blocking anyone; drop it if it is still
+    empty, or attach it again as it was. Meanwhile a row whose expiry falls in its range cannot be
+    written (the request is answered 503, to be retried): only a key kept longer than the longest
+    retention the application had when the last run made partitions."""
+    name = tables.qualified(part.name)
+    assert part.lower is not None and part.upper is not None
+    lower, upper = part.lower, part.upper
+    runner.echo(f"Replacing the spare partition {part.name} (empty) by partitions of the interval.")
+    try:
+        _detach(runner, parent, name, part)
+    except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedTable):  # another run's
+        return
+
+    def drop_if_empty(conn: psycopg.Connection[Any]) -> bool:
+        if conn.execute(sql.SQL("SELECT EXISTS (SELECT FROM {})").format(name)).fetchone() == (True,):
+            _attach(conn, parent, name, lower, upper)
+            return False
+        conn.execute(sql.SQL("DROP TABLE {}").format(name))
+        return True
+
+    try:
+        if runner.transaction(drop_if_empty):
+            report.dropped.append(part.name)
+        else:
+            runner.echo(f"A row came into {part.name} meanwhile: attached again, and kept.")
+    except psycopg.errors.UndefinedTable:  # dropped by another run
+        return
 
 
 #: The compact tombstones of a retired partition's finished keys. A row without a stored status is a
@@ -401,6 +472,29 @@ def _wait_for_writers(conn: psycopg.Connection[Any], name: sql.Identifier, timeo
         raise RuntimeError(f"Locking the shards of {name.as_string(None)} failed: {failed}")
 
 
+def _detach(runner: _migrate._Runner, parent: str, name: sql.Identifier, part: Partition) -> None:
+    """Detach ``part`` from ``parent``, concurrently but on Citus (see :func:`_drop`), or finish its
+    interrupted detach."""
+    if runner.distributed:
+        runner.echo(
+            f"Detaching {part.name} (Citus: a moment's lock on the key table, under the lock timeout)."
+        )
+        runner.transaction(
+            lambda c: c.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(sql.SQL(parent), name))
+        )
+    elif part.detaching:
+        runner.transaction(
+            lambda c: c.execute(
+                sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(sql.SQL(parent), name)
+            )
+        )
+    else:
+        runner.echo(f"Detaching {part.name} (concurrently: requests go on meanwhile).")
+        runner.conn.execute(
+            sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.SQL(parent), name)
+        )
+
+
 def _drop(
     runner: _migrate._Runner, tables: _Tables, parent: str, part: Partition, report: RetentionReport
 ) -> None:
@@ -418,28 +512,8 @@ def _drop(
     holds up the requests behind it, for at most the lock timeout per try.
     """
     name = tables.qualified(part.name)
-    conn = runner.conn
     try:
-        if runner.distributed:
-            runner.echo(
-                f"Detaching {part.name} (Citus: a moment's lock on the key table, under the lock timeout)."
-            )
-            runner.transaction(
-                lambda c: c.execute(
-                    sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(sql.SQL(parent), name)
-                )
-            )
-        elif part.detaching:
-            runner.transaction(
-                lambda c: c.execute(
-                    sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(sql.SQL(parent), name)
-                )
-            )
-        else:
-            runner.echo(f"Detaching {part.name} (concurrently: requests go on meanwhile).")
-            conn.execute(
-                sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.SQL(parent), name)
-            )
+        _detach(runner, parent, name, part)
     except psycopg.errors.ObjectNotInPrerequisiteState:  # "already pending detach": another run's
         runner.echo(f"{part.name} is being detached by another run; left to it.")
         return

@@ -234,6 +234,7 @@ def purge(batch_size: int) -> None:
             interval=settings.partition_interval,
             horizon=state.horizon(),
             tombstone_ttl=settings.tombstone_ttl,
+            ahead=settings.partition_ahead,
             lock_timeout=settings.migration_lock_timeout,
             connect_options=settings.connect_options,
             echo=click.echo,

@@ -270,7 +270,7 @@ def test_partition_gauges(
         assert app.test_cli_runner().invoke(args=["idem", "purge"]).exit_code == 0
         found = scrape(registry)
         made = _partitions.partitions(db, table)
-        assert value(found, "flask_idem_partitions", **keys) == len(made) >= 9
+        assert value(found, "flask_idem_partitions", **keys) == len(made) >= 4  # see test_cli's stats test
         assert (
             value(found, "flask_idem_partitions", **tombstones)
             == len(_partitions.partitions(db, table + "_tombstones"))

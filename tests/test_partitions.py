@@ -88,11 +88,24 @@ def table(direct_database_url: str, db: psycopg.Connection[Any]) -> Iterator[str
 
 
 def maintain(
-    url: str, *, horizon: float = 6.0, tombstone_ttl: float = TOMB, interval: float = INTERVAL
+    url: str,
+    *,
+    horizon: float = 6.0,
+    tombstone_ttl: float = TOMB,
+    interval: float = INTERVAL,
+    ahead: float = 0.0,
+    now: Callable[[], datetime] | None = None,
 ) -> RetentionReport:
     """One run of ``flask idem purge``'s work on :data:`TABLE`, as the tables' owner."""
     return _partitions.maintain(
-        url, table=TABLE, interval=interval, horizon=horizon, tombstone_ttl=tombstone_ttl, echo=lambda _: None
+        url,
+        table=TABLE,
+        interval=interval,
+        horizon=horizon,
+        tombstone_ttl=tombstone_ttl,
+        ahead=ahead,
+        now=now,
+        echo=lambda _: None,
     )
 
 
@@ -881,6 +894,92 @@ def test_tombstone_partitions_are_dropped_once_passed(
     assert held not in attached(db, TABLE + "_tombstones")
     anew = shop.post("/orders", key, {"amount": 1})
     assert anew.status_code == 201 and len(notes_of(db, "order", key)) == 2
+
+
+def _ranges(db: psycopg.Connection[Any], parent: str = TABLE) -> list[tuple[datetime, datetime]]:
+    """The ranges of ``parent``'s partitions but the first (unbounded below), oldest first; they follow
+    one another with no gap."""
+    parts = _partitions.partitions(db, parent)
+    ranges = [(p.lower, p.upper) for p in parts if p.lower is not None and p.upper is not None]
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), ranges
+    return ranges
+
+
+def test_days_ahead_are_one_spare_partition_replaced_while_empty(
+    table: str, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """With ``ahead`` (IDEM_PARTITION_AHEAD), partitions of the interval reach past the longest retention
+    and the next run, and one spare partition covers the rest of the horizon: every lookup reads every
+    partition, and a week of empty ones would cost each request. A later run replaces the spare, empty,
+    by partitions of the interval and a new spare further on, with no gap and no range covered twice."""
+    start = now(db)
+    maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: start)
+    ranges = _ranges(db)
+    *steps, spare = ranges
+    assert all(upper - lower <= timedelta(seconds=INTERVAL) for lower, upper in steps)
+    # Retention 4 s and 8 s until the next run (half of ahead): partitions of a second until then.
+    assert steps[-1][1] >= start + timedelta(seconds=12)
+    assert spare[1] - spare[0] > timedelta(seconds=INTERVAL) and spare[1] >= start + timedelta(seconds=20)
+    [spare_name] = [p.name for p in _partitions.partitions(db, TABLE) if p.lower == spare[0]]
+
+    later = start + timedelta(seconds=5)
+    report = maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: later)
+    assert spare_name in report.dropped and spare not in _ranges(db)
+    *steps, spare = _ranges(db)
+    assert all(upper - lower <= timedelta(seconds=INTERVAL) for lower, upper in steps)
+    assert steps[-1][1] >= later + timedelta(seconds=12) and spare[1] >= later + timedelta(seconds=20)
+
+
+def test_a_spare_partition_holding_a_key_is_kept_as_it_is(
+    make_shop: Callable[..., Shop], table: str, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """A key kept longer than the retention the last run knew lands in the spare partition: the next run
+    keeps that partition, wide, with the key in it, and makes partitions after it; the key replays (a
+    201 as 200)."""
+    start = now(db)
+    maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: start)
+    spare = _partitions.partitions(db, TABLE)[-1]
+    shop = make_shop(ttl=16.0)
+    key = uuid.uuid4()
+    first = shop.post("/orders", key, {"amount": 1})
+    assert first.status_code == 201
+    assert partition_of(db, key) == spare.name
+
+    later = start + timedelta(seconds=5)
+    report = maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: later)
+    assert spare.name not in report.dropped
+    assert (spare.lower, spare.upper) in _ranges(db) and partition_of(db, key) == spare.name
+    assert _ranges(db)[-1][1] >= later + timedelta(seconds=20)
+    again = shop.post("/orders", key, {"amount": 1})
+    assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
+    assert again.get_data() == first.get_data()
+    assert len(notes_of(db, "order", key)) == 1
+
+
+def test_a_spare_partition_that_a_row_entered_is_attached_again(
+    table: str, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """The spare is found empty, then detached: a row that came in between is found in the detached
+    table, which is attached again with its range, the row in it, and not dropped."""
+    start = now(db)
+    maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: start)
+    spare = _partitions.partitions(db, TABLE)[-1]
+    key = uuid.uuid4()
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response, expires_at)"
+            " VALUES (%s, %s, %s, 'POST', '/orders', 'completed', '{{}}', %s)"
+        ).format(sql.Identifier(TABLE)),
+        (ORG, key, SHA, spare.lower),
+    )
+    db.commit()
+    tables = _partitions._Tables(TABLE)
+    report = RetentionReport()
+    with psycopg.connect(direct_database_url, autocommit=True) as conn:
+        runner = _migrate._Runner(conn, TABLE, tables.names, 2.0, lambda _: None)
+        _partitions._replace(runner, tables, tables.keys, spare, report)
+    assert report.dropped == []
+    assert (spare.lower, spare.upper) in _ranges(db) and partition_of(db, key) == spare.name
 
 
 # -- 4. no partition for a key's expiry ----------------------------------------------------------------
