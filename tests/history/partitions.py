@@ -57,6 +57,7 @@ def rolling_partitions(cluster: Cluster, report: Report) -> Iterator[None]:
             interval=float(config["IDEM_PARTITION_INTERVAL"]),
             horizon=float(config["IDEM_KEY_TTL"]) + float(config["IDEM_PARTITION_AHEAD"]),
             tombstone_ttl=30 * 24 * 3600.0,
+            ahead=float(config["IDEM_PARTITION_AHEAD"]),  # a spare partition, replaced on most runs
             echo=lambda _: None,
         )
         report.operations["partition made"] += len(done.created)
