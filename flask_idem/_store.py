@@ -165,13 +165,18 @@ class Store:
         opening = batched(conn)
         if flow is None and opening is not None and not opening.begun and self.write_once:
             return self._reserve_once(conn, opening, params, q)
+        # On Citus, the key table's lock on the coordinator first (the guard statement, _store.sql).
+        guard = [(q.batches[q.guard], params)] if q.distributed else []
         for _ in range(2):
             if q.partitioned and not q.distributed:
                 row: dict[str, Any] | None = self._lock_then(conn, opening, statement, params, q)
             elif opening is not None and not opening.begun:  # BEGIN goes with it, in one round trip
-                row = opening.begin(q.batches[statement], params).rows[0]
+                row = opening.begin_all([*guard, (q.batches[statement], params)])[-1].rows[0]
             else:
+                if guard:
+                    cursor.execute(q.guard)
                 row = cursor.execute(statement, params).fetchone()
+            guard = []  # the table is locked here for the rest of the transaction
             assert row is not None  # the statement always answers one row
             if q.partitioned and q.distributed:  # the reserve function of layout 4
                 _check_snapshots(row)
@@ -542,8 +547,10 @@ class _Statements:
         self.stats_totals = q("stats_totals")
         self.stats_by_range = q("stats_by_range")
         self.stats_tombstones_by_range = q("stats_tombstones_by_range")
-        self.claim_candidates = self.purge_candidates = self.tombstone_candidates = b""
+        self.claim_candidates = self.purge_candidates = self.tombstone_candidates = self.guard = b""
         if distributed:
+            self.guard = q("guard")
+            self.batches[self.guard] = _wire.Statement.from_query(self.guard)
             self.claim_candidates = q("claim_candidates")
             self.purge_candidates = q("purge_candidates")
             self.tombstone_candidates = q("tombstone_candidates")

@@ -82,6 +82,16 @@ FROM lock LEFT JOIN {table} AS k ON k.org_id = %(org_id)s AND k.idem_key = %(key
 SELECT * FROM {reserve_function}(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)s, %(path)s,
                                  %(ttl)s, %(lock)s, {lease}, %(tomb)s)
 
+-- name: guard citus
+-- Before the reserve function, on Citus: the key table's lock on the coordinator, as every other
+-- statement of a request takes it, and no row read (nothing is sent to the nodes). The function runs on
+-- the key's node and locks the key's shard there, not the table here; the request's next statements lock
+-- the table here. Between the two, DDL on the key table (an upgrade's ALTER TABLE, purge's DETACH on
+-- layout 4), which locks the table here and then the shards, would wait for the shard while the request
+-- waits for the table: a distributed deadlock, broken only by the DDL's lock timeout, on every try while
+-- requests keep coming. With the table locked here first, both lock in the same order.
+SELECT FROM {table} WHERE false
+
 -- name: lock
 -- An atomic request's reservation in a batched transaction, with the lookup after it (the key's row is
 -- written once, completed, with COMMIT: insert_completed). The lock is taken without waiting: a key

@@ -343,7 +343,13 @@ def run_upgrade(revision: Revision) -> None:
         _begin(lock_timeout, table)
 
     _begin(lock_timeout, table)
-    if revision.sql:
+    # A layout recorded already (by flask idem migrate, or a newer flask-idem) has this revision's
+    # tables and statements: they are not run again, as migrate runs them only for a layout it lacks.
+    # Run again they could change what a later layout made (layout 1's expiry index, built anew on the
+    # partitioned key table of layout 4; on Citus, a text of several statements sent to the nodes).
+    # Offline nothing is read: every statement is printed, each safe to run twice.
+    recorded = not context.is_offline_mode() and _recorded(table) >= revision.layout
+    if revision.sql and not recorded:
         _retried(sql.SQL(revision.sql).format(**names))
     for index in revision.indexes:
         name = names[f"{index.name}_qualified"].as_string(None)
@@ -370,10 +376,11 @@ def run_upgrade(revision: Revision) -> None:
     if revision.indexes:
         _begin(lock_timeout, table)
     for number, step in enumerate(revision.after, start=1):
-        _retried(sql.SQL(step).format(**names))
+        if not recorded:
+            _retried(sql.SQL(step).format(**names))
         if number < len(revision.after):
             commit()
-    if distributed and revision.distributed_sql:
+    if distributed and revision.distributed_sql and not recorded:
         _execute(sql.SQL("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'"))
         _execute(sql.SQL(revision.distributed_sql).format(**names))
     record = sql.SQL(_RECORD).format(
@@ -382,6 +389,16 @@ def run_upgrade(revision: Revision) -> None:
     _execute(record)
     if revision.after:
         commit()
+
+
+def _recorded(table: str) -> int:
+    """The layout recorded on ``table`` in Alembic's transaction (0: no key table yet), as
+    :func:`flask_idem._layout.read` reads it."""
+    from alembic import op
+
+    conn = op.get_bind().connection.driver_connection  # the psycopg connection, in its transaction
+    assert conn is not None
+    return _layout.read(conn, table).layout or 0
 
 
 def _retried(statement: sql.Composable) -> None:

@@ -146,6 +146,12 @@ def test_store_statements_are_router_queries(
             assert store.take_over(conn, theirs)
             assert store.complete(conn, theirs, {"status": 200})
     statements = [(q, p) for q, p in recorded if is_data_statement(q)]
+    # Before each reserve function, the guard: the key table's lock on the coordinator, no shard read.
+    guards = [q for q, _ in statements if q == store._sql.guard]
+    assert len(guards) == 3
+    guarded = plan(db, store._sql.guard, None)
+    assert "One-Time Filter: (false" in guarded and "Scan on" not in guarded, guarded
+    statements = [(q, p) for q, p in statements if q != store._sql.guard]
     assert len(statements) == 9
     for query, params in statements:
         assert_router(plan(db, query, params), query)

@@ -23,7 +23,7 @@ from flask_idem.cli import idem_cli
 from .support import citus
 from .support.helpers import close_pool
 from .support.layouts import create_first_release, drop
-from .support.partitions import insert, passed_table
+from .support.partitions import holding, insert, passed_table
 from .support.servers import ROOT
 
 
@@ -297,8 +297,8 @@ def test_stats_shows_partitions_and_what_purge_waits_for(
         purged = runner.invoke(args=["idem", "purge"])
         assert "Dropped 1 partition(s), wrote 2 tombstone(s), moved 1 flagged row(s)" in purged.output
         output = stats()
-        moved = db.execute(sql.SQL("SELECT tableoid::regclass::text FROM {}").format(sql.Identifier(table)))
-        keys = catalog_lines(db, table, {moved.fetchone()[0]: 1})  # type: ignore[index]
+        [(moved,)] = db.execute(sql.SQL("SELECT expires_at FROM {}").format(sql.Identifier(table))).fetchall()
+        keys = catalog_lines(db, table, {holding(db, table, moved).name: 1})
         assert keys[0][0] != "stats_keys_p0" and partition_lines(output, table) == keys
         tombstones = partition_lines(output, f"{table}_tombstones")
         assert sum(rows for *_, rows in tombstones) == 2

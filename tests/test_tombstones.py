@@ -35,6 +35,7 @@ from .support import citus
 from .support.helpers import age, count
 from .support.layouts import drop
 from .support.notes_app import post
+from .support.partitions import holding
 
 DAY = 24 * 3600
 
@@ -297,9 +298,8 @@ def maintain(app: Flask, at: datetime) -> _partitions.RetentionReport:
 
 def holder(db: psycopg.Connection[Any], key: uuid.UUID) -> _partitions.Partition:
     """The partition of the key table holding ``key``'s row."""
-    [(name,)] = query(db, "SELECT tableoid::regclass::text FROM {} WHERE idem_key = %s", LAYOUT4, key)
-    [part] = [part for part in _partitions.partitions(db, LAYOUT4) if part.name == name]
-    return part
+    [(expires_at,)] = query(db, "SELECT expires_at FROM {} WHERE idem_key = %s", LAYOUT4, key)
+    return holding(db, LAYOUT4, expires_at)
 
 
 def retired(*parts: _partitions.Partition) -> datetime:
@@ -392,12 +392,9 @@ def test_compact_tombstone_keeps_status_and_location_only(
     tombstones = f"{LAYOUT4}_tombstones"
     with db.cursor(row_factory=psycopg.rows.dict_row) as cursor:
         [stone] = cursor.execute(
-            sql.SQL(
-                "SELECT t.*, pg_column_size(t.*) AS size, t.tableoid::regclass::text AS partition"
-                " FROM {} AS t"
-            ).format(identifier(tombstones))
+            sql.SQL("SELECT t.*, pg_column_size(t.*) AS size FROM {} AS t").format(identifier(tombstones))
         ).fetchall()
-    size, partition = stone.pop("size"), stone.pop("partition")
+    size, partition = stone.pop("size"), holding(db, tombstones, stone["expires_at"]).name
     assert stone == {
         "expires_at": expires_at + timedelta(seconds=TOMBSTONE_TTL),
         "org_id": 1,
@@ -449,8 +446,9 @@ def test_tombstone_partitions_past_their_range_are_dropped(
     assert post(app, "/notes", key, {"body": "a"}).headers["Location"] == first.headers["Location"]
 
     tombstones = f"{LAYOUT4}_tombstones"
-    [(partition, until)] = query(db, "SELECT tableoid::regclass::text, expires_at FROM {}", tombstones)
-    [stone_part] = [part for part in _partitions.partitions(db, tombstones) if part.name == partition]
+    [(until,)] = query(db, "SELECT expires_at FROM {}", tombstones)
+    stone_part = holding(db, tombstones, until)
+    partition = stone_part.name
     assert stone_part.upper is not None
     inside = maintain(app, until - timedelta(seconds=1))  # still inside the tombstone's period
     assert partition not in inside.dropped

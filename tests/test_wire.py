@@ -100,8 +100,10 @@ def test_a_fresh_key_takes_the_round_trips_of_the_bare_transaction(wire_app: Fla
     if get_state(wire_app).store.write_once:
         # BEGIN, the lock, the lookup, the view's INSERT, the key's row (written once), COMMIT
         assert fresh.count("Execute") == 6
-    else:  # on Citus: BEGIN, the reserve function (the row), the view's INSERT, the row's completion, COMMIT
-        assert fresh.count("Execute") == 5
+    else:
+        # On Citus: BEGIN, the key table's lock on the coordinator (the guard), the reserve function (the
+        # row), the view's INSERT, the row's completion, COMMIT
+        assert fresh.count("Execute") == 6
     assert "Query" not in fresh  # no simple-protocol statement: every value travels in a Bind
     replay = traced(wire_app, lambda: post(wire_app, "/notes", key, {"body": "counted"}), tmp_path)
     assert replay.count("ReadyForQuery") == 2, replay
@@ -353,8 +355,10 @@ def test_without_psycopg_internals_every_statement_goes_alone(
         )  # the layout check
         key = uuid.uuid4()
         fresh = traced(wire_app, lambda: post(wire_app, "/notes", key, {"body": "alone"}), tmp_path)
-        # BEGIN, (on the partitioned key table, the key's lock alone,) reservation, INSERT, completion, COMMIT
-        alone = 6 if get_state(wire_app).store.partitioned else 5
+        # BEGIN, (on the partitioned key table, the key's lock alone; on Citus, the key table's lock on
+        # the coordinator before the reserve function,) reservation, INSERT, completion, COMMIT.
+        store = get_state(wire_app).store
+        alone = 6 if store.partitioned or store.distributed else 5
         assert fresh.count("ReadyForQuery") == alone, fresh
         replay = post(wire_app, "/notes", key, {"body": "alone"})
         assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"

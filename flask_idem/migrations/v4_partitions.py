@@ -344,6 +344,33 @@ SELECT create_distributed_function(
         ::regprocedure,
     'p_org_id', colocate_with => {table_literal}, force_delegation => true
 );
+
+-- Layout 1's reserve function, which the code of layouts 1 to 3 calls until it reads layout 4, answers
+-- as layout 4's from now on: its INSERT names the conflict (org_id, idem_key), a unique key the
+-- partitioned table has not (refused, 42P10), and it would look neither first nor among the compact
+-- tombstones. Same arguments and columns as before (the rows of those layouts name no task), run on the
+-- key's node as before, in PL/pgSQL (never inlined into the caller's query).
+CREATE OR REPLACE FUNCTION {reserve_qualified}(
+    p_org_id bigint, p_key uuid, p_sha bytea, p_method text, p_path text, p_ttl float8, p_lock bigint,
+    p_flow text, p_token uuid, p_lease float8, p_tomb float8
+) RETURNS TABLE (
+    fresh boolean, taken boolean, request_sha bytea, status text, response jsonb, expired boolean,
+    stale boolean, lease_live boolean, flow text, step text, state jsonb
+) LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY
+        SELECT r.fresh, r.taken, r.request_sha, r.status, r.response, r.expired, r.stale, r.lease_live,
+               r.flow, r.step, r.state
+        FROM {reserve4_qualified}(p_org_id, p_key, p_sha, p_method, p_path, NULL, p_ttl, p_lock, p_flow,
+                                  p_token, p_lease, p_tomb) AS r;
+END
+$$;
+
+SELECT create_distributed_function(
+    ({reserve_literal} || '(bigint, uuid, bytea, text, text, float8, bigint, text, uuid, float8, float8)')
+        ::regprocedure,
+    'p_org_id', colocate_with => {table_literal}, force_delegation => true
+);
 """,
     grants="GRANT SELECT, INSERT, UPDATE, DELETE ON {tombstones_qualified} TO {role};",
 )

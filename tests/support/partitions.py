@@ -11,17 +11,18 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from flask_idem import _migrate
+from flask_idem import _migrate, _partitions
 
 from . import citus
 from .layouts import drop
 
-__all__ = ["INSERT", "drop_partitioned", "insert", "passed_table"]
+__all__ = ["INSERT", "drop_partitioned", "holding", "insert", "passed_table"]
 
 #: One row of the key table: org 1, a new key, a fingerprint, expired three hours ago, with the status,
 #: response, flow, lease token and lease time, and flag given.
@@ -64,3 +65,18 @@ def insert(
     """Insert one row that expired three hours ago (into the passed first partition)."""
     lease = (uuid.uuid4(), "1 hour") if flow is not None else (None, None)
     db.execute(sql.SQL(INSERT).format(sql.Identifier(table)), (seed, status, response, flow, *lease, flagged))
+
+
+def holding(db: psycopg.Connection[Any], table: str, expires_at: datetime) -> _partitions.Partition:
+    """The partition of ``table`` whose range holds ``expires_at``: where a row that expires then is.
+
+    Found by range, not by a row's ``tableoid``, which on Citus names the shard of the partition that
+    holds the row (the worker's table), not the partition.
+    """
+    [part] = [
+        part
+        for part in _partitions.partitions(db, table)
+        if (part.lower is None or part.lower <= expires_at)
+        and (part.upper is None or expires_at < part.upper)
+    ]
+    return part
