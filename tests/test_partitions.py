@@ -46,7 +46,9 @@ from .support.helpers import close_pool, wait_for
 from .support.notes_app import org_from_header
 
 pytestmark = pytest.mark.skipif(
-    citus.ENABLED, reason="partitions of a Citus distributed key table are made by Citus's own functions"
+    citus.ENABLED,
+    reason="a local key table rolling partitions of a second: layout 4 on Citus is tested in test_citus.py,"
+    " test_tombstones.py and test_upgrade_to_layout_4.py",
 )
 
 #: The key table of these tests, apart from the suite's.
