@@ -258,8 +258,7 @@ def _ahead(
             return None
         if last.lower >= near or last.upper - last.lower <= timedelta(seconds=interval):
             return None
-        query = sql.SQL("SELECT EXISTS (SELECT FROM {})").format(tables.qualified(last.name))
-        return None if conn.execute(query).fetchone() == (True,) else last
+        return None if _holds_rows(conn, tables.qualified(last.name)) else last
 
     def create(conn: psycopg.Connection[Any]) -> sql.Identifier | None:
         found = partitions(conn, parent)
@@ -291,6 +290,11 @@ def _ahead(
         report.created.append(made.as_string(None))
 
 
+def _holds_rows(conn: psycopg.Connection[Any], name: sql.Identifier) -> bool:
+    # Not EXISTS (SELECT FROM ...): Citus plans a distributed table's empty target list as a function.
+    return conn.execute(sql.SQL("SELECT 1 FROM {} LIMIT 1").format(name)).fetchone() is not None
+
+
 def _attach(
     conn: psycopg.Connection[Any], parent: str, name: sql.Identifier, lower: datetime, upper: datetime
 ) -> None:
@@ -318,7 +322,7 @@ def _replace(
         return
 
     def drop_if_empty(conn: psycopg.Connection[Any]) -> bool:
-        if conn.execute(sql.SQL("SELECT EXISTS (SELECT FROM {})").format(name)).fetchone() == (True,):
+        if _holds_rows(conn, name):
             _attach(conn, parent, name, lower, upper)
             return False
         conn.execute(sql.SQL("DROP TABLE {}").format(name))
