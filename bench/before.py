@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/before.py` from anywhere
@@ -156,13 +157,17 @@ def _run_in(root: Path, code: str, *args: str) -> str:
 
 
 def _daily_table(url: str, table: str) -> None:
-    """A key table of this checkout in daily partitions as ``flask idem purge`` makes them with the
-    defaults (one day's retention, seven days ahead in a spare partition)."""
+    """A key table of this checkout in daily partitions as ``flask idem purge`` keeps them with the
+    defaults (one day's retention, seven days ahead in a spare partition), its first partition gone."""
     from flask_idem._migrate import upgrade
     from flask_idem._partitions import maintain
 
     day = 86_400.0
-    upgrade(url, table=table, horizon=60.0, echo=lambda _: None)  # the first partition ends in a minute
+    upgrade(url, table=table, horizon=1.0, echo=lambda _: None)  # the first partition ends in a second
+    with psycopg.connect(url) as conn:
+        moment = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+    # Then a run two minutes on, past the first partition's range and grace: it is retired (empty), as
+    # on the table in its steady state, and the partitions ahead are made.
     maintain(
         url,
         table=table,
@@ -170,6 +175,7 @@ def _daily_table(url: str, table: str) -> None:
         horizon=8 * day,
         tombstone_ttl=30 * day,
         ahead=7 * day,
+        now=lambda: moment + timedelta(minutes=2),
         echo=lambda _: None,
     )
 
