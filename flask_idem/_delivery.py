@@ -376,9 +376,12 @@ class _Delivery:
 
     def _multistep(self, flow: Flow) -> Outcome | Final[Any] | _protocol.Existing:
         lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds())
-        started: Run | Final[Any] | _protocol.Existing = _protocol.begin(
-            self.state, self.claim, flow, lease, self._call
-        )
+        try:
+            started: Run | Final[Any] | _protocol.Existing = _protocol.begin(
+                self.state, self.claim, flow, lease, self._call
+            )
+        except _protocol.LeaseLost:
+            return self.busy("the reserved row was not found again")
         if not isinstance(started, Run):
             return started
         if started.resumed and self.overdue:  # taken over just now, under this lease

@@ -198,14 +198,18 @@ def maintain(
         start = _aligned_at(moment, interval)
         until = moment + timedelta(seconds=horizon)
         near = moment + timedelta(seconds=horizon - ahead) + before_next if ahead > 0 else until
-        _ahead(runner, tables, tables.keys, until, interval, report, start=start, near=near)
+        reach = timedelta(seconds=horizon - ahead)  # a key written now expires within the retention
+        ranges = _Ranges(start=start, near=near, until=until, reach=reach)
+        _ahead(runner, tables, tables.keys, interval, ranges, report, clock)
         if tombstone_ttl > 0:
             # Tombstones of every partition retired now, and of the keys written until the horizon
-            # (those retired by the runs until the next one end before near).
+            # (those retired by the runs until the next one end before near); one written now (of a
+            # partition retired now) ends within the tombstones' period.
             until = moment + timedelta(seconds=horizon + tombstone_ttl)
             near = moment + timedelta(seconds=tombstone_ttl) + before_next if ahead > 0 else until
             start = _aligned_at(moment, tomb_interval)
-            _ahead(runner, tables, tables.tombstones, until, tomb_interval, report, start=start, near=near)
+            ranges = _Ranges(start=start, near=near, until=until, reach=timedelta(seconds=tombstone_ttl))
+            _ahead(runner, tables, tables.tombstones, tomb_interval, ranges, report, clock)
         for part in partitions(conn, tables.keys):
             at = clock()
             if part.upper is None or part.upper > at - grace:
@@ -224,51 +228,83 @@ def maintain(
     return report
 
 
+@dataclass(frozen=True, slots=True)
+class _Ranges:
+    """Where :func:`_ahead` makes partitions of a table: from ``start`` (or the end of the last one)
+    until ``until``, of the interval until ``near`` and one spare after it; ``reach`` is how far past
+    the present a row written now may expire at most (the longest retention)."""
+
+    start: datetime
+    near: datetime
+    until: datetime
+    reach: timedelta
+
+
 def _ahead(
     runner: _migrate._Runner,
     tables: _Tables,
     parent: str,
-    until: datetime,
     interval: float,
+    ranges: _Ranges,
     report: RetentionReport,
-    *,
-    start: datetime,
-    near: datetime,
+    clock: Callable[[], datetime],
 ) -> None:
-    """Make partitions of ``parent`` from the end of its last one until ``until``; from ``start`` (the
-    interval that holds now) when there is none, or the last one ended before it: no row can expire in
-    the past, and a run after a long pause makes no partition only to drop it.
+    """Make partitions of ``parent`` until ``ranges.until``, after the last one, or from
+    ``ranges.start`` (the interval that holds now) when there is none or the last one ended before it:
+    no row can expire in the past, and a run after a long pause makes no partition only to drop it.
 
-    Partitions of ``interval`` are made until ``near``, and one spare partition from there to ``until``
-    (none when ``near`` is ``until``). A spare that ``near`` has reached since is replaced while it is
-    empty (detached without blocking anyone, found empty, and dropped; attached again if a row came in
-    meanwhile); one that holds a row stays as it is, a wider partition, retired once its range passed.
+    Partitions of ``interval`` are made until ``ranges.near``, and one spare partition from there to
+    ``ranges.until`` (none when ``near`` is ``until``). A spare that ``near`` has reached since, or that
+    ends before ``until`` (a partition after it would leave it wide, in the middle), is replaced while
+    it is empty (detached without blocking anyone, found empty, and dropped; attached
+    again if a row came in meanwhile), but only while no row can be written into it before its detach
+    is through: it begins more than ``ranges.reach``, and the detach's two waits (each under the lock
+    timeout), after the present. A row written into it as the detach begins would be missed, until it
+    is attached again, by every statement after (the same transaction's as well). One that holds a row,
+    or that the present has come too near (runs came late), stays as it is: a wider partition, retired
+    once its range has passed. A replacement's detach left pending (interrupted, or past its lock
+    timeout) is finished by the next run, and the range it leaves is filled.
 
     Each is created on its own and then attached: ``ATTACH PARTITION`` takes a lock on the parent that
     writers do not wait on (``CREATE TABLE ... PARTITION OF`` would take one they do), and finds the new
-    table empty at once. The last partition is read in the same transaction, under the migration's
-    lock, so that two runs at once make each partition once.
+    table empty at once. The partitions are read in the same transaction, under the migration's lock,
+    so that two runs at once make each partition once.
     """
     prefix = "_p" if parent == tables.keys else "_t"
+    # Seconds a detach may take: its two waits, each under the lock timeout, and one more.
+    detach = timedelta(seconds=2 * runner.lock_timeout_ms / 1000 + 1)
 
     def spare(conn: psycopg.Connection[Any]) -> Partition | None:
         found = partitions(conn, parent)
+        now = clock()
+        for part in found:  # a replacement left pending: finished, and dropped or attached again
+            if part.detaching and part.lower is not None and part.upper is not None and part.upper > now:
+                return part
         last = found[-1] if found else None
         if last is None or last.lower is None or last.upper is None or last.detaching:
             return None
-        if last.lower >= near or last.upper - last.lower <= timedelta(seconds=interval):
+        if last.upper - last.lower <= timedelta(seconds=interval):
+            return None
+        if last.lower >= ranges.near and last.upper >= ranges.until:  # as this run would make it
+            return None
+        if last.lower <= now + ranges.reach + detach:
             return None
         return None if _holds_rows(conn, tables.qualified(last.name)) else last
 
     def create(conn: psycopg.Connection[Any]) -> sql.Identifier | None:
-        found = partitions(conn, parent)
-        last = found[-1].upper if found else start
-        if last is None:  # an unbounded last partition: nothing to add after it
+        lower, before = ranges.start, None
+        for part in partitions(conn, parent):  # after the last one, or in a range a replacement left
+            if part.upper is None:  # an unbounded last partition: nothing to add after it
+                return None
+            if part.lower is not None and part.lower > lower and lower < ranges.until:
+                before = part.lower
+                break
+            lower = max(lower, part.upper)
+        if lower >= ranges.until:
             return None
-        lower = max(last, start)
-        if lower >= until:
-            return None
-        upper = _aligned_after(lower if lower < near else until, interval)
+        upper = _aligned_after(lower if lower < ranges.near else ranges.until, interval)
+        if before is not None:
+            upper = min(upper, before)
         name = tables.partition(prefix, lower)
         if runner.distributed:
             # On Citus the attach distributes the new table: its shards are made, and attached to the
@@ -311,14 +347,21 @@ def _replace(
     """Detach the spare partition ``part``, found empty, without blocking anyone; drop it if it is still
     empty, or attach it again as it was. Meanwhile a row whose expiry falls in its range cannot be
     written (the request is answered 503, to be retried): only a key kept longer than the longest
-    retention the application had when the last run made partitions."""
+    retention the application had when the last run made partitions.
+
+    The detach waits for older transactions under the lock timeout (not for as long as they last, as a
+    retired partition's does): one left pending is finished by the next run, and must be before the
+    present reaches its range, where no row can be written until then."""
     name = tables.qualified(part.name)
     assert part.lower is not None and part.upper is not None
     lower, upper = part.lower, part.upper
     runner.echo(f"Replacing the spare partition {part.name} (empty) by partitions of the interval.")
     try:
-        _detach(runner, parent, name, part)
+        _detach(runner, parent, name, part, bounded=True)
     except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedTable):  # another run's
+        return
+    except psycopg.errors.LockNotAvailable:
+        runner.echo(f"The detach of {part.name} waits for older transactions: the next run finishes it.")
         return
 
     def drop_if_empty(conn: psycopg.Connection[Any]) -> bool:
@@ -476,9 +519,16 @@ def _wait_for_writers(conn: psycopg.Connection[Any], name: sql.Identifier, timeo
         raise RuntimeError(f"Locking the shards of {name.as_string(None)} failed: {failed}")
 
 
-def _detach(runner: _migrate._Runner, parent: str, name: sql.Identifier, part: Partition) -> None:
+def _detach(
+    runner: _migrate._Runner, parent: str, name: sql.Identifier, part: Partition, *, bounded: bool = False
+) -> None:
     """Detach ``part`` from ``parent``, concurrently but on Citus (see :func:`_drop`), or finish its
-    interrupted detach."""
+    interrupted detach.
+
+    :param bounded: the concurrent detach waits for older transactions no longer than the lock timeout
+        (then it is left pending, and :class:`psycopg.errors.LockNotAvailable` raised); by default as
+        long as they last, as nothing waits behind it.
+    """
     if runner.distributed:
         runner.echo(
             f"Detaching {part.name} (Citus: a moment's lock on the key table, under the lock timeout)."
@@ -494,9 +544,15 @@ def _detach(runner: _migrate._Runner, parent: str, name: sql.Identifier, part: P
         )
     else:
         runner.echo(f"Detaching {part.name} (concurrently: requests go on meanwhile).")
-        runner.conn.execute(
-            sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.SQL(parent), name)
-        )
+        if bounded:  # outside a transaction: for the session, until the detach is through
+            runner.conn.execute(sql.SQL("SET lock_timeout = {}").format(runner.lock_timeout))
+        try:
+            runner.conn.execute(
+                sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(sql.SQL(parent), name)
+            )
+        finally:
+            if bounded:
+                runner.conn.execute("RESET lock_timeout")
 
 
 def _drop(

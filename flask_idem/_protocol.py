@@ -256,6 +256,9 @@ def begin(
     JSON object) or, when the work ended at once, its :class:`Final` answer, stored and returned. The
     :class:`.flow.Run` returned is advanced by :func:`._steps.advance`; a taken-over one resumes after
     its last finished step.
+
+    :raises LeaseLost: the row reserved could not be written to again in the same transaction (as when
+        its partition's detach began meanwhile): nothing was committed, and the key may be tried again.
     """
     flow.check()
     keyed = claim.request
@@ -269,7 +272,9 @@ def begin(
                 if intent.document is not None and not intent.failed:
                     state.store.complete(conn, lease, intent.document)
                 return intent
-            state.store.record_step(conn, lease, INTENT, intent)
+            if not state.store.record_step(conn, lease, INTENT, intent):
+                # The row this transaction wrote is not found again: never committed without its intent.
+                raise LeaseLost()
             state.fire("view", conn)
             return Run(
                 flow=flow.name,

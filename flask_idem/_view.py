@@ -335,7 +335,10 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
             return final_response(response, None)
         return final_response(response, _record(state, options, response, attempt.printed))
 
-    started = _protocol.begin(state, _claim(options, settings, attempt), flow, lease, start)
+    try:
+        started = _protocol.begin(state, _claim(options, settings, attempt), flow, lease, start)
+    except _protocol.LeaseLost:
+        raise KeyInUse(retry_after=settings.retry_after) from None
     if isinstance(started, Final):
         return started.value
     if not isinstance(started, Run):

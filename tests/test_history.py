@@ -55,8 +55,9 @@ def test_no_duplicates_no_losses_under_faults() -> None:
 
 def test_no_duplicates_no_losses_while_partitions_roll() -> None:
     """The same load and faults on a key table partitioned by the second, whose partitions are made and
-    dropped (detached concurrently) every second during the run: retries of a key land in other
-    partitions than its first attempt, and still nothing is duplicated or lost."""
+    dropped (detached concurrently) every second during the run, and whose spare partition ahead is
+    replaced under load: retries of a key land in other partitions than its first attempt, and still
+    nothing is duplicated or lost."""
     if citus.ENABLED:
         pytest.skip("partitions of a Citus distributed key table are made by Citus's own functions")
     with tempfile.TemporaryDirectory(prefix="flask-idem-history-") as workdir:
@@ -72,4 +73,5 @@ def test_no_duplicates_no_losses_while_partitions_roll() -> None:
     print(report.summary())
     assert report.operations, "the clients did nothing"
     assert report.operations["partition made"] > 15 and report.operations["partition dropped"] > 15
+    assert report.operations["spare partition replaced"] > 5
     assert report.ok, report.summary()

@@ -913,7 +913,9 @@ def test_days_ahead_are_one_spare_partition_replaced_while_empty(
     """With ``ahead`` (IDEM_PARTITION_AHEAD), partitions of the interval reach past the longest retention
     and the next run, and one spare partition covers the rest of the horizon: every lookup reads every
     partition, and a week of empty ones would cost each request. A later run replaces the spare, empty,
-    by partitions of the interval and a new spare further on, with no gap and no range covered twice."""
+    by partitions of the interval and a new spare further on, with no gap and no range covered twice:
+    once the next run is due to reach it (8 s), while no key can be written into it before its detach
+    is through (the 4 s retention and 5 s for the detach's waits under a lock timeout of 2 s)."""
     start = now(db)
     maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: start)
     ranges = _ranges(db)
@@ -924,12 +926,87 @@ def test_days_ahead_are_one_spare_partition_replaced_while_empty(
     assert spare[1] - spare[0] > timedelta(seconds=INTERVAL) and spare[1] >= start + timedelta(seconds=20)
     [spare_name] = [p.name for p in _partitions.partitions(db, TABLE) if p.lower == spare[0]]
 
-    later = start + timedelta(seconds=5)
+    later = start + timedelta(seconds=2)
     report = maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: later)
     assert spare_name in report.dropped and spare not in _ranges(db)
     *steps, spare = _ranges(db)
     assert all(upper - lower <= timedelta(seconds=INTERVAL) for lower, upper in steps)
     assert steps[-1][1] >= later + timedelta(seconds=12) and spare[1] >= later + timedelta(seconds=20)
+
+
+def test_a_spare_partition_the_present_came_near_is_kept(
+    table: str, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """A run late enough that a key may be written into the spare before its detach is through keeps
+    the spare as it is, a wider partition: a row written into it as the detach begins would be missed
+    by every statement after it (its own transaction's too) until the spare were attached again."""
+    start = now(db)
+    maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: start)
+    spare = _partitions.partitions(db, TABLE)[-1]
+    assert spare.lower is not None and spare.lower <= start + timedelta(seconds=13)
+
+    later = start + timedelta(seconds=6)  # keys expire until start + 10; the detach may take 5 s
+    report = maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: later)
+    assert spare.name not in report.dropped
+    assert (spare.lower, spare.upper) in _ranges(db) and _ranges(db)[-1][1] >= later + timedelta(seconds=20)
+
+
+def test_a_spare_replacement_left_pending_is_finished_and_its_range_filled(
+    table: str, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """The spare's detach waits for older transactions no longer than the lock timeout, and is left
+    pending: no key can be written into its range meanwhile. The next run finishes it (``FINALIZE``),
+    drops it, and fills the range it leaves, before and up to the partitions made after it."""
+    start = now(db)
+    maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: start)
+    spare = _partitions.partitions(db, TABLE)[-1]
+    assert spare.lower is not None and spare.upper is not None
+    tables = _partitions._Tables(TABLE)
+    lines: list[str] = []
+    with (
+        psycopg.connect(direct_database_url) as reader,
+        psycopg.connect(direct_database_url, autocommit=True) as conn,
+    ):
+        reader.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(TABLE)))  # stays open
+        runner = _migrate._Runner(conn, TABLE, tables.names, 0.3, lines.append)
+        _partitions._replace(runner, tables, tables.keys, spare, RetentionReport())
+        reader.rollback()
+    assert any("the next run finishes it" in line for line in lines), lines
+    [pending] = [p for p in _partitions.partitions(db, TABLE) if p.name == spare.name]
+    assert pending.detaching
+    with pytest.raises(psycopg.errors.CheckViolation, match="no partition"), db.transaction():
+        db.execute(
+            sql.SQL(
+                "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, expires_at)"
+                " VALUES (%s, %s, %s, 'POST', '/orders', 'processing', %s)"
+            ).format(sql.Identifier(TABLE)),
+            (ORG, uuid.uuid4(), SHA, spare.lower),
+        )
+    # A partition after it, as the same run makes once the detach is left pending.
+    after = tables.partition("_p", spare.upper)
+    db.execute(
+        sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)").format(
+            after, sql.Identifier(TABLE)
+        )
+    )
+    _partitions._attach(db, TABLE, after, spare.upper, spare.upper + timedelta(seconds=INTERVAL))
+    db.commit()
+
+    later = start + timedelta(seconds=1)
+    report = maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: later)
+    assert spare.name in report.dropped
+    covered = _ranges(db)  # no gap
+    # Its range made again as partitions of the interval (the first one under the spare's name).
+    assert (spare.lower, spare.lower + timedelta(seconds=INTERVAL)) in covered
+    assert covered[-1][1] >= later + timedelta(seconds=20)
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, expires_at)"
+            " VALUES (%s, %s, %s, 'POST', '/orders', 'processing', %s)"
+        ).format(sql.Identifier(TABLE)),
+        (ORG, uuid.uuid4(), SHA, spare.lower),
+    )
+    db.rollback()
 
 
 def test_a_spare_partition_holding_a_key_is_kept_as_it_is(

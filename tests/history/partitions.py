@@ -25,12 +25,14 @@ from .cluster import Cluster
 __all__ = ["CONFIG", "INIT", "rolling_partitions"]
 
 #: Keys kept long enough for the whole run, its settling and its replays (the checker replays every
-#: acknowledged answer, byte for byte), in partitions of one second made five seconds ahead of that;
-#: the gateway's webhook events are kept as long (the key table's partitions must cover them).
+#: acknowledged answer, byte for byte), in partitions of one second made twenty seconds ahead of that:
+#: ten seconds of them, and a spare partition of ten more that each run replaces by a second of them
+#: under load (ten seconds before a key can expire in it, past the five a detach may take); the
+#: gateway's webhook events are kept as long (the key table's partitions must cover them).
 CONFIG = {
     "IDEM_KEY_TTL": 90,
     "IDEM_PARTITION_INTERVAL": 1,
-    "IDEM_PARTITION_AHEAD": 5,
+    "IDEM_PARTITION_AHEAD": 20,
     "GATEWAY_WEBHOOK_WINDOW": 90,
 }
 
@@ -45,10 +47,15 @@ PAUSE = 0.5
 @contextmanager
 def rolling_partitions(cluster: Cluster, report: Report) -> Iterator[None]:
     """Run maintain on ``cluster``'s key table in a loop until the block ends; what it did goes to
-    ``report`` (operations: partitions made and dropped; notes: runs that failed, by error)."""
+    ``report`` (operations: partitions made and dropped, spare partitions replaced; notes: runs that
+    failed, by error)."""
     stop = threading.Event()
     failed: Counter[str] = Counter()
     config = cluster.config
+
+    def echo(line: str) -> None:
+        if line.startswith("Replacing the spare partition"):
+            report.operations["spare partition replaced"] += 1
 
     def once() -> None:
         done = _partitions.maintain(
@@ -58,7 +65,8 @@ def rolling_partitions(cluster: Cluster, report: Report) -> Iterator[None]:
             horizon=float(config["IDEM_KEY_TTL"]) + float(config["IDEM_PARTITION_AHEAD"]),
             tombstone_ttl=30 * 24 * 3600.0,
             ahead=float(config["IDEM_PARTITION_AHEAD"]),  # a spare partition, replaced on most runs
-            echo=lambda _: None,
+            lock_timeout=2.0,
+            echo=echo,
         )
         report.operations["partition made"] += len(done.created)
         report.operations["partition dropped"] += len(done.dropped)
