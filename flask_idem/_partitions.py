@@ -256,10 +256,10 @@ def _ahead(
     Partitions of ``interval`` are made until ``ranges.near``, and one spare partition from there to
     ``ranges.until`` (none when ``near`` is ``until``). A spare that ``near`` has reached since, or that
     ends before ``until`` (a partition after it would leave it wide, in the middle), is replaced while
-    it is empty (detached without blocking anyone, found empty, and dropped; attached
-    again if a row came in meanwhile), but only while no row can be written into it before its detach
-    is through: it begins more than ``ranges.reach``, and the detach's two waits (each under the lock
-    timeout), after the present. A row written into it as the detach begins would be missed, until it
+    it is empty (detached without blocking anyone, found empty, and dropped; attached again if a row
+    came in meanwhile), but only while no row can be written into it before its detach is through: it
+    begins more than ``ranges.reach``, and the detach's two waits (each under the lock timeout), after
+    the present. A row written into it as the detach begins would be missed, until it
     is attached again, by every statement after (the same transaction's as well). One that holds a row,
     or that the present has come too near (runs came late), stays as it is: a wider partition, retired
     once its range has passed. A replacement's detach left pending (interrupted, or past its lock
