@@ -951,6 +951,17 @@ def test_a_spare_partition_the_present_came_near_is_kept(
     assert (spare.lower, spare.upper) in _ranges(db) and _ranges(db)[-1][1] >= later + timedelta(seconds=20)
 
 
+def insert_expiring(db: psycopg.Connection[Any], expires_at: datetime) -> None:
+    """Write a processing row of a new key expiring at ``expires_at`` (not committed)."""
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, expires_at)"
+            " VALUES (%s, %s, %s, 'POST', '/orders', 'processing', %s)"
+        ).format(sql.Identifier(TABLE)),
+        (ORG, uuid.uuid4(), SHA, expires_at),
+    )
+
+
 def test_a_spare_replacement_left_pending_is_finished_and_its_range_filled(
     table: str, direct_database_url: str, db: psycopg.Connection[Any]
 ) -> None:
@@ -975,13 +986,7 @@ def test_a_spare_replacement_left_pending_is_finished_and_its_range_filled(
     [pending] = [p for p in _partitions.partitions(db, TABLE) if p.name == spare.name]
     assert pending.detaching
     with pytest.raises(psycopg.errors.CheckViolation, match="no partition"), db.transaction():
-        db.execute(
-            sql.SQL(
-                "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, expires_at)"
-                " VALUES (%s, %s, %s, 'POST', '/orders', 'processing', %s)"
-            ).format(sql.Identifier(TABLE)),
-            (ORG, uuid.uuid4(), SHA, spare.lower),
-        )
+        insert_expiring(db, spare.lower)
     # A partition after it, as the same run makes once the detach is left pending.
     after = tables.partition("_p", spare.upper)
     db.execute(
@@ -999,13 +1004,7 @@ def test_a_spare_replacement_left_pending_is_finished_and_its_range_filled(
     # Its range made again as partitions of the interval (the first one under the spare's name).
     assert (spare.lower, spare.lower + timedelta(seconds=INTERVAL)) in covered
     assert covered[-1][1] >= later + timedelta(seconds=20)
-    db.execute(
-        sql.SQL(
-            "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, expires_at)"
-            " VALUES (%s, %s, %s, 'POST', '/orders', 'processing', %s)"
-        ).format(sql.Identifier(TABLE)),
-        (ORG, uuid.uuid4(), SHA, spare.lower),
-    )
+    insert_expiring(db, spare.lower)
     db.rollback()
 
 
