@@ -311,13 +311,7 @@ def _ahead(
             # key table's, over one connection per node, or the transaction's own connections may wait
             # on one another (Citus then cancels it as a distributed deadlock).
             conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
-                " WITH (fillfactor = {})"
-            ).format(name, sql.SQL(parent), sql.Literal(80 if parent == tables.keys else 100))
-        )
-        _attach(conn, parent, name, lower, upper)
+        _make(conn, parent, name, lower, upper, fillfactor=80 if parent == tables.keys else 100)
         return name
 
     if (empty := runner.transaction(spare)) is not None:
@@ -329,6 +323,26 @@ def _ahead(
 def _holds_rows(conn: psycopg.Connection[Any], name: sql.Identifier) -> bool:
     # Not EXISTS (SELECT FROM ...): Citus plans a distributed table's empty target list as a function.
     return conn.execute(sql.SQL("SELECT 1 FROM {} LIMIT 1").format(name)).fetchone() is not None
+
+
+def _make(
+    conn: psycopg.Connection[Any],
+    parent: str,
+    name: sql.Identifier,
+    lower: datetime,
+    upper: datetime,
+    *,
+    fillfactor: int,
+) -> None:
+    """Create partition ``name`` of ``parent`` as a table of its own, then attach it for ``[lower,
+    upper)`` (see :func:`_ahead`)."""
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+            " WITH (fillfactor = {})"
+        ).format(name, sql.SQL(parent), sql.Literal(fillfactor))
+    )
+    _attach(conn, parent, name, lower, upper)
 
 
 def _attach(

@@ -337,14 +337,11 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
 
     try:
         started = _protocol.begin(state, _claim(options, settings, attempt), flow, lease, start)
-    except _protocol.LeaseLost:
-        raise KeyInUse(retry_after=settings.retry_after) from None
-    if isinstance(started, Final):
-        return started.value
-    if not isinstance(started, Run):
-        return _answer_existing(state, options, started, attempt)
-    stored_request = None if attempt.printed is None else attempt.printed.stored()
-    try:
+        if isinstance(started, Final):
+            return started.value
+        if not isinstance(started, Run):
+            return _answer_existing(state, options, started, attempt)
+        stored_request = None if attempt.printed is None else attempt.printed.stored()
         final = _steps.advance(
             state, flow, started, lease, RequestDoor(settings, stored_request), retry_in=seconds
         )

@@ -989,12 +989,7 @@ def test_a_spare_replacement_left_pending_is_finished_and_its_range_filled(
         insert_expiring(db, spare.lower)
     # A partition after it, as the same run makes once the detach is left pending.
     after = tables.partition("_p", spare.upper)
-    db.execute(
-        sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)").format(
-            after, sql.Identifier(TABLE)
-        )
-    )
-    _partitions._attach(db, TABLE, after, spare.upper, spare.upper + timedelta(seconds=INTERVAL))
+    _partitions._make(db, TABLE, after, spare.upper, spare.upper + timedelta(seconds=INTERVAL), fillfactor=80)
     db.commit()
 
     later = start + timedelta(seconds=1)
