@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/before.py` from anywhere
@@ -53,6 +52,7 @@ from bench.harness import (  # noqa: E402
     WrkJob,
     WrkRun,
     backend_pids,
+    daily_table,
     ensure_tool,
     gunicorn,
     scratch_database,
@@ -103,7 +103,7 @@ def main() -> None:
                     " upgrade(sys.argv[1], table=sys.argv[2])", url, tables["before"])  # fmt: skip
         if args.now_daily:
             tables["now"] = "idempotency_keys_daily"
-            _daily_table(url, tables["now"])
+            daily_table(url, tables["now"])
         for name, table in tables.items():
             if table != "idempotency_keys":
                 _copy_keys(url, "idempotency_keys", table, replay_file)
@@ -154,30 +154,6 @@ def _run_in(root: Path, code: str, *args: str) -> str:
     """Run ``code`` with the flask_idem under ``root`` (it comes first on ``sys.path``)."""
     command = [sys.executable, "-c", code, *args]
     return subprocess.run(command, cwd=root, capture_output=True, text=True, check=True).stdout
-
-
-def _daily_table(url: str, table: str) -> None:
-    """A key table of this checkout in daily partitions as ``flask idem purge`` keeps them with the
-    defaults (one day's retention, seven days ahead in a spare partition), its first partition gone."""
-    from flask_idem._migrate import upgrade
-    from flask_idem._partitions import maintain
-
-    day = 86_400.0
-    upgrade(url, table=table, horizon=1.0, echo=lambda _: None)  # the first partition ends in a second
-    with psycopg.connect(url) as conn:
-        moment = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
-    # Then a run two minutes on, past the first partition's range and grace: it is retired (empty), as
-    # on the table in its steady state, and the partitions ahead are made.
-    maintain(
-        url,
-        table=table,
-        interval=day,
-        horizon=8 * day,
-        tombstone_ttl=30 * day,
-        ahead=7 * day,
-        now=lambda: moment + timedelta(minutes=2),
-        echo=lambda _: None,
-    )
 
 
 def _copy_keys(url: str, source: str, target: str, keys: Path) -> None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from io import BytesIO
 from pathlib import Path
 
@@ -123,6 +124,33 @@ def set_up_shop(url: str) -> tuple[int, str]:
             return create_org("bench")
     finally:
         get_state(app).source.close()
+
+
+def daily_table(url: str, table: str, *, ahead: float = 7 * 86_400.0) -> None:
+    """A key table of this checkout in daily partitions as ``flask idem purge`` keeps them with the
+    defaults (one day's retention, seven days ahead in a spare partition), its first partition gone.
+
+    :param ahead: ``IDEM_PARTITION_AHEAD`` in seconds (0: a partition per day all the way, no spare).
+    """
+    from flask_idem._migrate import upgrade
+    from flask_idem._partitions import maintain
+
+    day = 86_400.0
+    upgrade(url, table=table, horizon=1.0, echo=lambda _: None)  # the first partition ends in a second
+    with psycopg.connect(url) as conn:
+        moment = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+    # Then a run two minutes on, past the first partition's range and grace: it is retired (empty), as
+    # on the table in its steady state, and the partitions ahead are made.
+    maintain(
+        url,
+        table=table,
+        interval=day,
+        horizon=8 * day,
+        tombstone_ttl=30 * day,
+        ahead=ahead,
+        now=lambda: moment + timedelta(minutes=2),
+        echo=lambda _: None,
+    )
 
 
 def server_version(url: str) -> str:
