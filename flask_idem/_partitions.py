@@ -365,11 +365,18 @@ def _replace(
 
     The detach waits for older transactions under the lock timeout (not for as long as they last, as a
     retired partition's does): one left pending is finished by the next run, and must be before the
-    present reaches its range, where no row can be written until then."""
+    present reaches its range, where no row can be written until then.
+
+    On Citus the detach is a plain one (see :func:`_drop`), and a plain detach is transactional: the
+    detach, the check and the drop are one transaction, so a spare found holding a row was never
+    detached for any statement to miss, however long the detach's tries took."""
     name = tables.qualified(part.name)
     assert part.lower is not None and part.upper is not None
     lower, upper = part.lower, part.upper
     runner.echo(f"Replacing the spare partition {part.name} (empty) by partitions of the interval.")
+    if runner.distributed:
+        _replace_in_one(runner, parent, name, part, report)
+        return
     try:
         _detach(runner, parent, name, part, bounded=True)
     except (psycopg.errors.ObjectNotInPrerequisiteState, psycopg.errors.UndefinedTable):  # another run's
@@ -392,6 +399,33 @@ def _replace(
             runner.echo(f"A row came into {part.name} meanwhile: attached again, and kept.")
     except psycopg.errors.UndefinedTable:  # dropped by another run
         return
+
+
+class _Kept(Exception):
+    """A spare partition found holding a row in the transaction that detached it: rolled back."""
+
+
+def _replace_in_one(
+    runner: _migrate._Runner, parent: str, name: sql.Identifier, part: Partition, report: RetentionReport
+) -> None:
+    """On Citus: detach the spare ``part``, check that it is empty and drop it, in one transaction (under
+    the lock timeout, tried again), rolled back when a row is found in it."""
+    runner.echo(f"Detaching {part.name} (Citus: a moment's lock on the key table, under the lock timeout).")
+
+    def replace(conn: psycopg.Connection[Any]) -> None:
+        conn.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(sql.SQL(parent), name))
+        if _holds_rows(conn, name):
+            raise _Kept
+        conn.execute(sql.SQL("DROP TABLE {}").format(name))
+
+    try:
+        runner.transaction(replace)
+    except _Kept:
+        runner.echo(f"A row came into {part.name}: left attached, and kept.")
+        return
+    except psycopg.errors.UndefinedTable:  # detached or dropped by another run
+        return
+    report.dropped.append(part.name)
 
 
 #: The compact tombstones of a retired partition's finished keys. A row without a stored status is a

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -446,6 +446,81 @@ def test_reservations_across_a_partition_boundary_find_the_key(
         assert rows == (1,)
     finally:
         store.source.close()
+
+
+def test_the_spares_replacement_is_one_transaction(
+    short_table: str, direct_database_url: str, db: psycopg.Connection[Any]
+) -> None:
+    """On Citus the spare's detach is a plain one, done with its check and its drop in one transaction:
+    a spare that a row came into after it was chosen is never detached (the transaction rolls back), its
+    row in the key table all along; an empty one is dropped, and the next run makes its range again."""
+    start = db.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+
+    def maintain() -> _partitions.RetentionReport:
+        return _partitions.maintain(
+            direct_database_url, table=short_table, interval=2.0, horizon=20.0, tombstone_ttl=0,
+            ahead=16.0, now=lambda: start, echo=lambda _: None,
+        )  # fmt: skip
+
+    maintain()
+    spare = _partitions.partitions(db, short_table)[-1]
+    assert spare.lower is not None and spare.upper is not None
+    assert spare.upper - spare.lower > timedelta(seconds=2)
+    key = uuid.uuid4()
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response, expires_at)"
+            " VALUES (9, %s, %s, 'POST', '/x', 'completed', '{{}}', %s)"
+        ).format(sql.Identifier(short_table)),
+        (key, SHA, spare.lower),
+    )
+    db.commit()
+    tables = _partitions._Tables(short_table)
+
+    def replace() -> tuple[_partitions.RetentionReport, list[str]]:
+        report, lines = _partitions.RetentionReport(), []
+        with psycopg.connect(direct_database_url, autocommit=True) as conn:
+            runner = _migrate._Runner(conn, short_table, tables.names, 2.0, lines.append)
+            runner.distributed = runner.is_distributed()
+            assert runner.distributed
+            _partitions._replace(runner, tables, tables.keys, spare, report)
+        return report, lines
+
+    seen: list[int] = []
+    done = threading.Event()
+
+    query = sql.SQL("SELECT count(*) FROM {} WHERE idem_key = %s").format(sql.Identifier(short_table))
+
+    def read() -> None:
+        """The key's row through the key table, over and over, while the spare is being replaced."""
+        with psycopg.connect(direct_database_url, autocommit=True) as reader:
+            while not done.is_set():
+                found = reader.execute(query, (key,)).fetchone()
+                seen.append(found[0] if found else -1)
+
+    reading = threading.Thread(target=read)
+    reading.start()
+    try:
+        report, lines = replace()
+    finally:
+        done.set()
+        reading.join()
+    assert report.dropped == [] and any("left attached, and kept" in line for line in lines), lines
+    assert len(seen) > 1 and set(seen) == {1}  # never missed
+    assert spare in _partitions.partitions(db, short_table)
+    assert partition_of(db, short_table, spare.lower).name == spare.name
+    assert count(db, short_table) == 1
+
+    db.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(short_table)))
+    db.commit()
+    report, lines = replace()
+    assert report.dropped == [spare.name]
+    assert spare.name not in {p.name for p in _partitions.partitions(db, short_table)}
+    assert db.execute("SELECT to_regclass(%s)", (spare.name,)).fetchone() == (None,)
+    maintain()  # the range it leaves is made again: no gap
+    parts = _partitions.partitions(db, short_table)
+    assert all(a.upper == b.lower for a, b in zip(parts, parts[1:], strict=False))
+    assert partition_of(db, short_table, spare.lower).lower == spare.lower  # a partition of the interval
 
 
 def test_maintain_drops_passed_partitions_and_tombstones_answer(
