@@ -9,7 +9,9 @@ method's error; this script measures the statements themselves, in the server, w
 statements are this checkout's own (``flask_idem._store``), for each table as the store composes them:
 the key's lock (``lock``), then its lookup (``lookup``: on layout 4, the key's row in every partition,
 else its live compact tombstone), for a key that has a row (a replay) and for one that has none (a fresh
-key). Tables, each with the same 1000 finished keys, expiring in a day:
+key); and a fresh key written: the lock, the lookup and the completed row's ``INSERT``
+(``insert_completed``), then ``COMMIT`` (``synchronous_commit`` off: not the disk's flush). Tables, each
+with the same 1000 finished keys, expiring in a day:
 
 - layout 3, made by ``flask_idem._migrate.upgrade(to=3)``: one table;
 - layout 4 as ``flask idem migrate`` makes it, and as ``flask idem purge`` keeps it at the defaults
@@ -58,7 +60,18 @@ from flask_idem._store import _Statements  # noqa: E402
 DATABASE = "flask_idem_bench_lookup"
 KEYS = 1000
 #: The plpgsql variables the statements' parameters become in the procedures.
-VARIABLES = {"%(org_id)s": "v_org", "%(key)s": "v_key", "%(lock)s": "v_lock", "%(tomb)s": "v_tomb"}
+VARIABLES = {
+    "%(org_id)s": "v_org",
+    "%(key)s": "v_key",
+    "%(lock)s": "v_lock",
+    "%(tomb)s": "v_tomb",
+    "%(sha)s": "v_sha",
+    "%(method)s": "'POST'",
+    "%(path)s": "'/orders'",
+    "%(task)s": "NULL",
+    "%(response)s": "v_response",
+    "%(ttl)s": "86400",
+}
 
 
 @dataclass
@@ -68,10 +81,10 @@ class Case:
     layout: int
     lookup: str = ""  # the lookup statement, when not the store's own (the variant)
 
-    def statements(self) -> tuple[str, str]:
-        """The lock and the lookup, as the store runs them on this table."""
+    def statements(self) -> tuple[str, str, str]:
+        """The lock, the lookup and a fresh key's completed row, as the store runs them on this table."""
         q = _Statements(self.table, partitioned=self.layout >= 4)
-        return q.lock.decode(), self.lookup or q.lookup.decode()
+        return q.lock.decode(), self.lookup or q.lookup.decode(), q.insert_completed.decode()
 
 
 def main() -> None:
@@ -93,7 +106,8 @@ def main() -> None:
             shapes = {case.label: _partitions(conn, case.table) for case in cases}
             for case in cases:
                 _procedures(conn, case)
-            conn.execute(_procedure("bench_empty", ""))
+            conn.execute(_procedure("bench_empty"))
+            conn.execute("SET synchronous_commit = off")  # a fresh key's COMMIT: no wait for the disk
             local = _backend_cpu(conn) is not None
             server_us: dict[tuple[str, str], list[float]] = {}
             wire_us: dict[tuple[str, str], list[float]] = {}
@@ -101,7 +115,7 @@ def main() -> None:
                 print(f"# round {r + 1}/{args.rounds}", flush=True)
                 empty = _call(conn, "bench_empty", n)
                 for case in cases:
-                    for what in ("lock", "hit", "miss"):
+                    for what in ("lock", "hit", "miss", "write"):
                         spent = _call(conn, _name(case, what), n) - empty
                         server_us.setdefault((case.label, what), []).append(spent)
                     if local:
@@ -188,18 +202,26 @@ def _plpgsql(statement: str) -> str:
     return statement
 
 
-def _procedure(name: str, statement: str, *, miss: bool = False) -> str:
-    """A procedure that runs ``statement`` once per transaction, ``n`` times, for the stored keys (or as
-    many keys that have no row)."""
-    keys = "gen_random_uuid()" if miss else "idem_key"
-    run = f"FOR v_row IN {statement} LOOP END LOOP;" if statement else ""
+def _procedure(name: str, *statements: str, keys: str = "stored") -> str:
+    """A procedure that runs ``statements`` in one transaction, ``n`` transactions, for the stored keys
+    (``keys="stored"``), as many keys that have no row (``"absent"``), or a new key each time
+    (``"new"``, for a statement that writes it)."""
+    run = " ".join(
+        f"FOR v_row IN {statement} LOOP END LOOP;"
+        if statement.startswith(("SELECT", "WITH"))
+        else f"{statement};"
+        for statement in statements
+    )
+    key = "gen_random_uuid()" if keys == "new" else f"v_keys[1 + i % {KEYS}]"
     # The store's own statements and this script's names, no input: S608 does not apply.
     return f"""CREATE PROCEDURE {name}(n int) LANGUAGE plpgsql AS $$
-        DECLARE v_keys uuid[] := ARRAY(SELECT {keys} FROM keys_l3); v_org bigint := 1; v_key uuid;
-                v_lock bigint; v_tomb float8 := 2592000; v_row record;
+        DECLARE v_keys uuid[] := ARRAY(SELECT {"idem_key" if keys == "stored" else "gen_random_uuid()"}
+                                       FROM keys_l3);
+                v_org bigint := 1; v_key uuid; v_lock bigint; v_tomb float8 := 2592000; v_row record;
+                v_sha bytea := sha256('bench'); v_response jsonb := '{{"status": 201, "headers": []}}';
         BEGIN
             FOR i IN 1..n LOOP
-                v_key := v_keys[1 + i % {KEYS}]; v_lock := i;
+                v_key := {key}; v_lock := i;
                 {run}
                 COMMIT;
             END LOOP;
@@ -207,10 +229,11 @@ def _procedure(name: str, statement: str, *, miss: bool = False) -> str:
 
 
 def _procedures(conn: psycopg.Connection[tuple[object, ...]], case: Case) -> None:
-    lock, lookup = (_plpgsql(s) for s in case.statements())
+    lock, lookup, insert = (_plpgsql(s) for s in case.statements())
     conn.execute(_procedure(_name(case, "lock"), lock))
     conn.execute(_procedure(_name(case, "hit"), lookup))
-    conn.execute(_procedure(_name(case, "miss"), lookup, miss=True))
+    conn.execute(_procedure(_name(case, "miss"), lookup, keys="absent"))
+    conn.execute(_procedure(_name(case, "write"), lock, lookup, insert, keys="new"))
 
 
 def _call(conn: psycopg.Connection[tuple[object, ...]], name: str, n: int) -> float:
@@ -236,7 +259,7 @@ def _backend_cpu(conn: psycopg.Connection[tuple[object, ...]]) -> float | None:
 def _transactions(url: str, case: Case, keys: list[uuid.UUID] | None, n: int) -> float:
     """Backend CPU microseconds per transaction of BEGIN, lock, lookup, COMMIT, pipelined, for ``keys``
     (None: keys that have no row)."""
-    lock, lookup = case.statements()
+    lock, lookup, _ = case.statements()
     pool = keys or [uuid.uuid4() for _ in range(KEYS)]
     with psycopg.connect(url, autocommit=True) as conn:
         spent = 0.0
@@ -271,14 +294,16 @@ def _print(
     print("In the server, µs per statement (the median of the rounds; less the loop's own cost):")
     print()
     print("| key table | partitions read, keys + tombstones | lock | lookup, replay | lookup, fresh key "
-          "| replay, lock + lookup, − layout 3 | fresh key, − layout 3 |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| replay, lock + lookup, − layout 3 | fresh key, − layout 3 "
+          "| fresh key written (lock, lookup, INSERT, COMMIT) | written, − layout 3 |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for case in cases:
-        lock, hit, miss = (median(server_us, case.label, w) for w in ("lock", "hit", "miss"))
-        base_hit = median(server_us, base, "lock") + median(server_us, base, "hit")
-        base_miss = median(server_us, base, "lock") + median(server_us, base, "miss")
+        lock, hit, miss, write = (median(server_us, case.label, w) for w in ("lock", "hit", "miss", "write"))
+        base_lock, base_write = median(server_us, base, "lock"), median(server_us, base, "write")
+        base_hit, base_miss = median(server_us, base, "hit"), median(server_us, base, "miss")
         print(f"| {case.label} | {shapes[case.label]} | {lock:.1f} | {hit:.1f} | {miss:.1f} "
-              f"| {lock + hit - base_hit:+.1f} | {lock + miss - base_miss:+.1f} |")  # fmt: skip
+              f"| {lock + hit - base_lock - base_hit:+.1f} | {lock + miss - base_lock - base_miss:+.1f} "
+              f"| {write:.1f} | {write - base_write:+.1f} |")  # fmt: skip
     if wire_us:
         print()
         print("A request's transaction (BEGIN, lock, lookup, COMMIT, pipelined), server backend CPU µs:")
