@@ -277,9 +277,12 @@ def test_stats_shows_partitions_and_what_purge_waits_for(
         output = stats()
         keys = catalog_lines(db, table, {"stats_keys_p0": 3})
         # The passed one, a day each until a day past the longest retention, then a spare one until 8 days
-        # ahead (IDEM_PARTITION_AHEAD).
+        # ahead (IDEM_PARTITION_AHEAD). They follow one another from the passed one's end, or from the
+        # start of today's interval when it ended before that (no row can expire in the past).
         assert len(keys) >= 4
-        assert [line[2] for line in keys[:-1]] == [line[1] for line in keys[1:]]
+        assert [line[2] for line in keys[1:-1]] == [line[1] for line in keys[2:]]
+        [(now,)] = db.execute("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')").fetchall()
+        assert keys[0][2] <= keys[1][1] <= now < keys[1][2]
         assert partition_lines(output, table) == keys
         assert partition_lines(output, f"{table}_tombstones") == catalog_lines(db, f"{table}_tombstones", {})
         newest = _partitions.partitions(db, table)[-1]
