@@ -31,6 +31,7 @@ from .support import citus
 from .support.helpers import count, headers
 from .support.layouts import drop
 from .support.notes_app import post
+from .support.partitions import insert_completed
 from .support.servers import wait_for
 
 pytestmark = pytest.mark.skipif(not citus.ENABLED, reason="runs only with FLASK_IDEM_TEST_CITUS=1")
@@ -467,13 +468,7 @@ def test_the_spares_replacement_is_one_transaction(
     assert spare.lower is not None and spare.upper is not None
     assert spare.upper - spare.lower > timedelta(seconds=2)
     key = uuid.uuid4()
-    db.execute(
-        sql.SQL(
-            "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response, expires_at)"
-            " VALUES (9, %s, %s, 'POST', '/x', 'completed', '{{}}', %s)"
-        ).format(sql.Identifier(short_table)),
-        (key, SHA, spare.lower),
-    )
+    insert_completed(db, short_table, key, spare.lower, org=9)
     db.commit()
     tables = _partitions._Tables(short_table)
 

@@ -44,6 +44,7 @@ from flask_idem.flow import Flow, OutcomeUnknown, Run
 from .support import citus, pgbouncer
 from .support.helpers import close_pool, wait_for
 from .support.notes_app import org_from_header
+from .support.partitions import insert_completed
 
 pytestmark = pytest.mark.skipif(
     citus.ENABLED,
@@ -1038,13 +1039,7 @@ def test_a_spare_partition_that_a_row_entered_is_attached_again(
     maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: start)
     spare = _partitions.partitions(db, TABLE)[-1]
     key = uuid.uuid4()
-    db.execute(
-        sql.SQL(
-            "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response, expires_at)"
-            " VALUES (%s, %s, %s, 'POST', '/orders', 'completed', '{{}}', %s)"
-        ).format(sql.Identifier(TABLE)),
-        (ORG, key, SHA, spare.lower),
-    )
+    insert_completed(db, TABLE, key, spare.lower, org=ORG)
     db.commit()
     tables = _partitions._Tables(TABLE)
     report = RetentionReport()

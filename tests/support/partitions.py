@@ -22,7 +22,7 @@ from flask_idem import _migrate, _partitions
 from . import citus
 from .layouts import drop
 
-__all__ = ["INSERT", "drop_partitioned", "holding", "insert", "passed_table"]
+__all__ = ["INSERT", "drop_partitioned", "holding", "insert", "insert_completed", "passed_table"]
 
 #: One row of the key table: org 1, a new key, a fingerprint, expired three hours ago, with the status,
 #: response, flow, lease token and lease time, and flag given.
@@ -31,6 +31,19 @@ INSERT = (
     " lease_token, lease_expires_at, needs_attention) VALUES (1, gen_random_uuid(), sha256(%s::bytea),"
     " 'POST', '/notes', %s, %s, now() - interval '3 hours', %s, %s, now() + %s::interval, %s)"
 )
+
+
+def insert_completed(
+    db: psycopg.Connection[Any], table: str, key: uuid.UUID, expires_at: datetime, *, org: int = 1
+) -> None:
+    """Write a completed row of ``key`` into ``table``, expiring at ``expires_at`` (not committed)."""
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response, expires_at)"
+            " VALUES (%s, %s, sha256(%s::text::bytea), 'POST', '/orders', 'completed', '{{}}', %s)"
+        ).format(sql.Identifier(table)),
+        (org, key, str(key), expires_at),
+    )
 
 
 @contextmanager
