@@ -496,7 +496,10 @@ def test_the_spares_replacement_is_one_transaction(
     reading = threading.Thread(target=read)
     reading.start()
     try:
+        wait_for(lambda: len(seen) > 0, message="the reader read nothing")
         report, lines = replace()
+        after = len(seen)  # and reads on after the replacement: a read it held up has returned
+        wait_for(lambda: len(seen) > after + 1, message="the reader stopped")
     finally:
         done.set()
         reading.join()
