@@ -212,11 +212,11 @@ def _procedure(name: str, *statements: str, keys: str = "stored") -> str:
         else f"{statement};"
         for statement in statements
     )
+    pool = "idem_key" if keys == "stored" else "gen_random_uuid()"
     key = "gen_random_uuid()" if keys == "new" else f"v_keys[1 + i % {KEYS}]"
     # The store's own statements and this script's names, no input: S608 does not apply.
     return f"""CREATE PROCEDURE {name}(n int) LANGUAGE plpgsql AS $$
-        DECLARE v_keys uuid[] := ARRAY(SELECT {"idem_key" if keys == "stored" else "gen_random_uuid()"}
-                                       FROM keys_l3);
+        DECLARE v_keys uuid[] := ARRAY(SELECT {pool} FROM keys_l3);
                 v_org bigint := 1; v_key uuid; v_lock bigint; v_tomb float8 := 2592000; v_row record;
                 v_sha bytea := sha256('bench'); v_response jsonb := '{{"status": 201, "headers": []}}';
         BEGIN
