@@ -12,7 +12,6 @@ intent under a lease, then the engine advances it step by step (:mod:`._steps`),
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
@@ -27,15 +26,12 @@ from flask import Flask
 from psycopg.rows import TupleRow
 
 from . import _layout, _protocol, _steps, signals
-from ._fingerprint import fingerprint
 from ._outbox import Outbox
 from ._records import Final, Lease
-from ._replay import failure_document
 from ._retry import backoff
 from ._settings import SETTINGS
 from ._state import IdemState, get_state
 from ._task import (
-    TASK_METHOD,
     Envelope,
     Job,
     JobGivenUp,
@@ -45,7 +41,7 @@ from ._task import (
     TaskDoor,
     task_failure,
     task_final,
-    task_path,
+    task_fingerprint,
     task_request,
     task_result,
 )
@@ -88,12 +84,13 @@ class JobsState:
     outbox_found: threading.Event = field(default_factory=threading.Event)
 
     def check_outbox(self, conn: psycopg.Connection[Any], table: str) -> None:
-        """Make sure, once, that the key table's layout has the outbox (layout 3), on ``conn``.
+        """Make sure, once, that the key table and its outbox exist in a layout this code runs on, on
+        ``conn``.
 
-        :raises ConfigurationError: naming ``flask idem migrate`` when it has not.
+        :raises ConfigurationError: naming the command that creates or upgrades them.
         """
         if not self.outbox_found.is_set():
-            _layout.check_jobs(_layout.read(conn, table), table)
+            _layout.check(_layout.read(conn, table), table)
             self.outbox_found.set()
 
     @classmethod
@@ -212,8 +209,7 @@ def run_delivery(app: Flask, spec: TaskSpec, delivery: Delivery, *, rng: random.
         state = get_state(app)
         policy = spec.policy or get_jobs(app).policy
         try:
-            # The statements of the key table's layout, and the form of the task's row (layout 4 names
-            # its task): read once per process, then again while an upgrade may come.
+            # Once per process: the key table exists in a layout this code runs on.
             state.check_layout()
         except psycopg.Error as e:
             return _Delivery(app, state, spec, delivery, policy, rng).unreachable(e)
@@ -236,18 +232,11 @@ class _Delivery:
     ) -> None:
         self.app, self.state, self.spec = app, state, spec
         self.delivery, self.policy, self.rng = delivery, policy, rng
-        body = json.dumps({"args": list(delivery.args), "kwargs": dict(delivery.kwargs)}).encode("utf-8")
-        # The same fingerprint in every layout: a row of layout 3 goes on being this task's after the
-        # upgrade to layout 4, whose rows name their task instead of a method and a path.
-        sha = fingerprint(
-            method=TASK_METHOD, path=task_path(spec.name), query=b"", mimetype="application/json", body=body
-        )
-        #: Whether the key table names a task's row and stores its result as such (layout 4 and later).
-        self.named = state.store.partitioned
-        self.keyed = task_request(delivery.org_id, delivery.key, spec.name, sha, named=self.named)
+        sha = task_fingerprint(spec.name, delivery.args, delivery.kwargs)
+        self.keyed = task_request(delivery.org_id, delivery.key, spec.name, sha)
         self.claim = _protocol.Claim(self.keyed, state.settings.key_ttl if spec.ttl is None else spec.ttl)
         self.overdue = time.time() - delivery.enqueued_at > policy.deadline
-        self.door = TaskDoor(named=self.named)
+        self.door = TaskDoor()
 
     # -- outcomes ------------------------------------------------------------------------------------------
 
@@ -300,7 +289,7 @@ class _Delivery:
         a warning).
         """
         flow = self.spec.flow
-        document = task_failure(reason) if self.named else failure_document()
+        document = task_failure(reason)
         marked: bool | _protocol.Existing
         if held is not None:
             marked = _protocol.give_up_leased(self.state, held, document, reason)
@@ -364,7 +353,7 @@ class _Delivery:
             job._connection = None
 
     def _run(self, conn: psycopg.Connection[TupleRow]) -> Final[Any]:
-        return task_final(self._call(conn), named=self.named)
+        return task_final(self._call(conn))
 
     def _lease_seconds(self) -> float:
         flow = self.spec.flow

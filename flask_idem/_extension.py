@@ -384,8 +384,8 @@ class Idempotency:
         get_state().check_layout()
 
     def partition_warning(self) -> str | None:
-        """A sentence when the current application's partitioned key table (layout 4) runs out of
-        partitions soon, else ``None`` (and on a key table that is not partitioned).
+        """A sentence when the current application's key table runs out of partitions soon, else
+        ``None``.
 
         ``flask idem purge`` makes the partitions a key's expiry needs ahead of time, and a key that
         expires after the newest partition cannot be written. The sentence comes when the newest ends
@@ -399,8 +399,6 @@ class Idempotency:
         state = get_state()
         with state.source.connection() as conn:
             parts = _partitions.overview(conn, state.settings.table)
-        if parts is None:
-            return None
         return parts.warning(horizon=state.horizon(), ahead=state.settings.partition_ahead)
 
     def close(self) -> None:

@@ -9,8 +9,8 @@ The layout a database has is recorded in the key table's comment, written by the
 finishes each revision: ``flask-idem key table, layout 2 (code of layout 1 and later runs on it) ...``.
 The second number says which code may use the table: a revision that only adds (an index, a nullable
 column) lets the code of earlier layouts go on serving while it is applied and after, which is what an
-upgrade under traffic needs. A key table without that comment was made by the first release, which
-recorded nothing: layout 1.
+upgrade under traffic needs. This code runs on its own layout (:func:`latest`) and on a newer one that
+says so: the tables are upgraded first, then the code that needs them is deployed.
 """
 
 from __future__ import annotations
@@ -27,13 +27,10 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg import sql
 
-from ._records import PARTITIONED
 from .errors import ConfigurationError
 
 __all__ = [
     "COLUMNS",
-    "JOBS",
-    "REQUIRED",
     "Found",
     "Index",
     "Revision",
@@ -42,7 +39,6 @@ __all__ = [
     "lock_key",
     "names",
     "problem",
-    "check_jobs",
     "drift",
     "read",
     "revisions",
@@ -50,23 +46,15 @@ __all__ = [
     "warnings",
 ]
 
-#: The oldest layout this code runs on. Layout 2 adds an index its recovery claim uses when present:
-#: the statements are the same on layout 1, only slower with many requests waiting to be retried.
-REQUIRED = 1
-
-#: The oldest layout background jobs run on: layout 3 adds their outbox (flask_idem.jobs).
-JOBS = 3
-
-#: The key table's columns that the code uses on layouts 1 to 3, and what ``ADD COLUMN`` puts back when
-#: one was dropped by hand. The layout check compares them with the table's (:func:`drift`); a revision
-#: that changes the key table's columns says so in :func:`columns` (a test compares that with a freshly
-#: made table).
+#: The key table's columns that the code uses, and what ``ADD COLUMN`` puts back when one was dropped by
+#: hand. The layout check compares them with the table's (:func:`drift`); a test compares them with a
+#: freshly made table, so that a revision that changes the key table's columns changes them here too.
 COLUMNS: Mapping[str, str] = {
     "org_id": "bigint NOT NULL",
     "idem_key": "uuid NOT NULL",
     "request_sha": "bytea NOT NULL CHECK (octet_length(request_sha) = 32)",
-    "method": "text NOT NULL",
-    "path": "text NOT NULL",
+    "method": "text",
+    "path": "text",
     "status": "text NOT NULL DEFAULT 'processing' CHECK (status IN ('processing', 'completed', 'failed'))",
     "response": "jsonb",
     "created_at": "timestamptz NOT NULL DEFAULT now()",
@@ -80,21 +68,11 @@ COLUMNS: Mapping[str, str] = {
     "next_attempt_at": "timestamptz",
     "last_error": "text",
     "needs_attention": "boolean NOT NULL DEFAULT false",
+    "task": "text",
 }
 
-#: The column layout 4 adds: a background job's task (its row has no method or path).
-TASK_COLUMN = ("task", "text")
-
-
-def columns(layout: int) -> dict[str, str]:
-    """The key table's columns in ``layout``, in their order, as :data:`COLUMNS` writes them."""
-    found = dict(COLUMNS)
-    if layout >= PARTITIONED:
-        found.update(method="text", path="text", task=TASK_COLUMN[1])
-    return found
-
-
-#: The indexes of layout 1, written in its DDL (later revisions list theirs in :attr:`Revision.indexes`).
+#: The key table's indexes written in a revision's DDL (later revisions may list theirs in
+#: :attr:`Revision.indexes`).
 _PLAIN_INDEX_RE = re.compile(r"CREATE INDEX IF NOT EXISTS \{(\w+)\} (ON \{table\} [^;]+);")
 
 #: The comment that records the layout, and how it is read back.
@@ -113,7 +91,9 @@ class Index:
     """An index on a table that exists before its revision, built with ``CREATE INDEX CONCURRENTLY``.
 
     It is built outside the revision's transaction, so that writers are never held up while it is built
-    (a plain ``CREATE INDEX`` would block every write to the table until it finishes).
+    (a plain ``CREATE INDEX`` would block every write to the table until it finishes). PostgreSQL builds
+    no index concurrently on a partitioned table (the key table, its tombstones): such a table's new index
+    has to be built partition by partition, which this class does not do yet.
 
     :param name: the key of its name in :attr:`Revision.names`.
     :param definition: what follows ``CREATE INDEX CONCURRENTLY IF NOT EXISTS <name>``: ``ON {table}
@@ -269,8 +249,8 @@ class Found:
     columns: frozenset[str] | None = None
     #: The names of the key table's indexes.
     indexes: frozenset[str] | None = None
-    #: Whether a valid unique index on ``(org_id, idem_key)`` exists (the primary key's; with
-    #: ``expires_at`` on a partitioned table), which every reservation's ``ON CONFLICT`` needs.
+    #: Whether a valid unique index on ``(org_id, idem_key, expires_at)`` exists, which every
+    #: reservation's ``ON CONFLICT`` needs.
     unique_key: bool = True
     alembic: bool = False
 
@@ -299,7 +279,7 @@ SELECT c.oid IS NOT NULL AS present, obj_description(c.oid, 'pg_class') AS comme
             AND ARRAY(
                 SELECT a.attname::text FROM pg_catalog.pg_attribute AS a
                 WHERE a.attrelid = c.oid AND a.attnum = ANY (i.indkey::int2[]) ORDER BY 1
-            ) IN (ARRAY['idem_key', 'org_id'], ARRAY['expires_at', 'idem_key', 'org_id'])
+            ) = ARRAY['expires_at', 'idem_key', 'org_id']
     ) AS unique_key,
     to_regclass('alembic_version') IS NOT NULL AS alembic
 FROM (SELECT) AS one LEFT JOIN LATERAL (
@@ -322,6 +302,7 @@ def read(conn: psycopg.Connection[Any], table: str) -> Found:
     if not present:
         return Found(None, alembic=alembic)
     match = _COMMENT_RE.match(text or "")
+    # Without the comment (a table made by hand): taken for the first layout, and checked for drift.
     layout, compatible_from = (1, 1) if match is None else (int(match[1]), int(match[2]))
     return Found(
         layout,
@@ -357,10 +338,11 @@ def problem(found: Found, table: str) -> str | None:
             f"The key table {table} does not exist. Create it with {create}, as a role that may create"
             " tables."
         )
-    if found.layout < REQUIRED:
+    if found.layout < newest:
         return (
-            f"The key table {table} has layout {found.layout}, older than this flask-idem runs on"
-            f" ({REQUIRED} to {newest}). Upgrade it with {upgrade_command(found)}."
+            f"The key table {table} has layout {found.layout}; this flask-idem runs on layout {newest}."
+            f" Upgrade it with {upgrade_command(found)} (online: the code of layout"
+            f" {found.layout} goes on serving meanwhile), then deploy this code."
         )
     if found.layout > newest and found.compatible_from > newest:
         return (
@@ -379,19 +361,15 @@ def drift(found: Found, table: str) -> str | None:
     """
     if found.columns is None:
         return None
-    wanted = columns(found.layout or 1)
+    wanted = COLUMNS
     missing = [name for name in wanted if name not in found.columns]
     if not missing and found.unique_key:
         return None
     target = sql.Identifier(*table.split(".")).as_string(None)
     lacks = [f"column(s) {', '.join(missing)}"] if missing else []
     fixes = [f"ALTER TABLE {target} ADD COLUMN IF NOT EXISTS {name} {wanted[name]};" for name in missing]
-    if not found.unique_key and (found.layout or 1) < PARTITIONED:
-        lacks.append("its primary key (org_id, idem_key)")
-        fixes.append(f"ALTER TABLE {target} ADD PRIMARY KEY (org_id, idem_key);")
-    elif not found.unique_key:
-        # Not a primary key: the first partition of an upgraded table keeps its own, (org_id, idem_key),
-        # and a table has one. A partition's unique index of these columns, if any, is taken over.
+    if not found.unique_key:
+        # A partition's unique index of these columns, if any, is taken over.
         constraint = sql.Identifier(table.split(".")[-1] + "_key").as_string(None)
         lacks.append("its unique key (org_id, idem_key, expires_at)")
         fixes.append(
@@ -405,38 +383,26 @@ def drift(found: Found, table: str) -> str | None:
 
 
 def warnings(found: Found, table: str) -> list[str]:
-    """What the code runs on but should be told once: an older layout than the newest, and indexes of
-    the key table's layout that are missing (its statements run without them, more slowly)."""
-    said: list[str] = []
-    if found.layout is None:
-        return said
-    if found.layout < latest():
-        said.append(
-            f"The key table {table} has layout {found.layout}; this flask-idem makes layout {latest()}."
-            f" It runs on both; run {upgrade_command(found)} to upgrade (online: writes go on meanwhile)."
-        )
-    if found.indexes is not None:
-        wanted, base = names(table), table.split(".")[-1]
-        # A partitioned table's index cannot be built concurrently: built at once, on every partition,
-        # each one's writers waiting while its part is built.
-        partitioned = found.layout >= PARTITIONED
-        create = (
-            "CREATE INDEX IF NOT EXISTS {} " if partitioned else "CREATE INDEX CONCURRENTLY IF NOT EXISTS {} "
-        )
-        builds = [
-            sql.SQL(create).format(wanted[key]) + sql.SQL(definition).format(**wanted)
-            for key, suffix, definition in _key_table_indexes(min(found.layout, latest()))
-            if base + suffix not in found.indexes
-        ]
-        if builds:
-            statements = " ".join(build.as_string(None) + ";" for build in builds)
-            said.append(
-                f"The key table {table} lacks indexes of its layout ({found.layout}), dropped by hand;"
-                f" it serves without them, more slowly. Build them again as the table's owner"
-                + (" (writes to each partition wait while its part is built)" if partitioned else "")
-                + f": {statements}"
-            )
-    return said
+    """What the code runs on but should be told once: indexes of the key table's layout that are missing
+    (its statements run without them, more slowly)."""
+    if found.layout is None or found.indexes is None:
+        return []
+    wanted, base = names(table), table.split(".")[-1]
+    # A partitioned table's index cannot be built concurrently: built at once, on every partition, each
+    # one's writers waiting while its part is built.
+    builds = [
+        sql.SQL("CREATE INDEX IF NOT EXISTS {} ").format(wanted[key]) + sql.SQL(definition).format(**wanted)
+        for key, suffix, definition in _key_table_indexes(min(found.layout, latest()))
+        if base + suffix not in found.indexes
+    ]
+    if not builds:
+        return []
+    statements = " ".join(build.as_string(None) + ";" for build in builds)
+    return [
+        f"The key table {table} lacks indexes of its layout ({found.layout}), dropped by hand; it serves"
+        " without them, more slowly. Build them again as the table's owner (writes to each partition"
+        f" wait while its part is built): {statements}"
+    ]
 
 
 def _key_table_indexes(layout: int) -> list[tuple[str, str, LiteralString]]:
@@ -446,31 +412,15 @@ def _key_table_indexes(layout: int) -> list[tuple[str, str, LiteralString]]:
     suffixes: dict[str, str] = {}
     for revision in revisions()[:layout]:
         suffixes.update(revision.names)
-        if revision.layout == PARTITIONED:  # a new (partitioned) key table, with indexes of its own
-            found = []
         for match in _PLAIN_INDEX_RE.finditer(" ".join((revision.sql, *revision.after))):
             definition: LiteralString = match[2]  # cut from a LiteralString
             found.append((match[1], suffixes[match[1]], definition))
-        if revision.layout == PARTITIONED:  # its index is on the table before it, the first partition
-            continue
         found += [
             (index.name, suffixes[index.name], index.definition)
             for index in revision.indexes
-            # Layout 4's index is built on the table of layout 3, which becomes its first partition.
-            if index.definition.startswith("ON {table} ") and revision.layout != PARTITIONED
+            if index.definition.startswith("ON {table} ")
         ]
     return found
-
-
-def check_jobs(found: Found, table: str) -> None:
-    """Raise :class:`ConfigurationError` when ``found`` has no outbox of background jobs yet."""
-    check(found, table)
-    if found.layout is not None and found.layout < JOBS:
-        raise ConfigurationError(
-            f"Background jobs need the outbox of layout {JOBS}; the key table {table} has layout"
-            f" {found.layout}. Upgrade it with {upgrade_command(found)}: online, and the application"
-            " goes on serving meanwhile."
-        )
 
 
 def check(found: Found, table: str) -> None:

@@ -70,7 +70,7 @@ _SESSION = "-c statement_timeout=0 -c lock_timeout=0"
 
 #: Whether another session is building index %(name)s right now (a migration's build, which runs as the
 #: same role and so shows its query; on Citus the build's locks are on the workers, not here). A unique
-#: index's build too (layout 4's): missed, the other migration would try to drop it while it is built.
+#: index's build too: missed, the other migration would try to drop it while it is built.
 _BUILDING = (
     "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND state = 'active'"
     " AND datname = current_database() AND query ~* '^CREATE (UNIQUE )?INDEX CONCURRENTLY '"
@@ -168,11 +168,10 @@ def upgrade(
         transaction is tried again.
     :param connect_options: libpq parameters over the default TCP timeouts (``IDEM_CONNECT_OPTIONS``).
     :param horizon: seconds ahead of now that the application's keys may expire while the upgrade runs:
-        its longest retention and the time partitions are made ahead (layout 4's first partition ends
-        past it).
+        its longest retention and the time partitions are made ahead (the key table's first partition
+        ends past it).
     :param to: the layout to stop at (``None``: the latest). Revisions after it are not applied, and a
-        table at a later layout is left as it is: for a table in an older layout, which this release
-        still runs on (its tests build one; an application runs on whatever ``migrate`` made).
+        table at a later layout is left as it is (a test builds the layout before a revision so).
     :param echo: told of each step, for a person watching.
     :raises ValueError: when ``to`` is no layout of this release.
     """

@@ -47,8 +47,8 @@ class Outbox:
     """The outbox of one key table.
 
     :param source: where :meth:`claim`, :meth:`mark_sent`, :meth:`release` and :meth:`purge` borrow
-        connections (:meth:`write` runs on the caller's). The table is made by the key table's layout 3
-        (``flask_idem/migrations/v3_outbox.py``).
+        connections (:meth:`write` runs on the caller's). The table is made with the key table
+        (``flask_idem/migrations/v1_first_release.sql``).
     :param table: the key table's name (``IDEM_TABLE``); the outbox is named after it.
     :param distributed: the key table is distributed on Citus; the outbox is co-located with it.
     """

@@ -699,21 +699,13 @@ class Overview:
         )
 
 
-_PARTITIONED = (
-    "SELECT now(), coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass(%s)), false)"
-)
-
-
-def overview(conn: psycopg.Connection[Any], table: str) -> Overview | None:
-    """The partitions of ``table`` (``IDEM_TABLE``) and of its tombstones, or ``None`` when the key table
-    is not partitioned (a layout before 4). Catalog queries only, whatever the number of keys: cheap
-    enough for every scrape of the metrics."""
+def overview(conn: psycopg.Connection[Any], table: str) -> Overview:
+    """The partitions of ``table`` (``IDEM_TABLE``) and of its tombstones. Catalog queries only, whatever
+    the number of keys: cheap enough for every scrape of the metrics."""
     tables = _Tables(table)
-    row = conn.execute(_PARTITIONED, (tables.keys,)).fetchone()
+    row = conn.execute("SELECT now()").fetchone()
     assert row is not None  # one row, always
-    now, partitioned = row
-    if not partitioned:
-        return None
+    (now,) = row
     return Overview(table, partitions(conn, tables.keys), partitions(conn, tables.tombstones), now)
 
 

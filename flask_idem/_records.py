@@ -11,7 +11,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 __all__ = [
-    "PARTITIONED",
     "RECORD_FIELDS",
     "RangeRows",
     "Final",
@@ -26,10 +25,6 @@ __all__ = [
     "TableStats",
     "lock_id",
 ]
-
-#: The first layout whose key table is partitioned by time (flask_idem.migrations.v4_partitions): its
-#: primary key is ``(org_id, idem_key, expires_at)``, and retention drops partitions.
-PARTITIONED = 4
 
 #: Advisory locks share one namespace with the application's own. Mixing this constant into the lock id
 #: keeps ours apart from ids an application derives from small integers.
@@ -52,10 +47,10 @@ class KeyedRequest(KeyRef):
 
     #: The request's fingerprint (:func:`flask_idem._fingerprint.fingerprint`).
     request_sha: bytes
-    #: A request's method and path; ``None`` for a background job's row (layout 4), which has ``task``.
+    #: A request's method and path; ``None`` for a background job's row, which has ``task``.
     method: str | None
     path: str | None
-    #: A background job's task, on layout 4; ``None`` for a request.
+    #: A background job's task; ``None`` for a request.
     task: str | None = None
 
 
@@ -101,8 +96,7 @@ class Stranded:
     flow: str
     step: str | None
     state: dict[str, Any]
-    #: A request's method and path, or a background job's task (layout 4; before it, its method is
-    #: ``TASK`` and its path ``/_tasks/<name>``).
+    #: A request's method and path, or a background job's task.
     method: str | None
     path: str | None
     attempts: int
@@ -124,7 +118,7 @@ class StuckRow:
     needs_attention: bool
     last_error: str | None
     #: What the row is for: a request's method and path, or a background job's task
-    #: (:mod:`flask_idem.jobs`; on layouts 1 to 3, method ``TASK`` and the task's path).
+    #: (:mod:`flask_idem.jobs`).
     method: str | None = ""
     path: str | None = ""
     task: str | None = None
@@ -150,7 +144,7 @@ class TableState:
 
 @dataclass(frozen=True, slots=True)
 class RangeRows:
-    """The rows of one range of ``expires_at``: of one partition (layout 4), for ``flask idem stats``."""
+    """The rows of one range of ``expires_at``: of one partition, for ``flask idem stats``."""
 
     rows: int
     #: Multi-step requests still in progress: purge keeps their partition until they finish.
@@ -170,16 +164,15 @@ class TableStats:
     flagged: int
     #: Rows kept as tombstones (:data:`IDEM_TOMBSTONE_TTL`): their stored response has expired.
     tombstones: int
-    #: What ``flask idem purge`` would do now: rows it would turn into tombstones, and rows it would
-    #: delete (tombstones past their own period, or expired rows when tombstones are off).
-    to_tombstone: int
+    #: Rows past their tombstone's period too (or past retention, when tombstones are off): ``flask idem
+    #: purge`` drops them with their partition.
     to_delete: int
     #: The oldest processing request, or ``None``.
     oldest_processing: StuckRow | None
     #: ``pg_total_relation_size`` of the table (with its indexes and TOAST), and the indexes alone.
     total_bytes: int
     index_bytes: int
-    #: On a partitioned key table (layout 4), when asked for: the rows of each range of ``expires_at``
+    #: When asked for: the rows of each range of ``expires_at``
     #: the bounds given end (each partition's), and one more range past the last bound; counted, not
     #: estimated. Likewise the compact tombstones by range (live or not).
     keys_by_range: list[RangeRows] = field(default_factory=list)

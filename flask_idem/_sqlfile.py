@@ -2,11 +2,10 @@
 
 A file holds statements for a reviewer to read as SQL (``_store.sql``, ``_outbox.sql``). Each block starts
 with ``-- name: <name>``; lines that start with ``--`` are comments and are dropped, and white space is
-collapsed. A block named ``fragment <name>`` is a piece that later blocks use as ``{name}``. A block whose
-name is followed by variants (``citus``: on a Citus distributed table; ``partitioned``: on the key table
-of layout 4 and later, partitioned by time) replaces its namesake where all of its variants apply; of
-several that apply, the one with the most variants wins. Braces are filled in by name, ``%(name)s`` are
-parameters.
+collapsed (so no comment stands at the end of a line of SQL). A block named ``fragment <name>`` is a piece
+that later blocks use as ``{name}``. A block named ``<name> citus`` replaces its namesake on a Citus
+distributed table. Braces are filled in by name, ``%(name)s`` are parameters. The revisions of
+:mod:`flask_idem.migrations` keep their DDL so too.
 """
 
 from __future__ import annotations
@@ -20,22 +19,16 @@ from psycopg import sql
 
 __all__ = ["SqlFile", "blocks"]
 
-_NAME = re.compile(r"^-- name: (fragment )?(\w+)((?: citus| partitioned)*)$")
+_NAME = re.compile(r"^-- name: (fragment )?(\w+)( citus)?$")
 
 
 @functools.cache
-def blocks(
-    filename: str, distributed: bool, partitioned: bool = False
-) -> tuple[dict[str, str], dict[str, str]]:
-    """The fragments and the statements of the package's file ``filename``, comments dropped and white
-    space collapsed; on Citus (``distributed``) a block named ``... citus`` replaces its plain namesake,
-    and on a partitioned key table (``partitioned``) one named ``... partitioned`` does."""
-    active = {"citus"} if distributed else set()
-    if partitioned:
-        active.add("partitioned")
+def blocks(filename: str, distributed: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """The fragments and the statements of the package's file ``filename`` (a path under the package),
+    comments dropped and white space collapsed; on Citus (``distributed``) a block named ``... citus``
+    replaces its plain namesake."""
     fragments: dict[str, str] = {}
     statements: dict[str, str] = {}
-    ranks: dict[tuple[bool, str], int] = {}
     block: tuple[dict[str, str], str] | None = None
     lines: list[str] = []
 
@@ -48,14 +41,12 @@ def blocks(
         match = _NAME.match(line)
         if match is not None:
             close()
-            fragment, name, variants = match.groups()
-            wanted = set(variants.split())
+            fragment, name, citus = match.groups()
             lines = []
-            rank = len(wanted)
-            keep = wanted <= active and rank >= ranks.get((bool(fragment), name), 0)
-            if keep:
-                ranks[bool(fragment), name] = rank
-            block = ((fragments if fragment else statements), name) if keep else None
+            target = fragments if fragment else statements
+            # A citus block wins on Citus wherever it stands; a plain one never replaces it there.
+            keep = distributed if citus else not (distributed and name in target)
+            block = (target, name) if keep else None
         elif not line.lstrip().startswith("--"):
             lines.append(line)
     close()
@@ -75,9 +66,8 @@ class SqlFile:
         names: Mapping[str, sql.Composable],
         *,
         distributed: bool,
-        partitioned: bool = False,
     ) -> None:
-        fragments, self._statements = blocks(filename, distributed, partitioned)
+        fragments, self._statements = blocks(filename, distributed)
         #: The names given, and the fragments composed with them.
         self.names: dict[str, sql.Composable] = dict(names)
         for fragment, text in fragments.items():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,9 +28,6 @@ from .flow import Flow
 __all__ = ["EXTENSION_NAME", "Hook", "IdemState", "get_state"]
 
 logger = logging.getLogger("flask_idem")
-
-#: Seconds between two reads of the key table's layout while it is older than the newest.
-LAYOUT_RECHECK = 60.0
 
 #: The key of the state in ``app.extensions``.
 EXTENSION_NAME = "idem"
@@ -57,21 +53,16 @@ class IdemState:
     #: Encrypts the stored bodies of ``store_response="encrypted"`` routes; ``None`` without
     #: ``IDEM_RESPONSE_KEYS``.
     codec: ResponseCipher | None = None
-    #: Set once the key table was found in the newest layout (:meth:`check_layout`).
+    #: Set once the key table was found in a layout this code runs on (:meth:`check_layout`).
     layout_checked: threading.Event = field(default_factory=threading.Event)
-    #: When the layout of a key table found in an older layout this code runs on is read again
-    #: (``time.monotonic()``): an upgrade applied while the application serves is noticed within
-    #: :data:`LAYOUT_RECHECK` seconds.
-    _layout_recheck: list[float] = field(default_factory=list)
 
     def check_layout(self) -> None:
         """Make sure the key table exists in a layout this code runs on: once, at the first use of the
         database, then never again (one flag to read).
 
         One catalog query on a connection of :attr:`source`, which needs no privilege: the layout, and
-        the columns and indexes the table has, compared with those the code uses. A layout older than the
-        newest but one this code runs on, and an index of its layout missing, are logged, once, as
-        warnings, naming the command or the statement that upgrades or restores it. Not done by
+        the columns and indexes the table has, compared with those the code uses. An index of its layout
+        missing is logged, once, as a warning, naming the statement that restores it. Not done by
         ``init_app``, which must not touch the database: ``flask idem init-db`` and ``flask db upgrade``,
         which create the table, load the application first (``init_app`` included), and so does a
         pre-fork server's master; and a database still starting when the application does is a matter
@@ -84,31 +75,12 @@ class IdemState:
         """
         if self.layout_checked.is_set():
             return
-        recheck = self._layout_recheck
-        if recheck:
-            if time.monotonic() < recheck[0]:
-                return
-            # Read again by one request, not by every one that comes meanwhile.
-            recheck[:] = [time.monotonic() + LAYOUT_RECHECK]
         with self.source.connection() as conn:
             found = _layout.read(conn, self.settings.table)
         _layout.check(found, self.settings.table)
-        assert found.layout is not None  # checked
-        before = self.store.partitioned
-        self.store.use_layout(found.layout)
-        if not recheck:
-            for warning in _layout.warnings(found, self.settings.table):
-                logger.warning("%s", warning)
-        elif self.store.partitioned != before:
-            logger.info(
-                "The key table %s was upgraded to layout %s; its statements are used from now on.",
-                self.settings.table,
-                found.layout,
-            )
-        if found.layout >= _layout.latest():
-            self.layout_checked.set()
-        else:
-            recheck[:] = [time.monotonic() + LAYOUT_RECHECK]
+        for warning in _layout.warnings(found, self.settings.table):
+            logger.warning("%s", warning)
+        self.layout_checked.set()
 
     def horizon(self) -> float:
         """Seconds ahead of now that this application's keys may expire, and that partitions of the key

@@ -1,20 +1,17 @@
 """The key table: every SQL statement of the extension. Nothing else talks to PostgreSQL about keys.
 
-Races are decided by PostgreSQL, never by reading first and writing after: a key is reserved with
-``INSERT ... ON CONFLICT DO NOTHING RETURNING`` on the unique key ``(org_id, idem_key)``, so of any number
-of concurrent requests with one key exactly one inserts the row (on the partitioned key table of layout 4,
-under the key's lock, after a statement that looked for the key in every partition).
-
-An atomic-mode reservation stays uncommitted while the view runs, and a second ``INSERT`` of the same key
-would wait for it on the unique index. The server must answer 409 at once instead, so every reservation
-first takes a transaction-scoped advisory lock with ``pg_try_advisory_xact_lock``, which never waits: the
-request that holds the lock is the one in flight, and whoever fails to take it knows so immediately. The
-lock is released by the same COMMIT or ROLLBACK that ends the reservation, it needs no session state (so it
-works behind PgBouncer in transaction mode), and it costs nothing extra because it is evaluated inside the
-``INSERT`` statement itself.
+Races are decided by PostgreSQL, never by reading first and writing after. Every reservation first takes
+a transaction-scoped advisory lock of its key with ``pg_try_advisory_xact_lock``, which never waits: the
+request that holds the lock is the one in flight (409 at once), and whoever fails to take it knows so
+immediately. Under the lock, a statement whose snapshot is taken once the lock is held looks for the key in
+every partition of the key table and among its compact tombstones, and inserts the row only if there is
+none (``INSERT ... ON CONFLICT DO NOTHING``): of any number of concurrent requests with one key exactly one
+inserts it. The lock is released by the same COMMIT or ROLLBACK that ends the reservation, and it needs no
+session state (so it works behind PgBouncer in transaction mode); the lock and the statement after it are
+sent in one round trip.
 
 The store *has* a :class:`~flask_idem._pool.ConnectionSource` (its pool, or a SQLAlchemy engine's) for the
-statements it runs on its own (schema, ``stuck``, ``purge``); the others run on the caller's connection,
+statements it runs on its own (``stuck`` and the observing ones); the others run on the caller's connection,
 inside the caller's transaction.
 """
 
@@ -34,7 +31,6 @@ from . import _wire
 from ._connection import Batched
 from ._pool import ConnectionSource, PooledConnection, batched
 from ._records import (
-    PARTITIONED,
     RECORD_FIELDS,
     KeyedRequest,
     KeyRecord,
@@ -80,15 +76,13 @@ def _lease_params(lease: Lease) -> dict[str, Any]:
 class Store:
     """The key table's statements, and the pool they run on when they need a connection of their own.
 
-    :param source: where :meth:`stuck`, :meth:`purge` and the observing methods borrow connections.
+    :param source: where :meth:`stuck` and the observing methods borrow connections.
     :param table: the key table's name, optionally schema-qualified (``"idem.keys"``).
     :param tombstone_ttl: seconds a key is remembered, as a tombstone, after its stored response
         expired; 0 forgets it at once.
     :param distributed: the table is a Citus distributed table (``flask idem migrate`` with
-        ``IDEM_DISTRIBUTED``), and reservations go through its delegated function (layout 1's
-        ``distributed_sql``, and layout 4's on the partitioned table, :mod:`flask_idem.migrations`).
-    :param layout: the key table's layout, until :meth:`use_layout` tells another: the statements of
-        the partitioned table (layout 4 and later) by default.
+        ``IDEM_DISTRIBUTED``), and reservations go through its delegated function (the layout's
+        ``distributed_sql``, :mod:`flask_idem.migrations`).
     """
 
     def __init__(
@@ -98,9 +92,8 @@ class Store:
         table: str = "idempotency_keys",
         tombstone_ttl: float = 0.0,
         distributed: bool = False,
-        layout: int = PARTITIONED,
     ) -> None:
-        self._sql = _Statements(table, distributed=distributed, partitioned=layout >= PARTITIONED)
+        self._sql = _Statements(table, distributed=distributed)
         self.table = table
         self.distributed = distributed
         self.source = source
@@ -109,19 +102,6 @@ class Store:
         #: (:meth:`_reserve_once`); on Citus it reserves first, through the reserve function, and
         #: ``bench/breakdown.py`` turns it off to measure what it saves.
         self.write_once = not distributed
-
-    @property
-    def partitioned(self) -> bool:
-        """Whether the key table is partitioned by time (layout 4 and later), as last told by
-        :meth:`use_layout`."""
-        return self._sql.partitioned
-
-    def use_layout(self, layout: int) -> None:
-        """Run the statements of ``layout`` from now on: the key table was found in it (once at the
-        first use, and again when an upgrade is noticed)."""
-        partitioned = layout >= PARTITIONED
-        if partitioned != self._sql.partitioned:
-            self._sql = _Statements(self.table, distributed=self.distributed, partitioned=partitioned)
 
     # -- both modes ------------------------------------------------------------------------------------
 
@@ -153,7 +133,6 @@ class Store:
             "lock": lock_id(request.org_id, request.key),
             "task": request.task,
         }
-        # One set of statements for the whole reservation: use_layout may swap them meanwhile.
         q = self._sql
         statement = q.reserve
         if flow is not None:
@@ -168,7 +147,7 @@ class Store:
         # On Citus, the key table's lock on the coordinator first (the guard statement, _store.sql).
         guard = [(q.batches[q.guard], params)] if q.distributed else []
         for _ in range(2):
-            if q.partitioned and not q.distributed:
+            if not q.distributed:
                 row: dict[str, Any] | None = self._lock_then(conn, opening, statement, params, q)
             elif opening is not None and not opening.begun:  # BEGIN goes with it, in one round trip
                 row = opening.begin_all([*guard, (q.batches[statement], params)])[-1].rows[0]
@@ -178,7 +157,7 @@ class Store:
                 row = cursor.execute(statement, params).fetchone()
             guard = []  # the table is locked here for the rest of the transaction
             assert row is not None  # the statement always answers one row
-            if q.partitioned and q.distributed:  # the reserve function of layout 4
+            if q.distributed:  # the reserve function
                 _check_snapshots(row)
             if row["fresh"]:
                 return _RESERVED
@@ -205,7 +184,7 @@ class Store:
         params: dict[str, Any],
         q: _Statements,
     ) -> dict[str, Any] | None:
-        """On a partitioned key table: the key's lock in a statement of its own, then ``statement``,
+        """The key's lock in a statement of its own, then ``statement``,
         whose snapshot is taken once the lock is held (sent with BEGIN, in one round trip, when the
         transaction is not begun yet)."""
         if opening is not None and not opening.begun:
@@ -231,8 +210,7 @@ class Store:
         batches = q.batches
         lock, found = opening.begin_all([(batches[q.lock], params), (batches[q.lookup], params)])
         taken = lock.rows[0]["taken"]
-        if q.partitioned:
-            _check_snapshots(lock.rows[0])
+        _check_snapshots(lock.rows[0])
         if found.rows:
             row = found.rows[0]
             record = KeyRecord(**{name: row[name] for name in RECORD_FIELDS})
@@ -371,39 +349,6 @@ class Store:
         with self.source.connection() as conn, conn.cursor(row_factory=class_row(StuckRow)) as cursor:
             return cursor.execute(self._sql.stuck, {"older_than": older_than}).fetchall()
 
-    # -- retention -------------------------------------------------------------------------------------
-
-    def purge(self, *, batch_size: int = 1000) -> tuple[int, int]:
-        """Turn finished rows past retention into tombstones, and delete rows past their tombstone's.
-
-        Both steps work in batches of ``batch_size`` rows, each batch its own short transaction that
-        skips rows another transaction has locked (``FOR UPDATE SKIP LOCKED``), so writers never wait.
-        ``processing`` rows and rows flagged for a person are never touched, whatever their age. With a
-        tombstone period of 0 no tombstone is kept: expired rows are deleted.
-
-        :returns: how many rows were deleted and how many were turned into tombstones.
-        """
-        params = {"limit": batch_size, "tomb": self.tombstone_ttl}
-        done = {"deleted": 0, "tombstoned": 0}
-        steps = [("deleted", self._sql.purge_candidates, self._sql.purge)]
-        if self.tombstone_ttl > 0:
-            steps.append(("tombstoned", self._sql.tombstone_candidates, self._sql.tombstone))
-        for name, candidates, statement in steps:
-            while True:
-                with self.source.connection() as conn, conn.transaction():
-                    cursor = _cursor(conn)
-                    if not self._sql.distributed:
-                        seen = count = cursor.execute(statement, params).rowcount
-                    else:  # on Citus: rows read without locks, then acted on one organisation at a time
-                        rows = cursor.execute(candidates, params).fetchall()
-                        seen, count = len(rows), 0
-                        for group in _by_org(rows):
-                            count += cursor.execute(statement, {**params, **_pairs(group)}).rowcount
-                done[name] += count
-                if seen < batch_size or count == 0:
-                    break
-        return done["deleted"], done["tombstoned"]
-
     # -- observing -------------------------------------------------------------------------------------
 
     def state(self) -> TableState:
@@ -425,7 +370,7 @@ class Store:
     ) -> TableStats:
         """The key table at a glance, for ``flask idem stats``, from one snapshot of it.
 
-        :param key_bounds: on a partitioned key table (layout 4), the upper bounds of its partitions,
+        :param key_bounds: the upper bounds of the key table's partitions,
             oldest first: its rows are counted by partition too (:attr:`TableStats.keys_by_range`).
         :param tombstone_bounds: the same for the partitions of its compact tombstones.
         """
@@ -465,11 +410,11 @@ def _by_range(
 
 def _check_snapshots(lock: dict[str, Any]) -> None:
     """Refuse a reservation in a transaction that keeps one snapshot (REPEATABLE READ or SERIALIZABLE):
-    on a partitioned key table its lookup, after the key's lock, must see every committed row."""
+    its lookup, after the key's lock, must see every committed row in every partition."""
     if not lock["fresh_snapshots"]:
         raise ConfigurationError(
-            "flask-idem reserves keys in READ COMMITTED transactions: on the partitioned key table of"
-            " layout 4 the lookup after the key's lock needs a snapshot of its own. This transaction runs"
+            "flask-idem reserves keys in READ COMMITTED transactions: on the partitioned key table the"
+            " lookup after the key's lock needs a snapshot of its own. This transaction runs"
             " at a higher isolation level; run the idempotent route's transaction at READ COMMITTED."
         )
 
@@ -490,10 +435,9 @@ def _by_org(rows: list[DictRow]) -> list[list[DictRow]]:
 class _Statements:
     """Every statement of the store (``_store.sql``), composed once for one table name."""
 
-    def __init__(self, table: str, *, distributed: bool = False, partitioned: bool = False) -> None:
+    def __init__(self, table: str, *, distributed: bool = False) -> None:
         parts = table_parts(table)
         self.distributed = distributed
-        self.partitioned = partitioned
         name = sql.Identifier(*parts)
         #: The table's name as ``regclass`` input (quoted, schema-qualified if given).
         self.qualified = name.as_string(None)
@@ -501,19 +445,17 @@ class _Statements:
             "table": name,
             "tombstones": sql.Identifier(*parts[:-1], parts[-1] + "_tombstones"),
             "reserve_function": sql.Identifier(*parts[:-1], parts[-1] + "_reserve"),
-            "reserve4_function": sql.Identifier(*parts[:-1], parts[-1] + "_reserve4"),
         }
-        q = SqlFile("_store.sql", names, distributed=distributed, partitioned=partitioned)
+        q = SqlFile("_store.sql", names, distributed=distributed)
         names = q.names
 
         self.reserve = q("reserve", lease=names["atomic"])
         self.reserve_leased = q("reserve", lease=names["leased"])
-        #: The columns of a key's row as a later request reads them (the reserve function of layout 1's
-        #: distributed_sql answers the same; a test compares them).
+        #: The columns of a key's row as a later request reads them.
         self.record = names["record"].as_bytes(None)
-        #: On the partitioned table: the key's row in any partition, else its live compact tombstone (the
-        #: reserve function of layout 4's distributed_sql looks the same way; a test compares them).
-        self.found = names["found"].as_bytes(None) if partitioned else b""
+        #: The key's row in any partition, else its live compact tombstone (the reserve function of the
+        #: layout's distributed_sql looks the same way; a test compares them).
+        self.found = names["found"].as_bytes(None)
         self.lookup = q("lookup")
         self.lock = q("lock")
         self.insert_completed = q("insert_completed")
@@ -538,8 +480,6 @@ class _Statements:
         self.release = q("release")
         self.claim = q("claim")
         self.stuck = q("stuck")
-        self.purge = q("purge")
-        self.tombstone = q("tombstone")
         self.state = q("state")
         self.stats_by_status = q("stats_by_status")
         self.stats_by_flow = q("stats_by_flow")
@@ -547,10 +487,8 @@ class _Statements:
         self.stats_totals = q("stats_totals")
         self.stats_by_range = q("stats_by_range")
         self.stats_tombstones_by_range = q("stats_tombstones_by_range")
-        self.claim_candidates = self.purge_candidates = self.tombstone_candidates = self.guard = b""
+        self.claim_candidates = self.guard = b""
         if distributed:
             self.guard = q("guard")
             self.batches[self.guard] = _wire.Statement.from_query(self.guard)
             self.claim_candidates = q("claim_candidates")
-            self.purge_candidates = q("purge_candidates")
-            self.tombstone_candidates = q("tombstone_candidates")

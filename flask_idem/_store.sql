@@ -7,27 +7,32 @@
 -- messages. A block whose name ends with "citus" replaces the block of the same name on a Citus distributed
 -- table (IDEM_DISTRIBUTED), where FOR UPDATE cannot span shards, nor a LIMIT stand under it, and UPDATE and
 -- DELETE refuse STABLE functions of a column.
+--
+-- The key table is partitioned by range of expires_at (flask_idem/migrations/v1_first_release.sql). Its
+-- unique key (org_id, idem_key, expires_at) guards one partition only, so the unique index does not
+-- decide a race: the key's advisory lock does. Every reservation takes the lock in a statement of its own
+-- first (the lock statement, sent in the same round trip), so that the statement that looks for the key,
+-- in every partition and among the compact tombstones, has a snapshot taken once the lock is held, and
+-- sees every committed row of the key. Rows expire from statement_timestamp(), the moment they are
+-- written, so that no row is written into a partition whose range has passed (flask_idem._partitions
+-- drops it).
 
 -- name: fragment finished
 -- A row whose request ended, and that no person has to look at.
 k.status <> 'processing' AND NOT k.needs_attention
 
 -- name: fragment gone
--- Past retention and past the tombstone's period: the key may be used anew, and purge may delete it. A
--- row the purge turned into a tombstone has had its expires_at moved to the tombstone's end (tombstone
--- below). Written so that no STABLE function (timestamptz arithmetic) takes a column, and none sits in
--- a CASE: Citus refuses both in UPDATE and DELETE.
-(k.response ? 'tombstone' IS TRUE AND k.expires_at <= now()
- OR k.response ? 'tombstone' IS NOT TRUE
-    AND k.expires_at <= now() - make_interval(secs => %(tomb)s))
+-- Past retention and past the tombstone's period: the key may be used anew. Written so that no STABLE
+-- function (timestamptz arithmetic) takes a column: Citus refuses it in DELETE.
+k.expires_at <= now() - make_interval(secs => %(tomb)s)
 
 -- name: fragment record
 -- The columns a later request reads of a key's row (KeyRecord's fields). "stale": its response passed
--- retention; "expired": the key may be used anew. The reserve function of layout 1's distributed_sql
+-- retention; "expired": the key may be used anew. The reserve function of the layout's distributed_sql
 -- answers the same (a test compares them).
 k.request_sha, k.status, k.response,
 {finished} AND {gone} AS expired,
-{finished} AND (k.response ? 'tombstone' OR k.expires_at <= now()) AS stale,
+{finished} AND k.expires_at <= now() AS stale,
 coalesce(k.lease_expires_at > now(), false) AS lease_live, k.flow, k.step, k.state
 
 -- name: fragment mine
@@ -36,12 +41,7 @@ WHERE org_id = %(org_id)s AND idem_key = %(key)s AND status = 'processing' AND l
 
 -- name: fragment subject
 -- What a row is for, unqualified (a claim's UPDATE joins nothing else with these columns): a request's
--- method and path. A background job's row of layouts 1 to 3 has the method TASK and the path
--- /_tasks/<name>.
-method, path
-
--- name: fragment subject partitioned
--- From layout 4 on, a background job's row names its task, and has no method or path.
+-- method and path, or a background job's task (its row has no method or path).
 method, path, task
 
 -- name: fragment atomic
@@ -55,62 +55,87 @@ NULL, NULL, NULL
 -- name: fragment leased citus
 %(flow)s, %(token)s, %(lease)s
 
+-- name: lock
+-- The key's lock, taken without waiting: a key whose lock is held is in flight. Also the transaction's
+-- isolation: the lookups after the lock need a snapshot per statement (READ COMMITTED), which the store
+-- checks. A lock taken is noted in a setting of the transaction (flask_idem.lock), which the reservation
+-- after it reads: it must act on this lock, never take the lock itself (see reserve). An atomic request
+-- in a batched transaction sends the lookup after it, and writes the key's row once, completed, with
+-- COMMIT (insert_completed).
+WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken)
+SELECT lock.taken, current_setting('transaction_isolation') = 'read committed' AS fresh_snapshots,
+       CASE WHEN lock.taken THEN set_config('flask_idem.lock', %(lock)s::text, true) END AS noted
+FROM lock
+
+-- name: fragment tombstone_record
+-- A compact tombstone as a later request reads a key's row: a document of its status and Location
+-- (as flask_idem._protocol reads it), past retention, not to be used anew until expires_at.
+t.request_sha, CASE WHEN t.status < 0 THEN 'failed' ELSE 'completed' END AS status,
+jsonb_build_object('tombstone', true, 'status', abs(t.status), 'headers',
+    CASE WHEN t.location IS NULL THEN '[]'::jsonb
+         ELSE jsonb_build_array(jsonb_build_array('Location', t.location)) END) AS response,
+false AS expired, true AS stale, false AS lease_live, NULL::text AS flow, NULL::text AS step,
+'{{}}'::jsonb AS state
+
+-- name: fragment found
+-- The key's row in any partition, else its live compact tombstone: a key has at most one of each
+-- (a row moved by purge is deleted and inserted in one transaction; a key is used anew only once its
+-- row and tombstone expired, and the expired row is deleted first).
+(SELECT {record} FROM {table} AS k WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s LIMIT 1)
+UNION ALL
+(SELECT {tombstone_record} FROM {tombstones} AS t
+ WHERE t.org_id = %(org_id)s AND t.idem_key = %(key)s AND t.expires_at > now() LIMIT 1)
+LIMIT 1
+
+-- name: lookup
+SELECT false AS fresh, true AS taken, f.* FROM ({found}) AS f
+
 -- name: reserve
--- Always one row: whether this transaction inserted the row, whether it holds the key's lock (taken
--- first, without waiting: a key whose lock is held is in flight), and the committed row of the key, if
--- its snapshot has one (it never sees its own insert). {lease} is the atomic or the leased fragment.
--- ON CONFLICT names no columns. On layouts 1 to 3 the primary key (org_id, idem_key) is the one unique
--- key (the unique index the upgrade to layout 4 builds adds expires_at to it). So the statement also runs
--- on the key table that upgrade has just partitioned, whose unique key is (org_id, idem_key, expires_at),
--- until this process reads the new layout (IdemState.check_layout, within a minute): every key it writes
--- until then goes to the first partition, the layout-3 table with its primary key, which ends past the
--- application's longest retention.
-WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken),
+-- After the lock statement, and only under the lock it took: then this statement's snapshot, taken
+-- after the lock, sees every committed row of the key. It does not try the lock itself: when the lock
+-- statement found the key in flight, the holder may commit and let the lock go after this statement's
+-- snapshot was taken and before a lock tried here, which would then be had while the snapshot misses
+-- the holder's row (in another partition, where no unique index stops the INSERT). The INSERT's ON
+-- CONFLICT only guards the partition it writes to; the NOT EXISTS under the lock guards the others.
+WITH lock AS MATERIALIZED (
+    SELECT coalesce(current_setting('flask_idem.lock', true) = %(lock)s::text, false) AS taken),
+found AS MATERIALIZED ({found}),
 reserved AS (
-    INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, expires_at,
+    INSERT INTO {table} (org_id, idem_key, request_sha, method, path, task, status, expires_at,
                          flow, lease_token, lease_expires_at)
-    SELECT %(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, 'processing',
-           now() + make_interval(secs => %(ttl)s), {lease} FROM lock WHERE lock.taken
+    SELECT %(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, %(task)s, 'processing',
+           statement_timestamp() + make_interval(secs => %(ttl)s), {lease}
+    FROM lock WHERE lock.taken AND NOT EXISTS (SELECT FROM found)
     ON CONFLICT DO NOTHING
     RETURNING 1
 )
-SELECT EXISTS (SELECT FROM reserved) AS fresh, lock.taken, {record}
-FROM lock LEFT JOIN {table} AS k ON k.org_id = %(org_id)s AND k.idem_key = %(key)s
+SELECT EXISTS (SELECT FROM reserved) AS fresh, lock.taken, f.*
+FROM lock LEFT JOIN found AS f ON true
 
 -- name: reserve citus
--- The same answer from the reserve function of layout 1 (distributed_sql), run on the key's node.
-SELECT * FROM {reserve_function}(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)s, %(path)s,
-                                 %(ttl)s, %(lock)s, {lease}, %(tomb)s)
+-- The same answer from the reserve function (the layout's distributed_sql), run on the node of the
+-- key's shard: the lock, then the lookup in every partition and among the tombstones and the INSERT,
+-- each a statement of its own there. Also the transaction's isolation (fresh_snapshots, see lock),
+-- read there. No lock statement before it: the lock is the shard's node's.
+SELECT * FROM {reserve_function}(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)s, %(path)s, %(task)s,
+                                  %(ttl)s, %(lock)s, {lease}, %(tomb)s)
+
+-- name: insert_completed
+-- Under the key's lock, after a lookup that found nothing in any partition (see lock). No ON CONFLICT:
+-- should a row have been committed meanwhile, the unique index refuses this one, and the request's
+-- writes with it. An atomic task's row is written here too, naming its task.
+INSERT INTO {table} (org_id, idem_key, request_sha, method, path, task, status, response, expires_at)
+VALUES (%(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, %(task)s, 'completed', %(response)s,
+        statement_timestamp() + make_interval(secs => %(ttl)s))
 
 -- name: guard citus
 -- Before the reserve function, on Citus: the key table's lock on the coordinator, as every other
 -- statement of a request takes it, and no row read (nothing is sent to the nodes). The function runs on
 -- the key's node and locks the key's shard there, not the table here; the request's next statements lock
--- the table here. Between the two, DDL on the key table (an upgrade's ALTER TABLE, purge's DETACH on
--- layout 4), which locks the table here and then the shards, would wait for the shard while the request
--- waits for the table: a distributed deadlock, broken only by the DDL's lock timeout, on every try while
+-- the table here. Between the two, DDL on the key table (a migration's ALTER TABLE, purge's DETACH
+-- PARTITION), which locks the table here and then the shards, would wait for the shard while the request waits for the table: a distributed deadlock, broken only by the DDL's lock timeout, on every try while
 -- requests keep coming. With the table locked here first, both lock in the same order.
 SELECT FROM {table} WHERE false
-
--- name: lock
--- An atomic request's reservation in a batched transaction, with the lookup after it (the key's row is
--- written once, completed, with COMMIT: insert_completed). The lock is taken without waiting: a key
--- whose lock is held is in flight. The lookup is a statement of its own, so that its snapshot is taken
--- once the lock is held, and sees the row of an attempt that committed and let the lock go.
-SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken
-
--- name: insert_completed
--- The key's row of an atomic request, written once, with its response, under the key's lock. No ON
--- CONFLICT: should a row have been committed meanwhile (possible only under REPEATABLE READ, whose
--- snapshot predates the lock), the unique index refuses this one, and the request's writes with it.
-INSERT INTO {table} (org_id, idem_key, request_sha, method, path, status, response, expires_at)
-VALUES (%(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, 'completed', %(response)s,
-        now() + make_interval(secs => %(ttl)s))
-
--- name: lookup
--- The row of a key committed after the reservation's snapshot was taken (a new statement sees it).
-SELECT false AS fresh, true AS taken, {record} FROM {table} AS k
-WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s
 
 -- name: delete_expired
 DELETE FROM {table} AS k
@@ -148,9 +173,8 @@ UPDATE {table} SET lease_expires_at = now(), last_error = %(error)s,
 
 -- name: fragment due
 -- A stranded request is due once its lease has expired and its next attempt is due: at
--- greatest(lease_expires_at, next_attempt_at), which ignores a NULL next_attempt_at. Layout 2 indexes
--- that moment (flask_idem.migrations.v2_due_index), so a claim reads due rows only, not every row still
--- backing off; on layout 1 the same statement reads them all, as before.
+-- greatest(lease_expires_at, next_attempt_at), which ignores a NULL next_attempt_at. The due index has
+-- that moment, so a claim reads due rows only, not every row still backing off.
 k.lease_expires_at IS NOT NULL AND greatest(k.lease_expires_at, k.next_attempt_at) <= now()
 
 -- name: claim
@@ -174,28 +198,6 @@ FROM {table}
 WHERE needs_attention
    OR (status = 'processing' AND created_at <= now() - make_interval(secs => %(older_than)s))
 ORDER BY created_at
-
--- name: purge
-DELETE FROM {table} WHERE (org_id, idem_key) IN (
-    SELECT org_id, idem_key FROM {table} AS k
-    WHERE k.expires_at <= now() AND {finished} AND {gone}
-    ORDER BY k.expires_at LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED)
-
--- name: tombstone
--- What a tombstone keeps of the response: its status and Location, no body and no other header (they
--- may carry personal data). Its expires_at moves to the end of the tombstone's period, out of the range
--- the next purge walks.
-UPDATE {table} AS k SET expires_at = k.expires_at + make_interval(secs => %(tomb)s),
-    response = jsonb_build_object(
-        'tombstone', true, 'status', k.response->'status',
-        'headers', coalesce((SELECT jsonb_agg(h) FROM jsonb_array_elements(k.response->'headers') AS h
-                             WHERE lower(h->>0) = 'location'), '[]'::jsonb))
-FROM (SELECT org_id, idem_key FROM {table} AS k
-      WHERE k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'
-      ORDER BY k.expires_at LIMIT %(limit)s
-      FOR UPDATE SKIP LOCKED) AS due
-WHERE k.org_id = due.org_id AND k.idem_key = due.idem_key
 
 -- name: fragment processing
 -- Committed processing rows always have a lease (atomic rows are never committed processing), so
@@ -223,20 +225,8 @@ SELECT org_id, idem_key AS key, status, flow, step, attempts,
        extract(epoch FROM now() - created_at)::float8 AS age_seconds, needs_attention, last_error
 {processing} ORDER BY created_at LIMIT 1
 
--- name: stats_totals
--- What the next purge would do: delete rows past their tombstone's period (or past retention, without
--- tombstones), and turn the other rows past retention into tombstones.
-SELECT count(*) FILTER (WHERE k.needs_attention) AS flagged,
-       count(*) FILTER (WHERE k.response ? 'tombstone') AS tombstones,
-       count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND {gone}) AS to_delete,
-       count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'
-                        AND NOT ({gone})) AS to_tombstone,
-       pg_total_relation_size(%(table)s::regclass) AS total_bytes,
-       pg_indexes_size(%(table)s::regclass) AS index_bytes
-FROM {table} AS k
-
 -- name: stats_by_range
--- On a partitioned key table (layout 4): rows, multi-step rows in progress and flagged rows by range of
+-- Rows, multi-step rows in progress and flagged rows by range of
 -- expires_at, the ranges ending at %(bounds)s (the partitions' upper bounds, oldest first): range i is the
 -- i-th partition, and the last one is past every bound. Counted by expiry rather than by tableoid, which
 -- names shards on Citus.
@@ -251,18 +241,13 @@ FROM {tombstones} AS t GROUP BY 1
 
 -- On Citus, from here on: rows are read without locks across shards (*_candidates), then acted on one
 -- organisation at a time (one shard, a router query) by a statement that locks them with SKIP LOCKED
--- and checks again. Only IMMUTABLE functions may take a column in its UPDATE and DELETE, and no STABLE
--- one may sit in a CASE or COALESCE, so expires_at + tomb is computed in epoch seconds and the tombstone
--- is built with jsonb_set (jsonb_build_object is STABLE).
+-- and checks again.
 
 -- name: fragment claimable citus
 {due} AND k.status = 'processing' AND k.flow = ANY(%(flows)s)
 
 -- name: fragment one_org citus
 k.org_id = %(org)s AND k.idem_key = ANY(%(keys)s::uuid[])
-
--- name: fragment tombstoning citus
-k.expires_at <= now() AND {finished} AND NOT k.response ? 'tombstone'
 
 -- name: claim_candidates citus
 SELECT org_id, idem_key AS key,
@@ -278,129 +263,22 @@ FROM (SELECT org_id, idem_key FROM {table} AS k WHERE {one_org} AND {claimable}
 WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key
 RETURNING t.org_id, t.idem_key AS key, t.flow, t.step, t.state, {subject}, t.attempts
 
--- name: purge_candidates citus
-SELECT org_id, idem_key AS key FROM {table} AS k
-WHERE k.expires_at <= now() AND {finished} AND {gone}
-ORDER BY k.expires_at LIMIT %(limit)s
-
--- name: purge citus
-DELETE FROM {table} AS t WHERE t.org_id = %(org)s AND (t.org_id, t.idem_key) IN (
-    SELECT org_id, idem_key FROM {table} AS k
-    WHERE {one_org} AND k.expires_at <= now() AND {finished} AND {gone}
-    FOR UPDATE SKIP LOCKED)
-
--- name: tombstone_candidates citus
-SELECT org_id, idem_key AS key FROM {table} AS k
-WHERE {tombstoning} ORDER BY k.expires_at LIMIT %(limit)s
-
--- name: tombstone citus
-UPDATE {table} AS t
-SET expires_at = to_timestamp(extract(epoch FROM t.expires_at - 'epoch'::timestamptz) + %(tomb)s),
-    response = jsonb_set(jsonb_set('{{"tombstone": true}}'::jsonb,
-        '{{status}}', coalesce(t.response->'status', 'null'::jsonb)),
-        '{{headers}}', coalesce((SELECT jsonb_agg(h)
-                                 FROM jsonb_array_elements(t.response->'headers') AS h
-                                 WHERE lower(h->>0) = 'location'), '[]'::jsonb))
-FROM (SELECT org_id, idem_key FROM {table} AS k WHERE {one_org} AND {tombstoning}
-      FOR UPDATE SKIP LOCKED) AS due
-WHERE t.org_id = %(org)s AND t.org_id = due.org_id AND t.idem_key = due.idem_key
-
--- On the key table of layout 4 and later (flask_idem.migrations.v4_partitions), partitioned by range of
--- expires_at, from here on. Its primary key (org_id, idem_key, expires_at) guards one partition only,
--- so the unique index no longer decides a race: the key's advisory lock does. Every reservation takes
--- the lock in a statement of its own first (the lock statement, sent in the same round trip), so that
--- the statement that looks for the key, in every partition and among the compact tombstones, has a
--- snapshot taken once the lock is held, and sees every committed row of the key. Rows expire from
--- statement_timestamp(), the moment they are written, so that no row is written into a partition whose
--- range has passed (flask_idem._partitions drops it).
-
--- name: lock partitioned
--- Also the transaction's isolation: the lookups after the lock need a snapshot per statement (READ
--- COMMITTED), which the store checks. A lock taken is noted in a setting of the transaction
--- (flask_idem.lock), which the reservation after it reads: it must act on this lock, never take the
--- lock itself (see reserve partitioned).
-WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock(%(lock)s) AS taken)
-SELECT lock.taken, current_setting('transaction_isolation') = 'read committed' AS fresh_snapshots,
-       CASE WHEN lock.taken THEN set_config('flask_idem.lock', %(lock)s::text, true) END AS noted
-FROM lock
-
--- name: fragment tombstone_record partitioned
--- A compact tombstone as a later request reads a key's row: the document a tombstone of layout 3
--- kept in the row (its status and Location), past retention, not to be used anew until expires_at.
-t.request_sha, CASE WHEN t.status < 0 THEN 'failed' ELSE 'completed' END AS status,
-jsonb_build_object('tombstone', true, 'status', abs(t.status), 'headers',
-    CASE WHEN t.location IS NULL THEN '[]'::jsonb
-         ELSE jsonb_build_array(jsonb_build_array('Location', t.location)) END) AS response,
-false AS expired, true AS stale, false AS lease_live, NULL::text AS flow, NULL::text AS step,
-'{{}}'::jsonb AS state
-
--- name: fragment found partitioned
--- The key's row in any partition, else its live compact tombstone: a key has at most one of each
--- (a row moved by purge is deleted and inserted in one transaction; a key is used anew only once its
--- row and tombstone expired, and the expired row is deleted first).
-(SELECT {record} FROM {table} AS k WHERE k.org_id = %(org_id)s AND k.idem_key = %(key)s LIMIT 1)
-UNION ALL
-(SELECT {tombstone_record} FROM {tombstones} AS t
- WHERE t.org_id = %(org_id)s AND t.idem_key = %(key)s AND t.expires_at > now() LIMIT 1)
-LIMIT 1
-
--- name: lookup partitioned
-SELECT false AS fresh, true AS taken, f.* FROM ({found}) AS f
-
--- name: reserve partitioned
--- After the lock statement, and only under the lock it took: then this statement's snapshot, taken
--- after the lock, sees every committed row of the key. It does not try the lock itself: when the lock
--- statement found the key in flight, the holder may commit and let the lock go after this statement's
--- snapshot was taken and before a lock tried here, which would then be had while the snapshot misses
--- the holder's row (in another partition, where no unique index stops the INSERT). The INSERT's ON
--- CONFLICT only guards the partition it writes to; the NOT EXISTS under the lock guards the others.
-WITH lock AS MATERIALIZED (
-    SELECT coalesce(current_setting('flask_idem.lock', true) = %(lock)s::text, false) AS taken),
-found AS MATERIALIZED ({found}),
-reserved AS (
-    INSERT INTO {table} (org_id, idem_key, request_sha, method, path, task, status, expires_at,
-                         flow, lease_token, lease_expires_at)
-    SELECT %(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, %(task)s, 'processing',
-           statement_timestamp() + make_interval(secs => %(ttl)s), {lease}
-    FROM lock WHERE lock.taken AND NOT EXISTS (SELECT FROM found)
-    ON CONFLICT DO NOTHING
-    RETURNING 1
-)
-SELECT EXISTS (SELECT FROM reserved) AS fresh, lock.taken, f.*
-FROM lock LEFT JOIN found AS f ON true
-
--- name: reserve partitioned citus
--- The same answer from the reserve function of layout 4 (its distributed_sql), run on the node of the
--- key's shard: the lock, then the lookup in every partition and among the tombstones and the INSERT,
--- each a statement of its own there. Also the transaction's isolation (fresh_snapshots, see lock
--- partitioned), read there. No lock statement before it: the lock is the shard's node's.
-SELECT * FROM {reserve4_function}(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)s, %(path)s, %(task)s,
-                                  %(ttl)s, %(lock)s, {lease}, %(tomb)s)
-
--- name: insert_completed partitioned
--- Under the key's lock, after a lookup that found nothing in any partition (see lock partitioned). An
--- atomic task's row is written here too, naming its task.
-INSERT INTO {table} (org_id, idem_key, request_sha, method, path, task, status, response, expires_at)
-VALUES (%(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, %(task)s, 'completed', %(response)s,
-        statement_timestamp() + make_interval(secs => %(ttl)s))
-
--- name: stats_totals partitioned
+-- name: stats_totals
 -- Sizes are the partitions' (a partitioned table has no storage of its own); purge drops partitions.
 SELECT count(*) FILTER (WHERE k.needs_attention) AS flagged,
        (SELECT count(*) FROM {tombstones} AS t WHERE t.expires_at > now()) AS tombstones,
        count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND {gone}) AS to_delete,
-       0::bigint AS to_tombstone,
        (SELECT coalesce(sum(pg_total_relation_size(p.relid)), 0)::bigint
         FROM pg_partition_tree(%(table)s::regclass) AS p) AS total_bytes,
        (SELECT coalesce(sum(pg_indexes_size(p.relid)), 0)::bigint
         FROM pg_partition_tree(%(table)s::regclass) AS p WHERE p.isleaf) AS index_bytes
 FROM {table} AS k
 
--- name: stats_totals partitioned citus
+-- name: stats_totals citus
 -- The same on Citus, which pushes no subquery of the select list down beside aggregates: each part is
 -- a subquery of its own, joined on the coordinator. Sizes are the shards' (citus_total_relation_size of
 -- each partition; its indexes are what citus_table_size leaves out).
-SELECT k.flagged, t.tombstones, k.to_delete, 0::bigint AS to_tombstone, s.total_bytes, s.index_bytes
+SELECT k.flagged, t.tombstones, k.to_delete, s.total_bytes, s.index_bytes
 FROM (SELECT count(*) FILTER (WHERE k.needs_attention) AS flagged,
              count(*) FILTER (WHERE k.expires_at <= now() AND {finished} AND {gone}) AS to_delete
       FROM {table} AS k) AS k,

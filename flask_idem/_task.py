@@ -6,6 +6,7 @@ promise (:doc:`/jobs`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -17,13 +18,13 @@ from typing import Any, Protocol
 import psycopg
 from psycopg.rows import TupleRow
 
+from ._fingerprint import canonical_json
 from ._records import Final, KeyedRequest
 from ._settings import SETTINGS, parse_seconds
 from .errors import ConfigurationError
 from .flow import Run
 
 __all__ = [
-    "TASK_METHOD",
     "Envelope",
     "Job",
     "JobError",
@@ -33,46 +34,42 @@ __all__ = [
     "Message",
     "Publisher",
     "TaskDoor",
-    "row_task",
     "task_failure",
     "task_final",
+    "task_fingerprint",
     "task_key",
-    "task_path",
     "task_request",
     "task_result",
 ]
-
-#: The method a task's fingerprint is computed with, and the ``method`` of a task's row in the key table
-#: of layouts 1 to 3 (a request's is its HTTP method). From layout 4 on a task's row names its task in
-#: the column ``task`` and has no method or path.
-TASK_METHOD = "TASK"
 
 _HEADERS = ("idem_org", "idem_key", "idem_enqueued_at")
 _COUNTS = ("idem_failures", "idem_deferrals")
 
 
-def task_path(name: str) -> str:
-    """The path a task's fingerprint is computed with, its name under ``/_tasks/``: also the ``path`` of
-    its row in the key table of layouts 1 to 3."""
-    return "/_tasks/" + name
+#: The first part of a task's fingerprint: lower-case, so that no request's (an upper-case HTTP method,
+#: :func:`flask_idem._fingerprint.fingerprint`) begins the same.
+_TASK_PART = b"task"
 
 
-def task_request(org_id: int, key: uuid.UUID, name: str, request_sha: bytes, *, named: bool) -> KeyedRequest:
-    """What a reservation of task ``name``'s key records: on the key table of layout 4 and later
-    (``named``) a row that names its task, with no method or path; before it, the method
-    :data:`TASK_METHOD` and the path :func:`task_path`, as layouts 1 to 3 have no column ``task``."""
-    if named:
-        return KeyedRequest(org_id, key, request_sha, None, None, task=name)
-    return KeyedRequest(org_id, key, request_sha, TASK_METHOD, task_path(name))
+def task_fingerprint(name: str, args: Any, kwargs: Any) -> bytes:
+    """The 32-byte SHA-256 fingerprint of a call of task ``name``: its name and its arguments as
+    canonical JSON (member names sorted), each part length-prefixed as a request's are, after a first
+    part that no request's has. A key used again with other arguments, or by another task, is refused.
+
+    :raises TypeError: the arguments are not JSON.
+    """
+    body = canonical_json(json.dumps({"args": list(args), "kwargs": dict(kwargs)}).encode("utf-8"))
+    digest = hashlib.sha256()
+    for part in (_TASK_PART, name.encode("utf-8", "surrogateescape"), body):
+        digest.update(b"%d:" % len(part))
+        digest.update(part)
+    return digest.digest()
 
 
-def row_task(method: str | None, path: str | None, task: str | None) -> str | None:
-    """The task a key row is for, whichever layout wrote it; ``None`` for a request's row."""
-    if task is not None:
-        return task
-    if method == TASK_METHOD and path is not None:
-        return path.removeprefix(task_path(""))
-    return None
+def task_request(org_id: int, key: uuid.UUID, name: str, request_sha: bytes) -> KeyedRequest:
+    """What a reservation of task ``name``'s key records: a row that names its task, with no method or
+    path."""
+    return KeyedRequest(org_id, key, request_sha, None, None, task=name)
 
 
 def task_key(org_id: int, key: uuid.UUID, task: str, *, flow: str | None = None) -> uuid.UUID:
@@ -248,18 +245,12 @@ class TaskDoor:
     """What a task's run makes of its end (:class:`flask_idem._steps.Door`): its finisher's value is the
     task's result, stored as JSON (in the form of :func:`task_final`). Also the recovery job's, for the
     tasks it finishes.
-
-    :param named: the key table is of layout 4 or later, whose task rows name their task and store
-        ``{"result": ...}``.
     """
 
-    __slots__ = ("named",)
-
-    def __init__(self, *, named: bool) -> None:
-        self.named = named
+    __slots__ = ()
 
     def finish(self, call: Callable[[], Any]) -> Final[Any]:
-        return task_final(call(), named=self.named)
+        return task_final(call())
 
     def refused(self, error: Exception) -> Final[Any] | None:
         """A database step's error is the task's failure: rolled back, and the delivery retried."""
@@ -271,48 +262,31 @@ class TaskDoor:
 _NUL = re.compile(r"(?:^|[^\\])(?:\\\\)*\\u0000")
 
 
-def task_final(result: Any, *, named: bool) -> Final[Any]:
-    """A task's ``result`` as the key table stores it: ``{"result": <result>}`` on the key table of
-    layout 4 and later (``named``); before it, as layout 3 stored it, a response of status 200 with a
-    JSON body. Either is read back by :func:`task_result`.
+def task_final(result: Any) -> Final[Any]:
+    """A task's ``result`` as the key table stores it: ``{"result": <result>}``, read back by
+    :func:`task_result`.
 
     Stored as ``jsonb``, a result comes back as JSON does: tuples as lists, keys as strings, and
     numbers as ``jsonb`` writes them (``1e20`` as ``100000000000000000000``), as a flow's step results
     do.
 
-    :raises TypeError: the result is not JSON (on layout 4 and later also: a float that is not finite,
-        or a string with a NUL character, which ``jsonb`` cannot hold).
+    :raises TypeError: the result is not JSON (also: a float that is not finite, or a string with a NUL
+        character, which ``jsonb`` cannot hold).
     """
     try:
-        body = json.dumps(result, allow_nan=not named)
+        body = json.dumps(result, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise TypeError(f"An idempotent task must return a JSON-serialisable value: {e}") from None
-    if not named:
-        return Final(
-            result, {"status": 200, "headers": [["Content-Type", "application/json"]], "body": body}, 200
-        )
     if _NUL.search(body):
         raise TypeError("An idempotent task's result cannot hold a NUL character (jsonb cannot store one).")
     return Final(result, {"result": result}, 200)
 
 
 def task_failure(reason: str) -> dict[str, Any]:
-    """What the key table of layout 4 and later stores for a task given up (flagged for a person): the
-    reason. Before it, a task given up stored the ``500`` a request given up stores
-    (:func:`flask_idem._replay.failure_document`)."""
+    """What the key table stores for a task given up (flagged for a person): the reason."""
     return {"error": reason}
 
 
 def task_result(document: Mapping[str, Any]) -> Any:
-    """The result stored in ``document``: a task's of layout 4 and later (``{"result": ...}``), or a
-    response of status 200 with a JSON body (a task's of layouts 1 to 3, or a flow's finish step's stored
-    by an earlier release, whose body is JSON or text)."""
-    if "result" in document:
-        return document["result"]
-    body = document.get("body")
-    if body is None:
-        return None
-    headers = {name.lower(): value for name, value in document.get("headers", ())}
-    if headers.get("content-type", "").split(";")[0].strip().endswith("json"):
-        return json.loads(body)
-    return body
+    """The result stored in ``document`` (``{"result": ...}``, :func:`task_final`)."""
+    return document.get("result")

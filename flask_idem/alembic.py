@@ -345,8 +345,8 @@ def run_upgrade(revision: Revision) -> None:
     _begin(lock_timeout, table)
     # A layout recorded already (by flask idem migrate, or a newer flask-idem) has this revision's
     # tables and statements: they are not run again, as migrate runs them only for a layout it lacks.
-    # Run again they could change what a later layout made (layout 1's expiry index, built anew on the
-    # partitioned key table of layout 4; on Citus, a text of several statements sent to the nodes).
+    # Run again they could change what a later layout made (an index it dropped, built anew; on Citus,
+    # a text of several statements sent to the nodes).
     # Offline nothing is read: every statement is printed, each safe to run twice.
     recorded = not context.is_offline_mode() and _recorded(table) >= revision.layout
     if revision.sql and not recorded:

@@ -22,7 +22,6 @@ from ._pool import ForkSafeConnectionPool
 from ._records import RangeRows, TableStats
 from ._settings import Settings
 from ._state import IdemState, get_state
-from ._task import row_task
 from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
 from .errors import ConfigurationError, missing_table_hint
 from .recovery import RecoveryReport, recover, run_forever
@@ -200,32 +199,19 @@ def migrate(distributed: bool, check: bool, roles: tuple[str, ...]) -> None:
 
 
 @idem_cli.command("purge")
-@click.option(
-    "--batch-size",
-    default=1000,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Before layout 4: rows deleted per transaction; smaller batches hold locks for less time.",
-)
 @_database_errors
-def purge(batch_size: int) -> None:
+def purge() -> None:
     """Forget keys past their retention period (IDEM_KEY_TTL), keeping a tombstone of each for
     IDEM_TOMBSTONE_TTL more.
 
     A tombstone keeps the key, the request's fingerprint, the first answer's status and Location, so
-    that a late retry is never run again. On the partitioned key table (layout 4) whole partitions
-    whose range has passed are dropped (DETACH PARTITION CONCURRENTLY, then DROP TABLE), after their
-    keys' compact tombstones are written, and partitions are made ahead (IDEM_PARTITION_AHEAD): run it
-    as the tables' owner, at least daily. On older layouts rows are turned into tombstones and deleted
-    in batches of --batch-size. Multi-step requests still processing and rows flagged for a person are
-    never lost.
+    that a late retry is never run again. Whole partitions of the key table whose range has passed
+    are dropped (DETACH PARTITION CONCURRENTLY, then DROP TABLE), after their keys' compact tombstones
+    are written, and partitions are made ahead (IDEM_PARTITION_AHEAD): run it as the tables' owner, at
+    least daily. Multi-step requests still processing and rows flagged for a person are never lost.
     """
     _ready()
     state = _state()
-    if not state.store.partitioned:
-        deleted, tombstoned = state.store.purge(batch_size=batch_size)
-        click.echo(f"Purged {deleted} expired key(s); {tombstoned} turned into tombstones.")
-        return
     settings = state.settings
     try:
         report = _partitions.maintain(
@@ -368,8 +354,7 @@ def stuck(older_than: float | None) -> None:
     )
     for row in rows:
         flag = "NEEDS ATTENTION" if row.needs_attention else "slow"
-        name = row_task(row.method, row.path, row.task)
-        task = "" if name is None else f" task={name}"
+        task = "" if row.task is None else f" task={row.task}"
         click.echo(
             f"{flag:15} org={row.org_id} key={row.key}{task} status={row.status} flow={row.flow}"
             f" step={row.step}"
@@ -384,7 +369,7 @@ def stats() -> None:
     """Print the key table at a glance: rows by status and by flow and step, flagged rows, tombstones,
     what purge would do now, the oldest processing request and the table's size.
 
-    On the partitioned key table (layout 4), also its partitions and its tombstones' (how many, the
+    Also the key table's partitions and its tombstones' (how many, the
     oldest and the newest, each one's range, rows and bytes), the passed partitions waiting for purge
     and why, and a warning when the newest partition ends less than half of IDEM_PARTITION_AHEAD past
     the longest retention (purge has not run for days).
@@ -397,13 +382,10 @@ def stats() -> None:
     table = state.settings.table
     with state.source.connection() as conn:
         parts = _partitions.overview(conn, table)
-    if parts is None:
-        found = state.store.stats()
-    else:
-        found = state.store.stats(
-            key_bounds=[p.upper for p in parts.keys if p.upper is not None],
-            tombstone_bounds=[p.upper for p in parts.tombstones if p.upper is not None],
-        )
+    found = state.store.stats(
+        key_bounds=[p.upper for p in parts.keys if p.upper is not None],
+        tombstone_bounds=[p.upper for p in parts.tombstones if p.upper is not None],
+    )
     click.echo(
         f"Key table {table}: {_size(found.total_bytes)} with indexes ({_size(found.index_bytes)} of indexes)"
     )
@@ -417,10 +399,6 @@ def stats() -> None:
             click.echo(f"  {flow:<{width}}  {status:<12} {step or '-':<16} {rows:>10}")
     click.echo(f"Flagged for a person: {found.flagged}")
     click.echo(f"Tombstones: {found.tombstones}")
-    if parts is None:
-        click.echo(
-            f"Waiting for purge: {found.to_tombstone} to become tombstones, {found.to_delete} to delete"
-        )
     oldest = found.oldest_processing
     if oldest is None:
         click.echo("Oldest processing request: none")
@@ -430,8 +408,7 @@ def stats() -> None:
             f" step={oldest.step or '-'} attempts={oldest.attempts} age={oldest.age_seconds:.0f}s"
             f" last_error={oldest.last_error}"
         )
-    if parts is not None:
-        _print_partitions(parts, found, horizon=state.horizon(), ahead=state.settings.partition_ahead)
+    _print_partitions(parts, found, horizon=state.horizon(), ahead=state.settings.partition_ahead)
 
 
 def _print_partitions(

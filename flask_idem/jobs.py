@@ -47,7 +47,6 @@ from ._retry import backoff
 from ._settings import parse_seconds
 from ._state import get_state
 from ._task import (
-    TASK_METHOD,
     Envelope,
     Job,
     JobError,
@@ -57,7 +56,6 @@ from ._task import (
     Message,
     Publisher,
     task_key,
-    task_path,
 )
 from ._view import current
 from .errors import ConfigurationError, DatabaseUnavailable
@@ -68,7 +66,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXTENSION_NAME",
-    "TASK_METHOD",
     "Defer",
     "Delivery",
     "Done",
@@ -88,7 +85,6 @@ __all__ = [
     "get_jobs",
     "run_delivery",
     "task_key",
-    "task_path",
 ]
 
 logger = logging.getLogger("flask_idem")
@@ -211,9 +207,9 @@ class Jobs:
 
         :param task: the task (or its name); its arguments follow, as JSON values.
         :raises ConfigurationError: outside an idempotent view without ``conn``, ``org_id`` and ``key``;
-            and outside a request, when the key table has no outbox yet (layout 3), naming the command
-            that upgrades it.
-        :raises DatabaseUnavailable: in a request, when the key table has no outbox yet: the request is
+            and outside a request, when the key table and its outbox do not exist yet (or are in a layout
+            this code cannot run on), naming the command that creates or upgrades them.
+        :raises DatabaseUnavailable: in a request, when the outbox does not exist yet: the request is
             answered 503 with ``Retry-After`` until the migration has run (the command is in the log).
         """
         name = task if isinstance(task, str) else task.name

@@ -17,7 +17,7 @@ Optional (``pip install "flask-idem[metrics]"``, on prometheus-client)::
 Counters and histograms are updated by receivers of :mod:`flask_idem.signals`: nothing is read from
 the database per request. The gauges of the key table's state come from :class:`KeyTableCollector`,
 which runs one statement over two small partial indexes when Prometheus scrapes, never per request, and
-on the partitioned key table (layout 4) reads its partitions from the catalog.
+reads the key table's partitions from the catalog.
 
 Under a pre-fork server (gunicorn), set ``PROMETHEUS_MULTIPROC_DIR`` before the server starts:
 prometheus-client then writes each worker's counters to files there, and :meth:`Metrics.response`
@@ -223,7 +223,7 @@ class KeyTableCollector(Collector):
     - for an application with background jobs (:mod:`flask_idem.jobs`), ``flask_idem_outbox_unsent``
       and ``flask_idem_outbox_oldest_unsent_age_seconds``: messages the relay has not published yet,
       and the oldest one's age (a relay that stopped shows as a growing age);
-    - on the partitioned key table (layout 4), from the catalog only (no row is read), labelled with
+    - of the key table's partitions, from the catalog only (no row is read), labelled with
       ``kind`` too (``keys``: the key table's; ``tombstones``: its compact tombstones'):
       ``flask_idem_partitions`` (how many), ``flask_idem_partitions_bytes`` (on disk, indexes
       included) and ``flask_idem_partitions_oldest_passed_seconds`` (how long ago the oldest
@@ -277,6 +277,7 @@ class KeyTableCollector(Collector):
             families["stranded"].add_metric(label, found.stranded)
             families["flagged"].add_metric(label, found.flagged)
             families["oldest"].add_metric(label, found.oldest_processing_seconds)
+            parts: _partitions.Overview | None
             try:
                 with state.source.connection() as conn:
                     parts = _partitions.overview(conn, state.settings.table)
@@ -317,7 +318,7 @@ class KeyTableCollector(Collector):
             yield GaugeMetricFamily(name, text, labels=["table"])
 
 
-#: The gauges of the partitions of a partitioned key table (layout 4) and of its tombstones.
+#: The gauges of the partitions of the key table and of its tombstones.
 _PARTITION_GAUGES = (
     (
         "flask_idem_partitions",

@@ -29,7 +29,7 @@ from ._records import Lease, Stranded
 from ._replay import failure_document
 from ._retry import backoff as backoff
 from ._state import IdemState, get_state
-from ._task import TaskDoor, row_task, task_failure
+from ._task import TaskDoor, task_failure
 from ._transactions import in_transaction
 from ._view import RequestDoor
 from .flow import run_from_record
@@ -111,9 +111,7 @@ def _recover_one(
     retry_in = backoff(
         row.attempts, base=settings.recovery_backoff, cap=settings.recovery_backoff_cap, rng=rng
     )
-    door: _steps.Door[Any] = (
-        RequestDoor(settings) if _task_of(row) is None else TaskDoor(named=state.store.partitioned)
-    )
+    door: _steps.Door[Any] = RequestDoor(settings) if row.task is None else TaskDoor()
     try:
         final = _steps.advance(state, flow, run, lease, door, retry_in=retry_in)
     except Pending:
@@ -138,24 +136,17 @@ def _recover_one(
             )
 
 
-def _task_of(row: Stranded) -> str | None:
-    """The task a stranded row is for (its row names it, or, written before layout 4, its method and
-    path say so); ``None`` for a request's."""
-    return row_task(row.method, row.path, row.task)
-
-
 def _door_context(app: Flask, row: Stranded) -> AbstractContextManager[object]:
     """Where a stranded run is finished: a request's in a request context like its first attempt's (its
     finisher may read ``request``), a task's in the application context it already has."""
-    if row.method is None or row.path is None or _task_of(row) is not None:
+    if row.method is None or row.path is None or row.task is not None:
         return nullcontext()
     return app.test_request_context(row.path, method=row.method)
 
 
 def _give_up(state: IdemState, row: Stranded, lease: Lease, reason: str) -> None:
     """Mark the request failed, store the answer a retry will get, and flag it for a person."""
-    task = state.store.partitioned and _task_of(row) is not None
-    give_up_leased(state, lease, task_failure(reason) if task else failure_document(), reason)
+    give_up_leased(state, lease, failure_document() if row.task is None else task_failure(reason), reason)
     # Sent (and logged at ERROR) once the row is marked: a person is needed.
     signals.send(
         signals.given_up, org_id=row.org_id, key=row.key, flow=row.flow, reason=reason, attempts=row.attempts
