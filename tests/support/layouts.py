@@ -1,14 +1,7 @@
-"""The first release's layout of the key table, kept as a fixture, and a look at a table's catalog.
-
-``tests/support/first_release/`` holds, verbatim, the ``schema.sql`` and ``distributed.sql`` of the first
-release (its ``distributed.sql`` with the reserve function's columns written out, as that release composed
-them). :func:`create_first_release` runs them as that release's ``flask idem init-db`` did, for any table
-name.
-"""
+"""Helpers on flask-idem's tables in tests: dropping them, and a look at a table's catalog."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -16,53 +9,20 @@ from psycopg import sql
 
 from flask_idem import _layout
 
-__all__ = ["catalog", "check_distributed", "create_first_release", "drop", "layout_of"]
-
-HERE = Path(__file__).parent / "first_release"
-
-
-def create_first_release(url: str, table: str, *, distributed: bool = False) -> None:
-    """Create ``table`` as the first release's ``init-db`` did (with ``--distributed`` on Citus)."""
-    parts = table.split(".")
-    names: dict[str, sql.Composable] = {
-        "table": sql.Identifier(*parts),
-        "expires_index": sql.Identifier(parts[-1] + "_expires_at_idx"),
-        "lease_index": sql.Identifier(parts[-1] + "_lease_idx"),
-        "attention_index": sql.Identifier(parts[-1] + "_attention_idx"),
-    }
-    ddl = sql.SQL((HERE / "schema.sql").read_text()).format(**names).as_bytes(None)
-    if distributed:
-        function = sql.Identifier(*parts[:-1], parts[-1] + "_reserve")
-        qualified = sql.Identifier(*parts).as_string(None)
-        signature = function.as_string(None) + (
-            "(bigint, uuid, bytea, text, text, float8, bigint, text, uuid, float8, float8)"
-        )
-        more = sql.SQL((HERE / "distributed.sql").read_text()).format(
-            table=sql.Identifier(*parts),
-            table_name=sql.Literal(qualified),
-            reserve=function,
-            reserve_signature=sql.Literal(signature),
-        )
-        ddl = b"SET LOCAL citus.multi_shard_modify_mode TO 'sequential';\n" + ddl + more.as_bytes(None)
-    with psycopg.connect(url, autocommit=True) as conn, conn.transaction():
-        conn.execute(ddl)
+__all__ = ["catalog", "check_distributed", "drop", "layout_of"]
 
 
 def drop(url: str, table: str) -> None:
-    """Drop ``table`` (with its partitions), its outbox, its tombstones and its reserve functions, and the
-    first partition an interrupted upgrade to layout 4 may have left, if they exist."""
+    """Drop ``table`` (with its partitions), its outbox, its tombstones and its reserve function, if they
+    exist."""
     parts = table.split(".")
     with psycopg.connect(url, autocommit=True) as conn:
         for suffix in ("_outbox", "_tombstones", ""):
             conn.execute(
                 sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(*parts[:-1], parts[-1] + suffix))
             )
-        conn.execute(
-            sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(*parts[:-1], parts[-1] + "_p0"))
-        )
-        for suffix in ("_reserve", "_reserve4"):
-            function = sql.Identifier(*parts[:-1], parts[-1] + suffix)
-            conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}").format(function))
+        function = sql.Identifier(*parts[:-1], parts[-1] + "_reserve")
+        conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}").format(function))
 
 
 def check_distributed(conn: psycopg.Connection[Any], table: str) -> None:
@@ -77,7 +37,7 @@ def check_distributed(conn: psycopg.Connection[Any], table: str) -> None:
 
 
 def layout_of(conn: psycopg.Connection[Any], table: str) -> int | None:
-    """The layout recorded for ``table`` (1 for a table without flask-idem's comment)."""
+    """The layout recorded for ``table``."""
     return _layout.read(conn, table).layout
 
 
