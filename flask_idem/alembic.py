@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from importlib.resources import files
 from typing import TYPE_CHECKING, Any
@@ -88,13 +89,22 @@ def include_object(object: Any, name: str | None, type_: str, reflected: bool, c
     and proposes to drop it. Left out, it is neither dropped nor compared: flask-idem's own revisions
     create and change it. A table counts as flask-idem's when it is one of its layout's tables for the
     application's :data:`IDEM_TABLE` (read from the Flask application in context, by default
-    ``idempotency_keys``), or when its comment says so.
+    ``idempotency_keys``) or a partition of the key table or of its tombstones (``<table>_p0``, and those
+    ``flask idem purge`` makes, ``<table>_p<moment>`` and ``<table>_t<moment>``), or when its comment says
+    so.
 
     Chain it with a hook of your own: ``lambda *a: idem_alembic.include_object(*a) and mine(*a)``.
     """
     if type_ != "table" or name is None:
         return True
-    if (getattr(object, "schema", None), name) in _layout.tables(_target()[0]):
+    table = _target()[0]
+    schema = getattr(object, "schema", None)
+    if (schema, name) in _layout.tables(table):
+        return False
+    parts = table.split(".")
+    if schema == (parts[0] if len(parts) == 2 else None) and re.fullmatch(
+        re.escape(parts[-1]) + r"_[pt]\d+", name
+    ):
         return False
     comment = getattr(object, "comment", None) if reflected else None
     return not (comment or "").startswith("flask-idem")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 import subprocess
 import textwrap
 import uuid
@@ -39,7 +38,7 @@ from flask_idem import alembic as idem_alembic
 
 from .support import citus
 from .support.alembic_project import PLAIN_ALEMBIC, alembic, plain_project
-from .support.layouts import catalog, check_distributed, create_first_release, layout_of
+from .support.layouts import catalog, check_distributed, layout_of
 
 
 @contextmanager
@@ -160,8 +159,8 @@ def test_new_project(projects: Any, scratch: str) -> None:
     offline = project.flask_db("upgrade", "--sql")  # the SQL a DBA would run, printed, nothing run
     assert offline.exit_code == 0, offline.output
     assert 'CREATE TABLE IF NOT EXISTS "idempotency_keys"' in offline.output
-    assert 'CREATE INDEX CONCURRENTLY IF NOT EXISTS "idempotency_keys_due_idx"' in offline.output
-    assert "ATTACH PARTITION" in offline.output  # layout 4's swap, printed as written:
+    assert 'CREATE INDEX IF NOT EXISTS "idempotency_keys_due_idx"' in offline.output
+    assert 'PARTITION OF "idempotency_keys"' in offline.output  # the first partition
     assert "%%" not in offline.output  # nothing doubled by the pyformat escaping of Flask-Migrate's env.py
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") is None
@@ -190,42 +189,6 @@ def test_new_project(projects: Any, scratch: str) -> None:
     assert check.exit_code == 0, check.output  # "No new upgrade operations detected."
     assert project.flask_db("migrate", "-m", "nothing").exit_code == 0
     assert len(project.revisions()) == 1  # no empty revision either
-
-
-#: Every column of the first release's key table (later layouts add more).
-FIRST_RELEASE_ROWS = sql.SQL("SELECT {} FROM idempotency_keys").format(
-    sql.SQL(", ").join(map(sql.Identifier, _layout.COLUMNS))
-)
-
-
-def test_existing_first_release_table_is_upgraded(projects: Any, scratch: str) -> None:
-    """A key table made by the first release's `init-db`, holding a key the route stored, is adopted and
-    upgraded by `flask db upgrade`; after a restart the key replays and a fresh key is taken."""
-    create_first_release(scratch, "idempotency_keys", distributed=citus.ENABLED)
-    before = projects()
-    with before.app.app_context():
-        before.db.create_all()  # the project's orders table, made before it used Alembic
-    key = str(uuid.uuid4())
-    stored = post_order(before, key)
-    assert stored.status_code == 201
-    with psycopg.connect(scratch) as conn:
-        assert layout_of(conn, "idempotency_keys") == 1
-        rows = conn.execute(FIRST_RELEASE_ROWS).fetchall()
-    assert before.flask_db("init").exit_code == 0
-    result = before.flask_db("upgrade")
-    assert result.exit_code == 0, result.output
-    with psycopg.connect(scratch) as conn:
-        assert layout_of(conn, "idempotency_keys") == _layout.latest()
-        assert conn.execute(FIRST_RELEASE_ROWS).fetchall() == rows  # and a task column, NULL
-        if citus.ENABLED:
-            check_distributed(conn, "idempotency_keys")
-
-    project = projects()  # the application restarted
-    replay = post_order(project, key)
-    assert (replay.status_code, replay.json) == (200, stored.json)
-    assert replay.headers["Idempotent-Replayed"] == "true"
-    assert post_order(project, key, "changed").status_code == 422
-    assert post_order(project, str(uuid.uuid4())).status_code == 201
 
 
 def test_upgrade_keeps_a_later_recorded_layout(projects: Any, scratch: str) -> None:
@@ -271,59 +234,6 @@ def test_project_with_revisions_of_its_own_merges_the_branches(projects: Any, sc
     assert project.flask_db("check").exit_code == 0
 
 
-def test_a_release_that_adds_a_revision_is_merged_once(
-    projects: Any, scratch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A project set up when flask-idem had layouts 1 and 2, with a revision of its own and a stored key,
-    meets this release's layout 3 as two heads; after `flask db merge heads`, `flask db upgrade` applies
-    it, the key replays, a fresh key is taken, and autogenerate finds nothing."""
-    older = tmp_path / "flask_idem_layouts_1_2"
-    older.mkdir()
-    for path in sorted(Path(idem_alembic.VERSION_LOCATION).glob("v[12]_*.py")):
-        shutil.copy(path, older)
-    with monkeypatch.context() as patch:
-        patch.setattr(idem_alembic, "VERSION_LOCATION", str(older))  # the older flask-idem's folder
-        before = projects()
-        assert before.flask_db("init").exit_code == 0
-        assert before.flask_db("upgrade").exit_code == 0
-        assert before.flask_db("migrate", "-m", "orders").exit_code == 0
-        assert before.flask_db("upgrade").exit_code == 0
-        with psycopg.connect(scratch) as conn:
-            assert layout_of(conn, "idempotency_keys") == 2
-        key = str(uuid.uuid4())
-        stored = post_order(before, key)
-        assert stored.status_code == 201
-    [own] = before.revisions()
-    assert f"down_revision = '{_layout.alembic_id(2)}'" in own.read_text()
-
-    project = projects()  # the new release installed, the application restarted
-    two_heads = project.flask_db("upgrade")
-    assert two_heads.exit_code == 1
-    assert "Multiple head revisions are present" in two_heads.output
-    with psycopg.connect(scratch) as conn:
-        assert layout_of(conn, "idempotency_keys") == 2  # nothing applied
-    merge = project.flask_db("merge", "heads", "-m", "flask-idem 0003")
-    assert merge.exit_code == 0, merge.output
-    [merged] = [path for path in project.revisions() if path != own]  # in the project's own folder
-    [joined] = [line for line in merged.read_text().splitlines() if line.startswith("down_revision")]
-    assert own.name.split("_")[0] in joined and _layout.alembic_id(_layout.latest()) in joined
-    result = project.flask_db("upgrade")
-    assert result.exit_code == 0, result.output
-    with psycopg.connect(scratch) as conn:
-        assert layout_of(conn, "idempotency_keys") == _layout.latest()
-        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
-            (merged.name.split("_")[0],)
-        ]
-        if citus.ENABLED:
-            check_distributed(conn, "idempotency_keys")
-    replay = post_order(project, key)
-    assert (replay.status_code, replay.json) == (200, stored.json)
-    assert replay.headers["Idempotent-Replayed"] == "true"
-    assert post_order(project, str(uuid.uuid4())).status_code == 201
-    check = project.flask_db("check")
-    assert check.exit_code == 0, check.output
-
-
 def test_messages_name_plain_flask_db_upgrade(
     db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -331,15 +241,11 @@ def test_messages_name_plain_flask_db_upgrade(
     (the layout's messages, in a database that has an `alembic_version` table)."""
     with pytest.raises(psycopg.errors.UndefinedTable) as missing:
         db.execute("SELECT 1 FROM idempotency_keys_never_made")
-    with pytest.raises(ConfigurationError) as jobs:
-        _layout.check_jobs(_layout.Found(_layout.JOBS - 1, alembic=True), "idempotency_keys")
-    monkeypatch.setattr(_layout, "REQUIRED", 2)
+    monkeypatch.setattr(_layout, "latest", lambda: 2)  # a table a layout behind the code's
     messages = [
         _layout.problem(_layout.Found(None), "idempotency_keys"),
         _layout.problem(_layout.Found(None, alembic=True), "idempotency_keys"),
         _layout.problem(_layout.Found(1, alembic=True), "idempotency_keys"),
-        *_layout.warnings(_layout.Found(1, alembic=True), "idempotency_keys"),
-        str(jobs.value),
         _layout.comment(_layout.latest(), 1),
         errors.missing_table_hint(missing.value, "idempotency_keys_never_made"),
     ]
@@ -349,7 +255,8 @@ def test_messages_name_plain_flask_db_upgrade(
 
 
 def test_include_object_leaves_only_flask_idem_tables_out() -> None:
-    """The hook answers False for the key table (and its comment-marked kin), True for the rest."""
+    """The hook answers False for the key table, its partitions (and its comment-marked kin), True for
+    the rest."""
 
     class Reflected:
         def __init__(self, comment: str | None, schema: str | None = None) -> None:
@@ -360,6 +267,10 @@ def test_include_object_leaves_only_flask_idem_tables_out() -> None:
     assert hook(Reflected(None, "other"), "idempotency_keys", "table", True, None) is True
     assert hook(Reflected("flask-idem key table, layout 9"), "renamed", "table", True, None) is False
     assert hook(Reflected("orders of the shop"), "orders", "table", True, None) is True
+    for partition in ("idempotency_keys_p0", "idempotency_keys_p20260101000000", "idempotency_keys_t2026"):
+        assert hook(Reflected(None), partition, "table", True, None) is False
+        assert hook(Reflected(None, "other"), partition, "table", True, None) is True
+    assert hook(Reflected(None), "idempotency_keys_pending", "table", True, None) is True
     assert hook(Reflected(None), "idempotency_keys_expires_at_idx", "index", True, None) is True
 
 
@@ -448,25 +359,6 @@ def test_plain_alembic_without_flask_idem_revisions_is_refused(scratch: str, tmp
         assert conn.execute("SELECT to_regclass('alembic_version')").fetchone() == (None,)
 
 
-def transactions_of(script: str) -> list[str]:
-    """The shape of an offline script: its BEGIN and COMMIT, and the statements that must stand outside
-    a transaction (the concurrent index builds) or in one of their own (layout 4's steps)."""
-    marks = {
-        "BEGIN;": "BEGIN",
-        "COMMIT;": "COMMIT",
-        "CREATE UNIQUE INDEX CONCURRENTLY": "unique index",
-        "VALIDATE CONSTRAINT": "validate",
-        "ATTACH PARTITION": "attach",
-        "UPDATE alembic_version": "version",
-    }
-    return [
-        name
-        for line in script.splitlines()
-        for mark, name in marks.items()
-        if line.strip() == mark or mark[-1] != ";" and mark in line
-    ]
-
-
 def without_moments(found: dict[str, Any]) -> dict[str, Any]:
     """A catalog with its timestamps (the first partition's bound) written as ``T0``."""
     return {
@@ -477,39 +369,17 @@ def without_moments(found: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def test_offline_sql_upgrades_layout_3_to_4_when_run_by_psql(scratch: str, tmp_path: Path) -> None:
-    """`alembic upgrade flask_idem_0003:heads --sql` prints what a person runs with psql: each step of
-    layout 4 committed before the next (the unique index built between COMMIT and BEGIN), and nothing
-    escaped for a driver. Run so on a layout-3 table holding a key, it makes the layout 4 that `flask
-    idem migrate` makes (same catalog of the key table and of its first partition), Alembic's history
-    says flask_idem_0004, and the key replays."""
+def test_offline_sql_run_by_psql_makes_the_layout(scratch: str, tmp_path: Path) -> None:
+    """`alembic upgrade heads --sql` prints what a person runs with psql: one transaction, nothing built
+    concurrently, nothing escaped for a driver. Run so, it makes the layout that `flask idem migrate`
+    makes (same catalog of the key table, its first partition, its tombstones and its outbox), Alembic's
+    history says flask-idem's revision, and a key is stored and replays."""
     project = plain_project(tmp_path / "project")
-    made = alembic(project, scratch, "upgrade", _layout.alembic_id(3))
-    assert made.returncode == 0, made.stderr
-    with psycopg.connect(scratch, autocommit=True) as conn:
-        conn.execute(
-            "CREATE TABLE orders (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, org_id bigint NOT NULL,"
-            " note text NOT NULL)"
-        )
-    app, idem = checked_app(scratch)
-    key = str(uuid.uuid4())
-    try:
-        first = app.test_client().post("/orders", json={"note": "a"}, headers={"Idempotency-Key": key})
-        assert first.status_code == 201, first.json
-    finally:
-        with app.app_context():
-            idem.close()
-
-    offline = alembic(project, scratch, "upgrade", f"{_layout.alembic_id(3)}:heads", "--sql")
+    offline = alembic(project, scratch, "upgrade", "heads", "--sql")
     assert offline.returncode == 0, offline.stderr
-    assert transactions_of(offline.stdout) == [
-        *("BEGIN", "COMMIT"),  # the column, the NOT VALID checks, the tombstones' table
-        "unique index",
-        *("BEGIN", "validate", "validate", "COMMIT"),
-        *("BEGIN", "attach", "COMMIT"),  # and the layout recorded
-        *("BEGIN", "version", "COMMIT"),
-    ]
-    assert "%%" not in offline.stdout
+    lines = [line.strip() for line in offline.stdout.splitlines()]
+    assert lines.count("BEGIN;") == 1 and lines.count("COMMIT;") == 1
+    assert "CONCURRENTLY" not in offline.stdout and "%%" not in offline.stdout
     script = tmp_path / "upgrade.sql"
     script.write_text(offline.stdout)
     run = subprocess.run(
@@ -522,46 +392,40 @@ def test_offline_sql_upgrades_layout_3_to_4_when_run_by_psql(scratch: str, tmp_p
     assert run.returncode == 0, run.stderr
 
     _migrate.upgrade(scratch, table="reference_keys", distributed=citus.ENABLED)
-    with psycopg.connect(scratch) as conn:
+    with psycopg.connect(scratch, autocommit=True) as conn:
         assert layout_of(conn, "idempotency_keys") == _layout.latest()
-        for suffix in ("", "_p0"):
-            upgraded = without_moments(catalog(conn, "idempotency_keys" + suffix))
-            assert upgraded == without_moments(catalog(conn, "reference_keys" + suffix))
+        for suffix in ("", "_p0", "_tombstones", "_outbox"):
+            made = without_moments(catalog(conn, "idempotency_keys" + suffix))
+            assert made == without_moments(catalog(conn, "reference_keys" + suffix)), suffix
+        conn.execute(
+            "CREATE TABLE orders (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, org_id bigint NOT NULL,"
+            " note text NOT NULL)"
+        )
     current = alembic(project, scratch, "current")
-    assert current.stdout.split() == [_layout.alembic_id(4), "(head)"], current.stderr
+    assert current.stdout.split() == [_layout.alembic_id(_layout.latest()), "(head)"], current.stderr
     app, idem = checked_app(scratch)
+    key = str(uuid.uuid4())
     try:
+        first = app.test_client().post("/orders", json={"note": "a"}, headers={"Idempotency-Key": key})
         replay = app.test_client().post("/orders", json={"note": "a"}, headers={"Idempotency-Key": key})
     finally:
         with app.app_context():
             idem.close()
+    assert first.status_code == 201, first.json
     assert (replay.status_code, replay.json) == (200, first.json)
 
 
-def test_layout_4_is_not_downgraded(scratch: str, tmp_path: Path) -> None:
-    """`alembic downgrade` past flask_idem_0004, online or printed with --sql, refuses with what to do
-    instead, and changes nothing: the key table stays partitioned, in layout 4, and Alembic's history
-    at flask_idem_0004."""
+def test_downgrade_to_base_drops_the_tables(scratch: str, tmp_path: Path) -> None:
+    """`alembic downgrade base` undoes flask-idem's revision: its tables and its reserve function are
+    dropped, and `alembic upgrade heads` makes them again."""
     project = plain_project(tmp_path / "project")
-    upgraded = alembic(project, scratch, "upgrade", "heads")
-    assert upgraded.returncode == 0, upgraded.stderr
+    assert alembic(project, scratch, "upgrade", "heads").returncode == 0
+    down = alembic(project, scratch, "downgrade", "base")
+    assert down.returncode == 0, down.stderr
     with psycopg.connect(scratch) as conn:
-        before = catalog(conn, "idempotency_keys")
-    for args in (
-        ["downgrade", _layout.alembic_id(3)],
-        ["downgrade", "flask_idem_0004:flask_idem_0003", "--sql"],
-    ):
-        refused = alembic(project, scratch, *args)
-        assert refused.returncode != 0, refused.stdout
-        assert "flask-idem's layout 4 (flask_idem_0004) cannot be undone in place" in refused.stderr
-        assert "restore a backup taken before the upgrade" in refused.stderr
+        for suffix in ("", "_p0", "_tombstones", "_outbox"):
+            found = conn.execute("SELECT to_regclass(%s)", ("idempotency_keys" + suffix,)).fetchone()
+            assert found == (None,), suffix
+    assert alembic(project, scratch, "upgrade", "heads").returncode == 0
     with psycopg.connect(scratch) as conn:
-        assert layout_of(conn, "idempotency_keys") == 4
-        assert catalog(conn, "idempotency_keys") == before
-        kind = conn.execute(
-            "SELECT relkind FROM pg_class WHERE oid = 'idempotency_keys'::regclass"
-        ).fetchone()
-        assert kind == ("p",)
-        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
-            (_layout.alembic_id(4),)
-        ]
+        assert layout_of(conn, "idempotency_keys") == _layout.latest()

@@ -7,12 +7,11 @@ import re
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-import pytest
 from cryptography.fernet import Fernet
 from flask import Flask
 from psycopg import sql
@@ -20,9 +19,7 @@ from psycopg import sql
 from flask_idem import Idempotency, _partitions
 from flask_idem.cli import idem_cli
 
-from .support import citus
 from .support.helpers import close_pool
-from .support.layouts import create_first_release, drop
 from .support.partitions import holding, insert, passed_table
 from .support.servers import ROOT
 
@@ -36,38 +33,17 @@ def test_init_db_is_idempotent(app: Flask) -> None:
         assert "idempotency_keys is ready" in result.output
 
 
-@pytest.fixture(params=["layout-4", "layout-1"])
-def any_layout(
-    request: pytest.FixtureRequest, make_app: Callable[..., Flask], direct_database_url: str
-) -> Iterator[tuple[Flask, str]]:
-    """An application on the partitioned key table of layout 4 (the worker's), or on a table of the first
-    release's layout (``legacy_cli_keys``, dropped afterwards), and the table's name."""
-    if request.param == "layout-4":
-        yield make_app(), "idempotency_keys"
-        return
-    drop(direct_database_url, "legacy_cli_keys")
-    create_first_release(direct_database_url, "legacy_cli_keys", distributed=citus.ENABLED)
-    try:
-        yield make_app(IDEM_TABLE="legacy_cli_keys"), "legacy_cli_keys"
-    finally:
-        drop(direct_database_url, "legacy_cli_keys")
-
-
-def test_purge_reports_its_count(any_layout: tuple[Flask, str]) -> None:
-    """`flask idem purge` prints how many keys it removed and how many it turned into tombstones; on
-    layout 4, the partitions it dropped and made, the tombstones it wrote and the flagged rows it moved
-    (tests/test_cli.py::test_stats_shows_partitions_and_what_purge_waits_for has each count at work)."""
-    app, _ = any_layout
-    result = app.test_cli_runner().invoke(args=["idem", "purge", "--batch-size", "10"])
+def test_purge_reports_its_count(app: Flask) -> None:
+    """`flask idem purge` prints the partitions it dropped and made, the tombstones it wrote and the
+    flagged rows it moved (tests/test_cli.py::test_stats_shows_partitions_and_what_purge_waits_for has
+    each count at work)."""
+    result = app.test_cli_runner().invoke(args=["idem", "purge"])
     assert result.exit_code == 0, result.output
-    if app.config.get("IDEM_TABLE") is None:
-        assert re.fullmatch(
-            r"Dropped 0 partition\(s\), wrote 0 tombstone\(s\), moved 0 flagged row\(s\); made \d+"
-            r" partition\(s\) ahead.\n",
-            result.output,
-        ), result.output
-    else:
-        assert result.output == "Purged 0 expired key(s); 0 turned into tombstones.\n"
+    assert re.fullmatch(
+        r"Dropped 0 partition\(s\), wrote 0 tombstone\(s\), moved 0 flagged row\(s\); made \d+"
+        r" partition\(s\) ahead.\n",
+        result.output,
+    ), result.output
 
 
 def test_recover_and_stuck_with_nothing_to_do(app: Flask) -> None:
@@ -95,12 +71,10 @@ def test_unreachable_database_is_one_clean_message() -> None:
     assert "s3cr3t" not in result.output
 
 
-def test_stats_shows_the_table_at_a_glance(
-    any_layout: tuple[Flask, str], db: psycopg.Connection[Any]
-) -> None:
-    """`flask idem stats` counts rows by status and by flow and step, flagged and purgeable rows, and
-    names the oldest processing request; on layout 4 its partitions follow."""
-    app, table = any_layout
+def test_stats_shows_the_table_at_a_glance(app: Flask, db: psycopg.Connection[Any]) -> None:
+    """`flask idem stats` counts rows by status and by flow and step, flagged rows and tombstones, and
+    names the oldest processing request; its partitions follow."""
+    table = "idempotency_keys"
     stranded = uuid.uuid4()
     db.execute(
         sql.SQL(
@@ -124,11 +98,7 @@ def test_stats_shows_the_table_at_a_glance(
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert re.fullmatch(rf"Key table {table}: [\d.]+ kB with indexes \([\d.]+ kB of indexes\)", lines[0])
-    # Layout 4 retires passed partitions whole: no row waits for purge on its own.
-    waiting = (
-        [] if table == "idempotency_keys" else ["Waiting for purge: 1 to become tombstones, 0 to delete"]
-    )
-    end = 10 + len(waiting)
+    end = 10
     assert lines[1:end] == [
         "Rows by status:",
         "  completed             2",
@@ -139,7 +109,6 @@ def test_stats_shows_the_table_at_a_glance(
         "  shop.payments.create  processing   intent                    1",
         "Flagged for a person: 1",
         "Tombstones: 0",
-        *waiting,
     ]
     oldest = re.fullmatch(
         f"Oldest processing request: org=2 key={stranded} flow=shop.payments.create step=intent attempts=2"
@@ -148,22 +117,18 @@ def test_stats_shows_the_table_at_a_glance(
     )
     assert oldest is not None, lines[end]
     assert 299 <= int(oldest[1]) <= 400
-    if waiting:
-        assert len(lines) == end + 1
-        return
     assert lines[end + 1].startswith("Partitions of idempotency_keys: ")
     rows = sum(rows for *_, rows in partition_lines(result.output, "idempotency_keys"))
     assert rows == 4
 
 
-def test_stats_of_an_empty_table(any_layout: tuple[Flask, str]) -> None:
+def test_stats_of_an_empty_table(app: Flask) -> None:
     """On an empty table, stats says so line by line."""
-    app, _ = any_layout
     output = app.test_cli_runner().invoke(args=["idem", "stats"]).output
     assert "  (none)                0" in output
     assert "Multi-step rows" not in output
     assert "Oldest processing request: none\n" in output
-    assert ("Passed partitions waiting for purge" in output) == (app.config.get("IDEM_TABLE") is None)
+    assert "Passed partitions waiting for purge: none" in output
 
 
 def test_the_docs_table_lists_every_command() -> None:
@@ -236,7 +201,7 @@ def catalog_lines(
 def test_stats_shows_partitions_and_what_purge_waits_for(
     make_app: Callable[..., Flask], direct_database_url: str, db: psycopg.Connection[Any]
 ) -> None:
-    """On layout 4, stats lists both tables' partitions with their ranges and rows, the passed ones waiting
+    """Stats lists both tables' partitions with their ranges and rows, the passed ones waiting
     for purge and why (a multi-step request in progress keeps one), and warns, naming purge, while the key
     table has no partition ahead; purge makes them, and drops the passed one once the request finished."""
     with passed_table(direct_database_url, "stats_keys") as table:

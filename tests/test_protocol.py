@@ -238,14 +238,14 @@ def test_atomic_race_runs_the_work_once(
     make_app: Callable[..., Flask], db: psycopg.Connection[Any], isolation: str
 ) -> None:
     """Sixteen attempts at one key at once: one Final, the others in flight or replayed, one row written.
-    On the partitioned key table (layout 4) REPEATABLE READ is refused instead, before the work runs."""
+    On the partitioned key table REPEATABLE READ is refused instead, before the work runs."""
     if isolation == "repeatable read" and pgbouncer.ENABLED:
         pytest.skip("PgBouncer ignores the startup option that sets the isolation level")
     options = REPEATABLE_READ if isolation == "repeatable read" else {}
     app = make_app(IDEM_POOL_MAX_SIZE=20, IDEM_CONNECT_OPTIONS=options)
     state = get_state(app)
-    if isolation == "repeatable read" and state.store.partitioned:
-        # On the partitioned key table (layout 4) the unique index of one partition cannot refuse a key
+    if isolation == "repeatable read":
+        # On the partitioned key table the unique index of one partition cannot refuse a key
         # committed meanwhile in another: a transaction that keeps one snapshot is refused, naming why.
         with app.app_context(), pytest.raises(ConfigurationError, match="READ COMMITTED"):
             atomic(state, claim(uuid.uuid4()), never)

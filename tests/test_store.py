@@ -93,31 +93,6 @@ def test_lock_ids_differ_by_org_and_key() -> None:
     assert -(2**63) <= lock_id(-5, key) < 2**63
 
 
-def test_purge_removes_only_expired_finished_rows(store: Store, db: psycopg.Connection[Any]) -> None:
-    """Purge deletes expired completed and failed rows, never processing or flagged ones, in batches."""
-    rows = [
-        ("completed", "-1 hour", False),
-        ("completed", "-1 hour", False),
-        ("failed", "-1 hour", False),
-        ("completed", "+1 hour", False),
-        ("processing", "-1 hour", False),
-        ("failed", "-1 hour", True),
-    ]
-    for status, offset, flagged in rows:
-        db.execute(
-            "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, status, response,"
-            " expires_at, needs_attention, flow, lease_token)"
-            " VALUES (1, %s, %s, 'POST', '/x', %s, CASE WHEN %s <> 'processing' THEN '{}'::jsonb END,"
-            " now() + %s::interval, %s, 'f', gen_random_uuid())",
-            (uuid.uuid4(), SHA, status, status, offset, flagged),
-        )
-    assert store.purge(batch_size=2) == (3, 0)  # no tombstones: this store keeps none
-    left = db.execute(
-        "SELECT status, expires_at > now(), needs_attention FROM idempotency_keys ORDER BY 1, 2"
-    ).fetchall()
-    assert left == [("completed", True, False), ("failed", False, True), ("processing", False, False)]
-
-
 def test_claims_are_disjoint(store: Store, db: psycopg.Connection[Any]) -> None:
     """Two claimers at once never get the same stranded row."""
     for _ in range(6):

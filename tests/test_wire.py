@@ -355,11 +355,9 @@ def test_without_psycopg_internals_every_statement_goes_alone(
         )  # the layout check
         key = uuid.uuid4()
         fresh = traced(wire_app, lambda: post(wire_app, "/notes", key, {"body": "alone"}), tmp_path)
-        # BEGIN, (on the partitioned key table, the key's lock alone; on Citus, the key table's lock on
-        # the coordinator before the reserve function,) reservation, INSERT, completion, COMMIT.
-        store = get_state(wire_app).store
-        alone = 6 if store.partitioned or store.distributed else 5
-        assert fresh.count("ReadyForQuery") == alone, fresh
+        # BEGIN, the key's lock alone (on Citus, the key table's lock on the coordinator before the
+        # reserve function), reservation, INSERT, completion, COMMIT.
+        assert fresh.count("ReadyForQuery") == 6, fresh
         replay = post(wire_app, "/notes", key, {"body": "alone"})
         assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
         connect_twice(database_url)
