@@ -61,8 +61,8 @@ def test_no_duplicates_no_losses_while_partitions_roll() -> None:
     if citus.ENABLED:
         pytest.skip(
             "on Citus a partition is detached with a plain DETACH (Citus refuses CONCURRENTLY), which locks"
-            " the key table: not once a second under this load; layout 4 on Citus is tested in"
-            " test_citus.py, test_tombstones.py and test_upgrade_to_layout_4.py"
+            " the key table: not once a second under this load; partitions on Citus are tested in"
+            " test_citus.py and test_tombstones.py"
         )
     with tempfile.TemporaryDirectory(prefix="flask-idem-history-") as workdir:
         report = run(

@@ -34,7 +34,6 @@ from flask_idem.recovery import recover
 from .support import citus
 from .support.flow_app import Ledger, build_flow_app
 from .support.helpers import ROOT, close_pool, gunicorn, headers, wait_for
-from .support.layouts import create_first_release, drop
 from .support.notes_app import build_app, post
 from .support.partitions import insert, passed_table
 from .support.webhook_app import SCHEMA as HOOK_SCHEMA
@@ -219,15 +218,15 @@ def test_gauges_read_only_small_indexes(db: psycopg.Connection[Any], make_app: C
 
     statement = get_state(app).store._sql.state
     plan = json.dumps(db.execute(b"EXPLAIN (FORMAT JSON) " + statement).fetchone())
-    # No sequential scan of rows: on layout 4 the planner may scan a partition made ahead, empty and
+    # No sequential scan of rows: the planner may scan a partition made ahead, empty and
     # never analysed, rather than open its index; the partition holding the rows is read by index.
     scanned = re.findall(r'"Node Type": "Seq Scan", [^{}]*?"Relation Name": "([^"]+)"', plan)
     for relation in {unsharded(db, name) for name in scanned}:
         [(rows,)] = db.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(relation))).fetchall()
         assert rows == 0, (relation, plan)
     assert plan.count('"Seq Scan"') == len(scanned), plan
-    # Rows with a lease are in two small partial indexes (layout 2's due index has the lease index's
-    # predicate): either will do. On layout 4 they are the partitions' own indexes of those.
+    # Rows with a lease are in two small partial indexes (the due index has the lease index's
+    # predicate): either will do, as the partitions' own indexes of those.
     used = {unsharded(db, name) for name in re.findall(r'"Index Name": "([^"]+)"', plan)}
     predicates = {
         name: predicate
@@ -258,9 +257,8 @@ def test_partition_gauges(
     db: psycopg.Connection[Any],
     registry: CollectorRegistry,
 ) -> None:
-    """On layout 4 the gauges count both tables' partitions and their bytes, say how long the oldest has
-    waited for purge and when the newest ends, and flag it running out until purge makes partitions ahead;
-    a key table that is not partitioned has none of them."""
+    """The gauges count both tables' partitions and their bytes, say how long the oldest has waited for
+    purge and when the newest ends, and flag it running out until purge makes partitions ahead."""
     with passed_table(direct_database_url, "gauge_keys") as table:
         insert(db, table, "running", status="processing", response=None, flow="notes.transfer")
         app = make_app(IDEM_TABLE=table)
@@ -293,18 +291,6 @@ def test_partition_gauges(
         assert value(found, "flask_idem_partitions_oldest_passed_seconds", **tombstones) == 0
         assert value(found, "flask_idem_partitions_newest_end_seconds", table=table) >= 8 * 86400 - 60
         assert value(found, "flask_idem_partitions_running_out", table=table) == 0
-
-    drop(direct_database_url, "legacy_gauge_keys")
-    create_first_release(direct_database_url, "legacy_gauge_keys", distributed=citus.ENABLED)
-    try:
-        legacy = make_app(IDEM_TABLE="legacy_gauge_keys")
-        other = CollectorRegistry()
-        Metrics(legacy, registry=other)
-        found = scrape(other)
-    finally:
-        drop(direct_database_url, "legacy_gauge_keys")
-    assert value(found, "flask_idem_key_table_up", table="legacy_gauge_keys") == 1
-    assert not [name for name, _ in found if name.startswith("flask_idem_partitions")]
 
 
 def test_init_app_rules(make_app: Callable[..., Flask], registry: CollectorRegistry) -> None:

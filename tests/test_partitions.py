@@ -1,4 +1,4 @@
-"""The partitioned key table of layout 4 where it breaks: keys whose attempts straddle partition
+"""The partitioned key table where it breaks: keys whose attempts straddle partition
 boundaries, retention that drops partitions while requests run, and no partition for a key's expiry.
 
 Every test runs on a key table of its own (:data:`TABLE`), made by the migration with its first
@@ -48,8 +48,8 @@ from .support.partitions import insert_completed
 
 pytestmark = pytest.mark.skipif(
     citus.ENABLED,
-    reason="a local key table rolling partitions of a second: layout 4 on Citus is tested in test_citus.py,"
-    " test_tombstones.py and test_upgrade_to_layout_4.py",
+    reason="a local key table rolling partitions of a second: partitions on Citus are tested in"
+    " test_citus.py and test_tombstones.py",
 )
 
 #: The key table of these tests, apart from the suite's.

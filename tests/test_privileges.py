@@ -121,7 +121,7 @@ def test_recovery_and_maintenance_under_the_role(
     role_shop: Flask, gateway_url: str, db: psycopg.Connection[Any]
 ) -> None:
     """`flask idem recover`, `stuck` and `stats` run under the role: a stranded payment is finished
-    through the gateway. `purge` changes partitions of the key table (layout 4): under the role it exits
+    through the gateway. `purge` changes partitions of the key table: under the role it exits
     1 saying to run it as the tables' owner."""
     client = role_shop.test_client()
     with role_shop.app_context():

@@ -1,16 +1,13 @@
 """A late retry is not a new order: past retention a key leaves a tombstone, and a retry finding one
 is never run again (303 to the first answer's Location, or 410).
 
-Both retentions of this release are tested: the row-wise purge of a key table in layout 3 (which this
-release still runs on), and layout 4's, which drops whole partitions of the key table after writing
-compact tombstones into ``<table>_tombstones`` (:func:`flask_idem._partitions.maintain`, what
-``flask idem purge`` runs there).
+Purge drops whole partitions of the key table after writing compact tombstones into
+``<table>_tombstones`` (:func:`flask_idem._partitions.maintain`, what ``flask idem purge`` runs).
 
-No test waits for time to pass. On layout 3 the rows' ``expires_at`` moves back instead: the database's
-clock is the only one that counts (``docs/retention.rst``), and moving the row is moving that clock for
-it. On layout 4 a row cannot move back (no partition holds the past), so ``maintain`` runs with a fake
-clock ahead of the database's, on a key table of its own: the partitions it retires are that table's,
-never those of the worker's shared ``idempotency_keys``.
+No test waits for time to pass. ``maintain`` runs with a fake clock ahead of the database's, on a key
+table of its own: the partitions it retires are that table's, never those of the worker's shared
+``idempotency_keys``. Before purge, a row's ``expires_at`` moved back in the first partition stands for
+the database's clock going forward (the only one that counts, ``docs/retention.rst``).
 """
 
 from __future__ import annotations
@@ -39,12 +36,10 @@ from .support.partitions import holding
 
 DAY = 24 * 3600
 
-#: A key table kept at layout 3 (row-wise purge), for this module.
-LAYOUT3 = "layout3_keys"
-#: A partitioned key table (layout 4), made afresh for each test that retires its partitions.
-LAYOUT4 = "layout4_keys"
+#: A key table made afresh for each test that retires its partitions.
+OWN = "retired_keys"
 
-#: Layout 4's settings here: partitions of ten minutes, kept ten minutes, remembered an hour more.
+#: The settings here: partitions of ten minutes, kept ten minutes, remembered an hour more.
 #: A retry of the same key written later (``LONG_TTL``) expires past every fake clock below, in a
 #: partition none of them retires: the application writes on the database's clock.
 INTERVAL = 600.0
@@ -63,161 +58,31 @@ def query(db: psycopg.Connection[Any], template: str, table: str, *params: Any) 
     return db.execute(sql.SQL(template).format(identifier(table)), params).fetchall()
 
 
-# Layout 3: the row-wise purge.
-
-
-@pytest.fixture(scope="module")
-def layout3_keys(database_url: str, direct_database_url: str) -> Iterator[str]:
-    """A key table upgraded to layout 3 and no further, dropped after the module."""
-    drop(direct_database_url, LAYOUT3)
-    report = _migrate.upgrade(direct_database_url, table=LAYOUT3, distributed=citus.ENABLED, to=3)
-    assert report.after == 3
-    yield LAYOUT3
-    drop(direct_database_url, LAYOUT3)
-
-
-@pytest.fixture
-def make_app3(make_app: Callable[..., Flask], layout3_keys: str) -> Callable[..., Flask]:
-    """The notes app on the key table of layout 3."""
-    return lambda **config: make_app(IDEM_TABLE=layout3_keys, **config)
-
-
-def purge(app: Flask) -> tuple[int, int]:
-    with app.app_context():
-        state = get_state()
-        state.check_layout()
-        assert not state.store.partitioned
-        return state.store.purge(batch_size=2)
-
-
-def test_late_retry_is_sent_to_the_result_through_both_periods(
-    make_app3: Callable[..., Flask], db: psycopg.Connection[Any]
+def test_a_row_past_retention_answers_as_its_tombstone_until_its_partition_is_dropped(
+    make_app: Callable[..., Flask], db: psycopg.Connection[Any]
 ) -> None:
-    """Retention, then the tombstone, then neither: 201, 303 before and after purge, then new."""
-    app = make_app3(IDEM_KEY_TTL=3600, IDEM_TOMBSTONE_TTL=30 * DAY)
+    """Before purge drops its partition, a row past retention answers as its tombstone would (303 to the
+    first answer's Location, nothing run again); past the tombstone's period too, the key is new. Its
+    expires_at moved back in the first partition (which takes every moment before its bound) stands for
+    the database's clock going forward."""
+    app = make_app(IDEM_KEY_TTL=3600, IDEM_TOMBSTONE_TTL=30 * DAY)
     key = uuid.uuid4()
     first = post(app, "/notes", key, {"body": "a"})
     assert first.status_code == 201
-    age(db, "1 hour 1 second", LAYOUT3)  # the stored response has expired, the purge has not run yet
+    age(db, "1 hour 1 second")
     late = post(app, "/notes", key, {"body": "a"})
-    assert late.status_code == 303
-    assert late.headers["Location"] == first.headers["Location"]
+    assert (late.status_code, late.headers["Location"]) == (303, first.headers["Location"])
+    assert post(app, "/notes", key, {"body": "changed"}).status_code == 422
     assert count(db, "notes") == 1
-
-    assert purge(app) == (0, 1)
-    assert query(db, "SELECT response FROM {}", LAYOUT3) == [
-        ({"tombstone": True, "status": 201, "headers": [["Location", first.headers["Location"]]]},)
-    ]
-    again = post(app, "/notes", key, {"body": "a"})
-    assert (again.status_code, again.headers["Location"]) == (303, first.headers["Location"])
-    assert count(db, "notes") == 1
-
-    age(db, "29 days 23 hours", LAYOUT3)  # still inside the tombstone's period
-    assert purge(app) == (0, 0)
-    assert post(app, "/notes", key, {"body": "a"}).status_code == 303
-    age(db, "2 hours", LAYOUT3)  # past it
-    assert purge(app) == (1, 0)
+    age(db, "30 days")
     # The key is new again: any request with it runs (notes' bodies are unique, hence "b").
     assert post(app, "/notes", key, {"body": "b"}).status_code == 201
     assert count(db, "notes") == 2
 
 
-def test_changed_request_on_a_tombstone_is_refused(
-    make_app3: Callable[..., Flask], db: psycopg.Connection[Any]
-) -> None:
-    """A different request with a tombstoned key is 422, as with a live one, and writes nothing."""
-    app = make_app3(IDEM_KEY_TTL=60)
-    key = uuid.uuid4()
-    assert post(app, "/notes", key, {"body": "a"}).status_code == 201
-    age(db, "61 seconds", LAYOUT3)
-    assert purge(app) == (0, 1)
-    changed = post(app, "/notes", key, {"body": "b"})
-    assert changed.status_code == 422
-    assert changed.content_type == PROBLEM_JSON
-    assert changed.json["retention"] == {"response_seconds": 60.0, "tombstone_seconds": 30.0 * DAY}
-    assert count(db, "notes") == 1
-
-
-def test_tombstone_without_location_is_gone(
-    make_app3: Callable[..., Flask], db: psycopg.Connection[Any]
-) -> None:
-    """A first answer without Location leaves a 410 problem: the operation happened and will not again."""
-    app = make_app3()
-    key = uuid.uuid4()
-    assert post(app, "/notes/replayable", key, {"body": "a"}).status_code == 201
-    age(db, "1 day 1 second", LAYOUT3)
-    gone = post(app, "/notes/replayable", key, {"body": "a"})
-    assert gone.status_code == 410
-    assert gone.content_type == PROBLEM_JSON
-    assert gone.json["type"] == "urn:flask-idem:problem:key-expired"
-    assert "new key" in gone.json["detail"]
-    assert count(db, "notes") == 1
-
-
-def test_tombstone_keeps_no_body_and_no_other_header(
-    make_app3: Callable[..., Flask], db: psycopg.Connection[Any]
-) -> None:
-    """The tombstone holds the status and Location only, and takes a fraction of the row's room."""
-    app = make_app3()
-    assert post(app, "/notes", uuid.uuid4(), {"body": "a"}).status_code == 201
-    [(before,)] = query(db, "SELECT pg_column_size(k.*) FROM {} AS k", LAYOUT3)
-    age(db, "1 day 1 second", LAYOUT3)
-    assert purge(app) == (0, 1)
-    [(response, after)] = query(db, "SELECT response, pg_column_size(k.*) FROM {} AS k", LAYOUT3)
-    assert set(response) == {"tombstone", "status", "headers"}
-    assert [name for name, _ in response["headers"]] == ["Location"]
-    print(f"layout 3 row: {before} bytes with its response, {after} bytes as a tombstone")
-    assert after < before
-
-
-def test_zero_tombstone_period_restores_forgetting(
-    make_app3: Callable[..., Flask], db: psycopg.Connection[Any]
-) -> None:
-    """IDEM_TOMBSTONE_TTL = 0: past retention the key is new again, and purge deletes the row."""
-    app = make_app3(IDEM_TOMBSTONE_TTL=0)
-    key = uuid.uuid4()
-    assert post(app, "/notes", key, {"body": "a"}).status_code == 201
-    age(db, "1 day 1 second", LAYOUT3)
-    assert purge(app) == (1, 0)
-    assert post(app, "/notes", key, {"body": "b"}).status_code == 201
-    assert count(db, "notes") == 2
-
-
-def test_purge_skips_locked_rows_instead_of_waiting(
-    make_app3: Callable[..., Flask], db: psycopg.Connection[Any], direct_database_url: str
-) -> None:
-    """A row another transaction holds is passed over (SKIP LOCKED): purge never waits for a writer."""
-    app = make_app3()
-    keys = [uuid.uuid4() for _ in range(3)]
-    for i, key in enumerate(keys):
-        assert post(app, "/notes", key, {"body": str(i)}).status_code == 201
-    age(db, "1 day 1 second", LAYOUT3)
-    with psycopg.connect(direct_database_url) as other:  # a transaction holding one row's lock
-        [(org_id,)] = query(db, "SELECT org_id FROM {} WHERE idem_key = %s", LAYOUT3, keys[0])
-        other.execute(  # with its org_id, as a row lock on Citus must name the shard
-            sql.SQL("SELECT 1 FROM {} WHERE org_id = %s AND idem_key = %s FOR UPDATE").format(
-                identifier(LAYOUT3)
-            ),
-            (org_id, keys[0]),
-        )
-        other.execute("SET LOCAL lock_timeout = '10s'")
-        with psycopg.connect(direct_database_url, autocommit=True) as watcher:
-            watcher.execute("SET lock_timeout = '2s'")  # purge below would fail, not hang, on a wait
-        assert purge(app) == (0, 2)
-        other.rollback()
-    assert purge(app) == (0, 1)
-
-
-@pytest.mark.parametrize("layout", [3, 4], ids=["layout3", "layout4"])
-def test_conflict_publishes_the_retention_policy(
-    layout: int,
-    make_app: Callable[..., Flask],
-    layout3_keys: str,
-    db: psycopg.Connection[Any],
-) -> None:
+def test_conflict_publishes_the_retention_policy(make_app: Callable[..., Flask]) -> None:
     """A 409's problem details state how long answers and tombstones are kept, in seconds."""
-    table = layout3_keys if layout == 3 else "idempotency_keys"  # the worker's table is at layout 4
-    app = make_app(IDEM_TABLE=table, IDEM_KEY_TTL=7200, IDEM_TOMBSTONE_TTL=DAY)
+    app = make_app(IDEM_KEY_TTL=7200, IDEM_TOMBSTONE_TTL=DAY)
     key = uuid.uuid4()
     entered, release = threading.Event(), threading.Event()
     app.config.update(ENTERED=entered, RELEASE=release)
@@ -231,41 +96,35 @@ def test_conflict_publishes_the_retention_policy(
         thread.join(15)
     assert conflict.status_code == 409
     assert conflict.json["retention"] == {"response_seconds": 7200.0, "tombstone_seconds": float(DAY)}
-    with app.app_context():
-        assert get_state().store.partitioned == (layout == 4)
 
 
-# Layout 4: partitions dropped whole, compact tombstones.
+# Partitions dropped whole, compact tombstones.
 
 
 @pytest.fixture
-def layout4_keys(database_url: str, direct_database_url: str) -> Iterator[str]:
-    """A partitioned key table of its own (layout 4), with partitions of ``INTERVAL`` made ahead for
-    every key the tests write; dropped afterwards.
-
-    Its first partition (the one an upgrade from layout 3 makes, here empty) ends at the upgrade:
-    ``horizon`` 0.
-    """
-    drop(direct_database_url, LAYOUT4)
-    _migrate.upgrade(direct_database_url, table=LAYOUT4, distributed=citus.ENABLED, horizon=0)
+def own_keys(database_url: str, direct_database_url: str) -> Iterator[str]:
+    """A key table of its own, with partitions of ``INTERVAL`` made ahead for every key the tests write;
+    dropped afterwards. Its first partition ends as it is made: ``horizon`` 0."""
+    drop(direct_database_url, OWN)
+    _migrate.upgrade(direct_database_url, table=OWN, distributed=citus.ENABLED, horizon=0)
     _partitions.maintain(
         direct_database_url,
-        table=LAYOUT4,
+        table=OWN,
         interval=INTERVAL,
         horizon=LONG_TTL + AHEAD,
         tombstone_ttl=TOMBSTONE_TTL,
     )
-    yield LAYOUT4
-    drop(direct_database_url, LAYOUT4)
+    yield OWN
+    drop(direct_database_url, OWN)
 
 
 @pytest.fixture
-def make_app4(make_app: Callable[..., Flask], layout4_keys: str) -> Callable[..., Flask]:
-    """The notes app on the partitioned key table, with layout 4's settings of this module."""
+def make_own_app(make_app: Callable[..., Flask], own_keys: str) -> Callable[..., Flask]:
+    """The notes app on the key table of its own, with the partition settings of this module."""
 
     def make(**config: Any) -> Flask:
         settings = {
-            "IDEM_TABLE": layout4_keys,
+            "IDEM_TABLE": own_keys,
             "IDEM_KEY_TTL": KEY_TTL,
             "IDEM_TOMBSTONE_TTL": TOMBSTONE_TTL,
             "IDEM_PARTITION_INTERVAL": INTERVAL,
@@ -277,13 +136,12 @@ def make_app4(make_app: Callable[..., Flask], layout4_keys: str) -> Callable[...
 
 
 def maintain(app: Flask, at: datetime) -> _partitions.RetentionReport:
-    """What ``flask idem purge`` runs for ``app`` on layout 4 (as :func:`flask_idem.cli.purge` calls it,
+    """What ``flask idem purge`` runs for ``app`` (as :func:`flask_idem.cli.purge` calls it,
     on the application's URL), with the clock at ``at``."""
     state = get_state(app)
     settings = state.settings
     with app.app_context():
         state.check_layout()
-    assert state.store.partitioned
     return _partitions.maintain(
         settings.database_url,
         table=settings.table,
@@ -298,8 +156,8 @@ def maintain(app: Flask, at: datetime) -> _partitions.RetentionReport:
 
 def holder(db: psycopg.Connection[Any], key: uuid.UUID) -> _partitions.Partition:
     """The partition of the key table holding ``key``'s row."""
-    [(expires_at,)] = query(db, "SELECT expires_at FROM {} WHERE idem_key = %s", LAYOUT4, key)
-    return holding(db, LAYOUT4, expires_at)
+    [(expires_at,)] = query(db, "SELECT expires_at FROM {} WHERE idem_key = %s", OWN, key)
+    return holding(db, OWN, expires_at)
 
 
 def retired(*parts: _partitions.Partition) -> datetime:
@@ -314,11 +172,11 @@ def names(db: psycopg.Connection[Any], parent: str) -> set[str]:
 
 
 def test_dropped_partition_answers_from_its_compact_tombstones(
-    make_app4: Callable[..., Flask], db: psycopg.Connection[Any]
+    make_own_app: Callable[..., Flask], db: psycopg.Connection[Any]
 ) -> None:
     """Once the partition holding the keys is dropped, a retry is 303 to the first answer's Location,
     or 410 when it had none, from the compact tombstones, and nothing runs again."""
-    app = make_app4()
+    app = make_own_app()
     located, bare = uuid.uuid4(), uuid.uuid4()
     first = post(app, "/notes", located, {"body": "a"})
     assert first.status_code == 201
@@ -327,9 +185,9 @@ def test_dropped_partition_answers_from_its_compact_tombstones(
 
     report = maintain(app, retired(*parts))
     assert {part.name for part in parts} <= set(report.dropped)
-    assert not {part.name for part in parts} & names(db, LAYOUT4)
+    assert not {part.name for part in parts} & names(db, OWN)
     assert report.tombstoned == 2
-    assert query(db, "SELECT count(*) FROM {}", LAYOUT4) == [(0,)]
+    assert query(db, "SELECT count(*) FROM {}", OWN) == [(0,)]
 
     late = post(app, "/notes", located, {"body": "a"})
     assert (late.status_code, late.headers["Location"]) == (303, first.headers["Location"])
@@ -341,10 +199,10 @@ def test_dropped_partition_answers_from_its_compact_tombstones(
 
 
 def test_changed_request_on_a_compact_tombstone_is_refused(
-    make_app4: Callable[..., Flask], db: psycopg.Connection[Any]
+    make_own_app: Callable[..., Flask], db: psycopg.Connection[Any]
 ) -> None:
     """A different request with a key whose partition was dropped is 422, and writes nothing."""
-    app = make_app4()
+    app = make_own_app()
     key = uuid.uuid4()
     assert post(app, "/notes", key, {"body": "a"}).status_code == 201
     assert maintain(app, retired(holder(db, key))).tombstoned == 1
@@ -373,23 +231,23 @@ def entry_bytes(db: psycopg.Connection[Any], relation: str) -> int:
 
 
 def test_compact_tombstone_keeps_status_and_location_only(
-    make_app4: Callable[..., Flask], db: psycopg.Connection[Any]
+    make_own_app: Callable[..., Flask], db: psycopg.Connection[Any]
 ) -> None:
     """The compact tombstone holds the fingerprint, status and Location, no body and no other header,
     and takes under a third of the room of the row it replaces (under half, index entries included)."""
-    app = make_app4()
+    app = make_own_app()
     key = uuid.uuid4()
     first = post(app, "/notes", key, {"body": "a"})
     assert first.status_code == 201
     part = holder(db, key)
     [(row, response, sha, expires_at)] = query(
-        db, "SELECT pg_column_size(k.*), response, request_sha, expires_at FROM {} AS k", LAYOUT4
+        db, "SELECT pg_column_size(k.*), response, request_sha, expires_at FROM {} AS k", OWN
     )
     assert response["body"] is not None  # what the tombstone leaves behind
     full = row + entry_bytes(db, part.name)
 
     assert maintain(app, retired(part)).tombstoned == 1
-    tombstones = f"{LAYOUT4}_tombstones"
+    tombstones = f"{OWN}_tombstones"
     with db.cursor(row_factory=psycopg.rows.dict_row) as cursor:
         [stone] = cursor.execute(
             sql.SQL("SELECT t.*, pg_column_size(t.*) AS size FROM {} AS t").format(identifier(tombstones))
@@ -417,35 +275,35 @@ def test_compact_tombstone_keeps_status_and_location_only(
 
 
 def test_zero_tombstone_period_writes_none(
-    make_app4: Callable[..., Flask], db: psycopg.Connection[Any]
+    make_own_app: Callable[..., Flask], db: psycopg.Connection[Any]
 ) -> None:
     """IDEM_TOMBSTONE_TTL = 0: the dropped partition leaves no tombstone, and the key is new again."""
-    app = make_app4(IDEM_TOMBSTONE_TTL=0)
+    app = make_own_app(IDEM_TOMBSTONE_TTL=0)
     key = uuid.uuid4()
     assert post(app, "/notes", key, {"body": "a"}).status_code == 201
     part = holder(db, key)
     report = maintain(app, retired(part))
     assert part.name in report.dropped
     assert report.tombstoned == 0
-    assert query(db, "SELECT count(*) FROM {}", f"{LAYOUT4}_tombstones") == [(0,)]
-    later = make_app4(IDEM_TOMBSTONE_TTL=0, IDEM_KEY_TTL=LONG_TTL)
+    assert query(db, "SELECT count(*) FROM {}", f"{OWN}_tombstones") == [(0,)]
+    later = make_own_app(IDEM_TOMBSTONE_TTL=0, IDEM_KEY_TTL=LONG_TTL)
     assert post(later, "/notes", key, {"body": "b"}).status_code == 201
     assert count(db, "notes") == 2
 
 
 def test_tombstone_partitions_past_their_range_are_dropped(
-    make_app4: Callable[..., Flask], db: psycopg.Connection[Any]
+    make_own_app: Callable[..., Flask], db: psycopg.Connection[Any]
 ) -> None:
     """Retention, then the compact tombstone, then neither: 201, 303 once the key's partition is
     dropped, and a new key once the tombstone's partition is dropped too."""
-    app = make_app4()
+    app = make_own_app()
     key = uuid.uuid4()
     first = post(app, "/notes", key, {"body": "a"})
     assert first.status_code == 201
     assert maintain(app, retired(holder(db, key))).tombstoned == 1
     assert post(app, "/notes", key, {"body": "a"}).headers["Location"] == first.headers["Location"]
 
-    tombstones = f"{LAYOUT4}_tombstones"
+    tombstones = f"{OWN}_tombstones"
     [(until,)] = query(db, "SELECT expires_at FROM {}", tombstones)
     stone_part = holding(db, tombstones, until)
     partition = stone_part.name
@@ -459,49 +317,47 @@ def test_tombstone_partitions_past_their_range_are_dropped(
     assert partition not in names(db, tombstones)
     # The key is new again (notes' bodies are unique, hence "b"); written now, it expires after the
     # fake clock's partitions, in one that is live.
-    later = make_app4(IDEM_KEY_TTL=LONG_TTL)
+    later = make_own_app(IDEM_KEY_TTL=LONG_TTL)
     assert post(later, "/notes", key, {"body": "b"}).status_code == 201
     assert count(db, "notes") == 2
 
 
 def test_partition_retired_past_the_tombstone_period_leaves_none(
-    make_app4: Callable[..., Flask], db: psycopg.Connection[Any]
+    make_own_app: Callable[..., Flask], db: psycopg.Connection[Any]
 ) -> None:
     """A partition retired only once its keys' tombstone period too has passed, by the clock that
     retires it, writes no tombstone: the key is new again."""
-    app = make_app4()
+    app = make_own_app()
     key = uuid.uuid4()
     assert post(app, "/notes", key, {"body": "a"}).status_code == 201
     part = holder(db, key)
-    [(expires_at,)] = query(db, "SELECT expires_at FROM {}", LAYOUT4)
+    [(expires_at,)] = query(db, "SELECT expires_at FROM {}", OWN)
     at = expires_at + timedelta(seconds=TOMBSTONE_TTL)
     assert at >= retired(part)
     report = maintain(app, at)
     assert part.name in report.dropped
     assert report.tombstoned == 0
-    assert query(db, "SELECT count(*) FROM {}", f"{LAYOUT4}_tombstones") == [(0,)]
-    later = make_app4(IDEM_KEY_TTL=LONG_TTL)
+    assert query(db, "SELECT count(*) FROM {}", f"{OWN}_tombstones") == [(0,)]
+    later = make_own_app(IDEM_KEY_TTL=LONG_TTL)
     assert post(later, "/notes", key, {"body": "b"}).status_code == 201
     assert count(db, "notes") == 2
 
 
 def test_flagged_row_moves_ahead_of_the_clock(
-    make_app4: Callable[..., Flask], db: psycopg.Connection[Any]
+    make_own_app: Callable[..., Flask], db: psycopg.Connection[Any]
 ) -> None:
     """A row flagged for a person leaves its retired partition for one live by the clock that retired
     it, in one move, and keeps its response."""
-    app = make_app4()
+    app = make_own_app()
     key = uuid.uuid4()
     assert post(app, "/notes", key, {"body": "a"}).status_code == 201
-    query(db, "UPDATE {} SET needs_attention = true RETURNING 1", LAYOUT4)
+    query(db, "UPDATE {} SET needs_attention = true RETURNING 1", OWN)
     part = holder(db, key)
     at = retired(part)
     report = maintain(app, at)
     assert part.name in report.dropped
     assert (report.moved, report.tombstoned) == (1, 0)
-    [(expires_at, flagged, response)] = query(
-        db, "SELECT expires_at, needs_attention, response FROM {}", LAYOUT4
-    )
+    [(expires_at, flagged, response)] = query(db, "SELECT expires_at, needs_attention, response FROM {}", OWN)
     assert flagged and response["status"] == 201
     assert expires_at >= at + timedelta(seconds=2 * INTERVAL)
-    assert holder(db, key).name in names(db, LAYOUT4)
+    assert holder(db, key).name in names(db, OWN)

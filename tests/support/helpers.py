@@ -77,8 +77,8 @@ def app_factory(build: Callable[..., Flask]) -> Iterator[Callable[..., Flask]]:
 def age(db: psycopg.Connection[Any], interval: str, table: str = "idempotency_keys") -> None:
     """Move every row of key table ``table`` ``interval`` into the past, as if that much time had gone by.
 
-    Not on a partitioned key table (layout 4): its rows would move to partitions of the past, which do
-    not exist; time passes there for :func:`flask_idem._partitions.maintain`, by its fake clock.
+    The rows move to the first partition (``<table>_p0``, which takes every moment before its bound)
+    while it is there; time passes for :func:`flask_idem._partitions.maintain` by its fake clock.
     """
     # In epoch seconds: Citus refuses a STABLE function (timestamptz - interval) on a column in an UPDATE.
     db.execute(

@@ -1,7 +1,7 @@
-"""A partitioned key table (layout 4) of a test's own whose first partition's range has already passed.
+"""A key table of a test's own whose first partition's range has already passed.
 
-The upgrade to layout 4 attaches the old table as the first partition, ``<table>_p0``, for every
-``expires_at`` below ``now() + horizon``; a negative horizon puts that bound in the past, so that a test
+The layout's first partition, ``<table>_p0``, takes every ``expires_at`` below ``now() + horizon``; a
+negative horizon puts that bound in the past, so that a test
 can write rows into a partition whose range has passed (``expires_at`` below the bound) without waiting
 for the clock, and see what ``flask idem stats``, the metrics and ``flask idem purge`` make of them.
 """
