@@ -1,22 +1,22 @@
-"""What a key's lookup costs PostgreSQL, by layout and by the partitions it reads; prints two tables.
+"""What a key's lookup costs PostgreSQL, by the partitions it reads; prints two tables.
 
     uv run python bench/lookup.py               # 20,000 transactions a statement and round
     uv run python bench/lookup.py --quick       # 2,000 (a few seconds)
 
-Issue 32 asks that replays cost no more on the partitioned key table (layout 4) than on layout 3.
-``before.py`` measures that through the shop, where a difference of a few per cent is near the
-method's error; this script measures the statements themselves, in the server, where it is not. The
+How much each partition a lookup reads costs the server. ``before.py`` measures requests through the
+shop, where a difference of a few per cent is near the method's error; this script measures the
+statements themselves, in the server, where it is not. The
 statements are this checkout's own (``flask_idem._store``), for each table as the store composes them:
-the key's lock (``lock``), then its lookup (``lookup``: on layout 4, the key's row in every partition,
+the key's lock (``lock``), then its lookup (``lookup``: the key's row in every partition,
 else its live compact tombstone), for a key that has a row (a replay) and for one that has none (a fresh
 key); and a fresh key written: the lock, the lookup and the completed row's ``INSERT``
 (``insert_completed``), then ``COMMIT`` (``synchronous_commit`` off: not the disk's flush). Tables, each
 with the same 1000 finished keys, expiring in a day:
 
-- layout 3, made by ``flask_idem._migrate.upgrade(to=3)``: one table;
-- layout 4 as ``flask idem migrate`` makes it, and as ``flask idem purge`` keeps it at the defaults
-  (daily partitions, a spare, tombstones in quarters of 30 days; ``bench.harness.daily_table``), and
-  the same with ``IDEM_PARTITION_AHEAD=0`` (no spare: a partition per day, 8 days ahead);
+- the key table as ``flask idem migrate`` makes it (one partition), and as ``flask idem purge`` keeps
+  it at the defaults (daily partitions, a spare, tombstones in quarters of 30 days;
+  ``bench.harness.daily_table``), and the same with ``IDEM_PARTITION_AHEAD=0`` (no spare: a partition
+  per day, 8 days ahead);
 - a variant not used by flask-idem, on the daily table: the tombstones read through a PL/pgSQL function,
   which runs its query only when the key table has no row, so that a replay does not open the
   tombstones' partitions and a fresh key pays for the function call.
@@ -78,12 +78,11 @@ VARIABLES = {
 class Case:
     label: str
     table: str
-    layout: int
     lookup: str = ""  # the lookup statement, when not the store's own (the variant)
 
     def statements(self) -> tuple[str, str, str]:
         """The lock, the lookup and a fresh key's completed row, as the store runs them on this table."""
-        q = _Statements(self.table, partitioned=self.layout >= 4)
+        q = _Statements(self.table)
         return q.lock.decode(), self.lookup or q.lookup.decode(), q.insert_completed.decode()
 
 
@@ -102,7 +101,7 @@ def main() -> None:
         )
         cases = _tables(url)
         with psycopg.connect(url, autocommit=True) as conn:
-            keys = [row[0] for row in conn.execute("SELECT idem_key FROM keys_l3 ORDER BY idem_key")]
+            keys = [row[0] for row in conn.execute("SELECT idem_key FROM keys_l4 ORDER BY idem_key")]
             shapes = {case.label: _partitions(conn, case.table) for case in cases}
             for case in cases:
                 _procedures(conn, case)
@@ -128,42 +127,40 @@ def main() -> None:
 def _tables(url: str) -> list[Case]:
     """The key tables measured, made by this checkout's migration, each with the same finished keys."""
     quiet: Callable[[str], None] = lambda _: None  # noqa: E731
-    upgrade(url, table="keys_l3", to=3, echo=quiet)
     upgrade(url, table="keys_l4", echo=quiet)
     daily_table(url, "keys_daily")
     daily_table(url, "keys_days", ahead=0.0)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
-            "INSERT INTO keys_l3 (org_id, idem_key, request_sha, method, path, status, response,"
+            "INSERT INTO keys_l4 (org_id, idem_key, request_sha, method, path, status, response,"
             " expires_at) SELECT 1, gen_random_uuid(), sha256(g::text::bytea), 'POST', '/orders',"
             ' \'completed\', \'{"status": 201, "headers": [], "body": "{}"}\','
             " statement_timestamp() + interval '1 day'"
             " FROM generate_series(1, %s) AS g",
             (KEYS,),
         )
-        for table in ("keys_l4", "keys_daily", "keys_days"):
+        for table in ("keys_daily", "keys_days"):
             conn.execute(
                 sql.SQL(
                     "INSERT INTO {} (org_id, idem_key, request_sha, method, path, status, response,"
                     " expires_at) SELECT org_id, idem_key, request_sha, method, path, status, response,"
-                    " statement_timestamp() + interval '1 day' FROM keys_l3"
+                    " statement_timestamp() + interval '1 day' FROM keys_l4"
                 ).format(sql.Identifier(table))
             )
         conn.execute("VACUUM ANALYZE")
         variant = _lazy_tombstones(conn, "keys_daily")
     return [
-        Case("layout 3", "keys_l3", 3),
-        Case("layout 4, as migrated", "keys_l4", 4),
-        Case("layout 4, daily, as purge keeps it", "keys_daily", 4),
-        Case("layout 4, daily, no spare (IDEM_PARTITION_AHEAD=0)", "keys_days", 4),
-        Case("variant: daily, tombstones through a function", "keys_daily", 4, variant),
+        Case("as migrated", "keys_l4"),
+        Case("daily, as purge keeps it", "keys_daily"),
+        Case("daily, no spare (IDEM_PARTITION_AHEAD=0)", "keys_days"),
+        Case("variant: daily, tombstones through a function", "keys_daily", variant),
     ]
 
 
 def _lazy_tombstones(conn: psycopg.Connection[tuple[object, ...]], table: str) -> str:
     """The variant's lookup on ``table``: the store's, its tombstones' branch moved into a PL/pgSQL
     function (created here), which the outer statement calls only when the key table had no row."""
-    lookup = _Statements(table, partitioned=True).lookup.decode()
+    lookup = _Statements(table).lookup.decode()
     keys, tombstones = lookup.split(" UNION ALL ")
     assert tombstones.endswith(" LIMIT 1) LIMIT 1) AS f"), "the lookup's shape changed"
     query = tombstones.removeprefix("(").removesuffix(") LIMIT 1) AS f")
@@ -216,7 +213,7 @@ def _procedure(name: str, *statements: str, keys: str = "stored") -> str:
     key = "gen_random_uuid()" if keys == "new" else f"v_keys[1 + i % {KEYS}]"
     # The store's own statements and this script's names, no input: S608 does not apply.
     return f"""CREATE PROCEDURE {name}(n int) LANGUAGE plpgsql AS $$
-        DECLARE v_keys uuid[] := ARRAY(SELECT {pool} FROM keys_l3);
+        DECLARE v_keys uuid[] := ARRAY(SELECT {pool} FROM keys_l4);
                 v_org bigint := 1; v_key uuid; v_lock bigint; v_tomb float8 := 2592000; v_row record;
                 v_sha bytea := sha256('bench'); v_response jsonb := '{{"status": 201, "headers": []}}';
         BEGIN
@@ -294,8 +291,8 @@ def _print(
     print("In the server, µs per statement (the median of the rounds; less the loop's own cost):")
     print()
     print("| key table | partitions read, keys + tombstones | lock | lookup, replay | lookup, fresh key "
-          "| replay, lock + lookup, − layout 3 | fresh key, − layout 3 "
-          "| fresh key written (lock, lookup, INSERT, COMMIT) | written, − layout 3 |")  # fmt: skip
+          "| replay, lock + lookup, − as migrated | fresh key, − as migrated "
+          "| fresh key written (lock, lookup, INSERT, COMMIT) | written, − as migrated |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for case in cases:
         lock, hit, miss, write = (median(server_us, case.label, w) for w in ("lock", "hit", "miss", "write"))
@@ -308,7 +305,7 @@ def _print(
         print()
         print("A request's transaction (BEGIN, lock, lookup, COMMIT, pipelined), server backend CPU µs:")
         print()
-        print("| key table | replay | fresh key | replay − layout 3 | fresh key − layout 3 |")
+        print("| key table | replay | fresh key | replay − as migrated | fresh key − as migrated |")
         print("| --- | --- | --- | --- | --- |")
         for case in cases:
             hit, miss = median(wire_us, case.label, "hit"), median(wire_us, case.label, "miss")

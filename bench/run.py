@@ -528,12 +528,12 @@ def pgbench_script() -> str:
     the advisory lock id (the store derives it with BLAKE2b on the client, which costs the server nothing).
     On one server an atomic request writes its key's row once (``Store._reserve_once``): the key's lock
     and a lookup with BEGIN, the row, completed, with COMMIT, on the partitioned key table that
-    ``flask idem migrate`` makes (layout 4). On Citus it reserves first and completes after.
+    ``flask idem migrate`` makes. On Citus it reserves first and completes after.
     """
     from flask_idem._store import _Statements
 
     distributed = _distributed()
-    statements = _Statements("idempotency_keys", distributed=distributed, partitioned=not distributed)
+    statements = _Statements("idempotency_keys", distributed=distributed)
     key = "(lpad(to_hex(:k1::bigint), 16, '0') || lpad(to_hex(:k2::bigint), 16, '0'))::uuid"
     values = {"org_id": ":org", "key": key, "sha": "decode(:sha, 'hex')", "method": "'POST'",
               "path": "'/orders'", "ttl": "86400", "flow": "NULL", "token": "NULL", "lease": "NULL",
