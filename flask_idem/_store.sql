@@ -121,9 +121,9 @@ SELECT * FROM {reserve_function}(%(org_id)s::bigint, %(key)s, %(sha)s, %(method)
                                   %(ttl)s, %(lock)s, {lease}, %(tomb)s)
 
 -- name: insert_completed
--- Under the key's lock, after a lookup that found nothing in any partition (see lock). No ON CONFLICT:
--- should a row have been committed meanwhile, the unique index refuses this one, and the request's
--- writes with it. An atomic task's row is written here too, naming its task.
+-- Under the key's lock, after a lookup that found nothing in any partition (see lock): no reservation
+-- can commit a row of the key meanwhile, since each takes the lock first and reads at READ COMMITTED
+-- (the lock statement checks it). An atomic task's row is written here too, naming its task.
 INSERT INTO {table} (org_id, idem_key, request_sha, method, path, task, status, response, expires_at)
 VALUES (%(org_id)s, %(key)s, %(sha)s, %(method)s, %(path)s, %(task)s, 'completed', %(response)s,
         statement_timestamp() + make_interval(secs => %(ttl)s))

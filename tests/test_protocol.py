@@ -18,7 +18,6 @@ from typing import Any
 import psycopg
 import pytest
 from flask import Flask
-from psycopg.types.json import Jsonb
 
 from flask_idem import _protocol
 from flask_idem._protocol import (
@@ -273,10 +272,6 @@ def test_atomic_race_runs_the_work_once(
         assert all(o == InFlight() or o == Replay(stored) for o in others), outcomes
         if isolation == "read committed":
             assert ran == [finals[0].value]
-        # Under REPEATABLE READ an attempt whose snapshot predates the winner's COMMIT but whose try-lock
-        # comes after it would run the work, and the key's unique index roll it back (InFlight). The
-        # window lies inside one statement, too narrow for this hammer to hit (it never has here);
-        # test_a_key_row_committed_meanwhile_is_in_flight forces that case.
         assert notes_of(db, key) == 1
         with app.app_context():
             assert atomic(state, claim(key), never) == Replay(stored)
@@ -310,34 +305,6 @@ def test_atomic_work_that_fails_leaves_nothing(
     assert atomic(state, claim(key), again) == Final("done", document(201, "done"), 201)
     assert notes_of(db, key) == 1
     assert key_row(db, key)["response"] == document(201, "done")
-
-
-def test_a_key_row_committed_meanwhile_is_in_flight(state: IdemState, db: psycopg.Connection[Any]) -> None:
-    """A key row committed while the work ran (REPEATABLE READ's case) makes the attempt in flight: its
-    writes roll back, and the next attempt replays the committed row."""
-    if not state.store.write_once:
-        pytest.skip("on Citus the key's row is written by the reservation: none can be committed meanwhile")
-    key = uuid.uuid4()
-    theirs = document(201, "theirs")
-    # The pool learns on its first connection whether it can batch, the write-once path's condition:
-    # until then a reservation inserts its row at once, which the row written below would wait for.
-    atomic(state, claim(uuid.uuid4()), lambda conn: Final(None, DOC, 201))
-
-    def work(conn: psycopg.Connection[Any]) -> Final[str]:
-        note(conn, f"{key}:mine")
-        with db.transaction():  # past the key's lock, as a snapshot taken before it would be
-            db.execute("SET LOCAL lock_timeout = '5s'")  # fail, not hang, if a row of ours were in the way
-            db.execute(
-                "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, status,"
-                " response, expires_at)"
-                " VALUES (%s, %s, %s, 'POST', '/things', 'completed', %s, now() + interval '1 hour')",
-                (ORG, key, SHA, Jsonb(theirs)),
-            )
-        return Final("mine", document(201, "mine"), 201)
-
-    assert atomic(state, claim(key), work) == InFlight()
-    assert notes_of(db, key) == 0
-    assert atomic(state, claim(key), never) == Replay(theirs)
 
 
 def test_a_unique_violation_of_the_work_propagates(state: IdemState, db: psycopg.Connection[Any]) -> None:

@@ -10,11 +10,8 @@ from typing import Any
 import psycopg
 import pytest
 from flask import Flask
-from psycopg.types.json import Jsonb
 from werkzeug.datastructures import MultiDict
 
-from flask_idem._fingerprint import fingerprint
-from flask_idem._state import get_state
 from flask_idem.errors import PROBLEM_JSON
 
 from .support.helpers import count
@@ -280,47 +277,6 @@ def test_in_flight_duplicate_gets_409_at_once(notes_app: Flask, db: psycopg.Conn
     assert replay.status_code == 200
     assert replay.json == results["first"].json
     assert count(db, "notes") == 1
-
-
-def test_a_key_row_committed_meanwhile_refuses_the_attempt(
-    notes_app: Flask, db: psycopg.Connection[Any]
-) -> None:
-    """An atomic request's key row is written with its COMMIT; should one have been committed meanwhile
-    (under REPEATABLE READ, whose snapshot predates the key's lock; here, written past the lock), the
-    unique index refuses it: the request's writes roll back, it is answered 409, and the retry replays."""
-    if not get_state(notes_app).store.write_once:
-        pytest.skip("on Citus the key's row is written by the reservation: none can be committed meanwhile")
-    entered, release = threading.Event(), threading.Event()
-    notes_app.config.update(ENTERED=entered, RELEASE=release)
-    key = uuid.uuid4()
-    results: dict[str, Any] = {}
-    thread = threading.Thread(
-        target=lambda: results.setdefault("first", post(notes_app, "/notes/block", key))
-    )
-    thread.start()
-    try:
-        assert entered.wait(10)
-        sha = fingerprint(method="POST", path="/notes/block", query=b"", mimetype="", body=b"")
-        db.execute(
-            "INSERT INTO idempotency_keys (org_id, idem_key, request_sha, method, path, status,"
-            " response, expires_at)"
-            " VALUES (1, %s, %s, 'POST', '/notes/block', 'completed', %s, now() + interval '1 day')",
-            (
-                key,
-                sha,
-                Jsonb(
-                    {"status": 201, "headers": [["Content-Type", "application/json"]], "body": '{"id": -1}'}
-                ),
-            ),
-        )
-    finally:
-        release.set()
-        thread.join(15)
-    assert results["first"].status_code == 409
-    assert results["first"].json["type"] == "urn:flask-idem:problem:key-in-use"
-    assert count(db, "notes") == 0
-    replay = post(notes_app, "/notes/block", key)
-    assert (replay.status_code, replay.json) == (200, {"id": -1})
 
 
 def test_concurrent_duplicates_in_threads(
