@@ -339,10 +339,12 @@ def problem(found: Found, table: str) -> str | None:
             " tables."
         )
     if found.layout < newest:
+        # Online when every revision to apply lets the code of the table's layout go on serving.
+        online = all(r.compatible_from <= found.layout for r in revisions() if r.layout > found.layout)
+        meanwhile = f" (online: the code of layout {found.layout} serves meanwhile)" if online else ""
         return (
             f"The key table {table} has layout {found.layout}; this flask-idem runs on layout {newest}."
-            f" Upgrade it with {upgrade_command(found)} (online: the code of layout"
-            f" {found.layout} goes on serving meanwhile), then deploy this code."
+            f" Upgrade it with {upgrade_command(found)}{meanwhile}, then deploy this code."
         )
     if found.layout > newest and found.compatible_from > newest:
         return (

@@ -22,7 +22,9 @@ _SQL = blocks("migrations/v1_first_release.sql", distributed=False)[1]
 REVISION = Revision(
     layout=1,
     compatible_from=1,
-    summary="the key table partitioned by time, its tombstones, the outbox, and on Citus its reserve function",
+    summary=(
+        "the key table partitioned by time, its tombstones and the outbox (and on Citus the reserve function)"
+    ),
     names={
         "first": "_p0",
         "key": "_key",
