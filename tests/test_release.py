@@ -8,6 +8,7 @@ checkout: ``import flask_idem`` finds the installed wheel.
 
 from __future__ import annotations
 
+import email.parser
 import http.client
 import importlib.metadata
 import os
@@ -15,6 +16,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +97,39 @@ def test_twine_check_passes(built: Artifacts) -> None:
     assert result.stdout.count("PASSED") == 2, result.stdout
 
 
+def test_wheel_holds_the_package_and_nothing_else(built: Artifacts) -> None:
+    """The wheel has every file of flask_idem/ (its .sql files, migrations, py.typed, the test kit), the
+    license, the ``flask idem`` entry point and the README as the description; nothing of tests/,
+    example_app/, docs/ or bench/."""
+    package = {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "flask_idem").rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+    assert {"flask_idem/py.typed", "flask_idem/_store.sql"} <= package
+    with zipfile.ZipFile(built.wheel) as wheel:
+        names = set(wheel.namelist())
+        dist_info = f"flask_idem-{built.version}.dist-info"
+        assert {n for n in names if not n.startswith(dist_info + "/")} == package
+        assert f"{dist_info}/licenses/LICENSE" in names
+        entry_points = wheel.read(f"{dist_info}/entry_points.txt").decode()
+        metadata = email.parser.Parser().parsestr(wheel.read(f"{dist_info}/METADATA").decode())
+    assert "[flask.commands]\nidem = flask_idem.cli:idem_cli" in entry_points
+    assert metadata["Description-Content-Type"] == "text/markdown"
+    assert metadata.get_payload().strip() == (ROOT / "README.md").read_text().strip()
+
+
+def test_sdist_holds_what_the_suite_and_the_docs_need(built: Artifacts) -> None:
+    """The sdist has the package, the docs, the tests and the examples with the files that configure
+    them (setup.cfg has pytest's and mypy's settings), and not CI's script or the benchmarks."""
+    with tarfile.open(built.sdist) as sdist:
+        top = {name.split("/")[1] for name in sdist.getnames() if "/" in name}
+    assert top == {
+        *("flask_idem", "docs", "tests", "example_app"),
+        *("pyproject.toml", "setup.cfg", "README.md", "LICENSE", "CHANGES.rst", "PKG-INFO", ".gitignore"),
+    }
+
+
 def _git(*args: str) -> str:
     return subprocess.run(
         ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
@@ -102,16 +138,18 @@ def _git(*args: str) -> str:
 
 def test_version_is_the_commit(built: Artifacts) -> None:
     """Both artifacts carry the version made from git: the count of commits, the commit, and a date
-    exactly when tracked files have uncommitted changes."""
+    exactly when tracked files have uncommitted changes (in an unpacked sdist: the version it carries)."""
+    assert built.sdist.name == f"flask_idem-{built.version}.tar.gz"
     if not (ROOT / ".git").exists():
-        pytest.skip("not a git checkout (the suite runs from an sdist): its version is in PKG-INFO")
+        pkg_info = email.parser.HeaderParser().parsestr((ROOT / "PKG-INFO").read_text())
+        assert built.version == pkg_info["Version"]
+        return
     assert _git("tag", "--list") == "", "a tag changes the version's base: update UNTAGGED_VERSION"
     version = UNTAGGED_VERSION.fullmatch(built.version)
     assert version is not None, built.version
     assert int(version["commits"]) == int(_git("rev-list", "--count", "HEAD"))
     assert _git("rev-parse", "HEAD").startswith(version["node"])
     assert (version["date"] is not None) == bool(_git("status", "--porcelain", "--untracked-files=no"))
-    assert built.sdist.name == f"flask_idem-{built.version}.tar.gz"
 
 
 @pytest.fixture(scope="module")
