@@ -1,5 +1,6 @@
 """flask-idem: idempotency keys for Flask, backed by PostgreSQL."""
 
+import importlib.metadata
 import typing as t
 import warnings
 
@@ -72,11 +73,15 @@ __all__ = [
 ]
 
 if t.TYPE_CHECKING:
+    __version__: str  # see __getattr__
     ProcessPool = ForkSafeConnectionPool  # deprecated; see __getattr__
 
 
 def __getattr__(name: str) -> t.Any:
-    """The deprecated names, which still work and warn."""
+    """``__version__``, the installed distribution's version (from git when it was built, as in
+    ``0.1.0.dev420+g1a2b3c4``), read when asked for; and the deprecated names, which still work and warn."""
+    if name == "__version__":
+        return importlib.metadata.version("flask-idem")
     if name == "ProcessPool":
         warnings.warn(
             "flask_idem.ProcessPool is renamed flask_idem.ForkSafeConnectionPool; the old name will be"

