@@ -38,7 +38,6 @@ from ._delivery import (
     Done,
     Dropped,
     JobsState,
-    Outcome,
     TaskSpec,
     get_jobs,
     run_delivery,
@@ -47,7 +46,6 @@ from ._retry import backoff
 from ._settings import parse_seconds
 from ._state import get_state
 from ._task import (
-    TASK_METHOD,
     Envelope,
     Job,
     JobError,
@@ -57,7 +55,6 @@ from ._task import (
     Message,
     Publisher,
     task_key,
-    task_path,
 )
 from ._view import current
 from .errors import ConfigurationError, DatabaseUnavailable
@@ -67,10 +64,7 @@ if TYPE_CHECKING:
     from ._extension import Idempotency
 
 __all__ = [
-    "EXTENSION_NAME",
-    "TASK_METHOD",
     "Defer",
-    "Delivery",
     "Done",
     "Dropped",
     "Envelope",
@@ -80,15 +74,10 @@ __all__ = [
     "JobMismatch",
     "JobPolicy",
     "Jobs",
-    "JobsState",
     "Message",
-    "Outcome",
     "Publisher",
     "TaskSpec",
-    "get_jobs",
-    "run_delivery",
     "task_key",
-    "task_path",
 ]
 
 logger = logging.getLogger("flask_idem")
@@ -255,7 +244,7 @@ class Jobs:
         envelope: Envelope,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
-    ) -> Outcome:
+    ) -> Done | Defer | Dropped:
         """Run one delivery of ``spec`` in ``app``: the message's ``envelope`` and arguments.
 
         The runner acts on the outcome: :class:`Done`, the task's result; :class:`Defer`, deliver the
