@@ -10,6 +10,7 @@ logs every client in as the server's superuser.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 from functools import reduce
@@ -26,8 +27,9 @@ from example_app import create_app
 from example_app.cli import create_org
 from flask_idem import _layout
 
+from .support import webhook_app
 from .support.celery_workers import BROKER_URL, broker_marks, delete_queue, new_queue, worker
-from .support.helpers import app_factory, close_pool, headers, wait_for
+from .support.helpers import app_factory, close_pool, count, headers, wait_for
 from .support.servers import ROOT
 from .support.shop_actions import charges, pay, payment_statuses, place_order, stranded_payment
 
@@ -193,6 +195,66 @@ def test_receipts_relay_and_fulfilment_under_the_role(
             )
     finally:
         delete_queue(queue)
+
+
+@pytest.fixture
+def role_hooks(role_url: str, app_role: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
+    """The webhook test application (a webhook route and an idempotent one) under the role."""
+    db.execute(webhook_app.SCHEMA)
+    role = sql.Identifier(app_role)
+    db.execute(sql.SQL("GRANT SELECT, INSERT ON hook_effects TO {}").format(role))
+    db.execute(sql.SQL("GRANT USAGE ON SEQUENCE hook_effects_id_seq TO {}").format(role))
+    with app_factory(lambda: webhook_app.build_webhook_app(role_url)[0]) as make:
+        yield make()
+
+
+def test_a_lost_grant_is_a_retryable_503_naming_the_fix(
+    role_hooks: Flask,
+    app_role: str,
+    direct_database_url: str,
+    db: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With SELECT on the tombstones revoked from the role, a request and a webhook delivery are each
+    answered 503 problem+json with Retry-After and retryable true, not a 500; nothing is written; one
+    ERROR line, not one per request, names the table, the privileges and `flask idem migrate --grant`;
+    once that has run, the same key and the same delivery go through."""
+    db.execute(
+        sql.SQL("REVOKE SELECT ON idempotency_keys_tombstones FROM {}").format(sql.Identifier(app_role))
+    )
+    client, key = role_hooks.test_client(), str(uuid.uuid4())
+    body = webhook_app.event("evt_lost_grant")
+    with caplog.at_level(logging.DEBUG, logger="flask_idem"):
+        answers = [
+            client.post("/notes", headers={"X-Org": "1", "Idempotency-Key": key}),
+            client.post("/notes", headers={"X-Org": "1", "Idempotency-Key": key}),
+            client.post("/hooks/plain", data=body, headers={**webhook_app.sign(body), "X-Org": "1"}),
+        ]
+    for answer in answers:
+        assert (answer.status_code, answer.mimetype) == (503, "application/problem+json"), answer.json
+        assert answer.json["type"] == "urn:flask-idem:problem:store-unavailable"
+        assert answer.json["retryable"] is True and int(answer.headers["Retry-After"]) >= 1
+    assert count(db, "idempotency_keys") == 0 and count(db, "hook_effects") == 0
+    told = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.levelno for r in told] == [logging.ERROR], [r.getMessage() for r in told]
+    line = told[0].getMessage()
+    assert "InsufficientPrivilege (SQLSTATE 42501)" in line
+    assert (
+        f"the role {app_role} lacks SELECT, INSERT, UPDATE, DELETE on table idempotency_keys_tombstones"
+        in line
+    )
+    assert f"run 'flask idem migrate --grant {app_role}' as the tables' owner" in line
+    assert "answered 503 until then" in line
+    owner = create_app({"TESTING": True, "DATABASE_URL": direct_database_url})
+    try:
+        result = owner.test_cli_runner().invoke(args=["idem", "migrate", "--grant", app_role])
+    finally:
+        close_pool(owner)
+    assert result.exit_code == 0, result.output
+    assert client.post("/notes", headers={"X-Org": "1", "Idempotency-Key": key}).status_code == 201
+    delivered = client.post("/hooks/plain", data=body, headers={**webhook_app.sign(body), "X-Org": "1"})
+    assert delivered.status_code == 200, delivered.json
+    assert count(db, "hook_effects") == 1
 
 
 test_receipts_relay_and_fulfilment_under_the_role = reduce(
