@@ -59,13 +59,18 @@ def app_role(direct_database_url: str) -> Iterator[str]:
 @pytest.fixture
 def role_url(app_role: str, direct_database_url: str, database_url: str, db: psycopg.Connection[Any]) -> str:
     """This worker's database as the application's role reaches it, after `migrate --grant` (as owner)."""
-    owner = create_app({"TESTING": True, "DATABASE_URL": direct_database_url})
+    grant(app_role, direct_database_url)
+    return make_conninfo(direct_database_url, user=app_role)
+
+
+def grant(role: str, owner_url: str) -> None:
+    """Run `flask idem migrate --grant role` as the tables' owner."""
+    owner = create_app({"TESTING": True, "DATABASE_URL": owner_url})
     try:
-        result = owner.test_cli_runner().invoke(args=["idem", "migrate", "--grant", app_role])
+        result = owner.test_cli_runner().invoke(args=["idem", "migrate", "--grant", role])
     finally:
         close_pool(owner)
     assert result.exit_code == 0, result.output
-    return make_conninfo(direct_database_url, user=app_role)
 
 
 @pytest.fixture
@@ -245,16 +250,30 @@ def test_a_lost_grant_is_a_retryable_503_naming_the_fix(
     )
     assert f"run 'flask idem migrate --grant {app_role}' as the tables' owner" in line
     assert "answered 503 until then" in line
-    owner = create_app({"TESTING": True, "DATABASE_URL": direct_database_url})
-    try:
-        result = owner.test_cli_runner().invoke(args=["idem", "migrate", "--grant", app_role])
-    finally:
-        close_pool(owner)
-    assert result.exit_code == 0, result.output
+    grant(app_role, direct_database_url)
     assert client.post("/notes", headers={"X-Org": "1", "Idempotency-Key": key}).status_code == 201
     delivered = client.post("/hooks/plain", data=body, headers={**webhook_app.sign(body), "X-Org": "1"})
     assert delivered.status_code == 200, delivered.json
     assert count(db, "hook_effects") == 1
+
+
+def test_a_lost_grant_on_the_applications_table_names_its_grant(
+    role_hooks: Flask, app_role: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A privilege lost on the handler's own table is a 503 too, and the log gives the GRANT statement
+    for it (`migrate --grant` covers flask-idem's tables only); the key stays free."""
+    db.execute(sql.SQL("REVOKE INSERT ON hook_effects FROM {}").format(sql.Identifier(app_role)))
+    body = webhook_app.event("evt_own_table")
+    with caplog.at_level(logging.WARNING, logger="flask_idem"):
+        answer = role_hooks.test_client().post(
+            "/hooks/plain", data=body, headers={**webhook_app.sign(body), "X-Org": "1"}
+        )
+    assert (answer.status_code, answer.json["retryable"]) == (503, True)
+    assert count(db, "idempotency_keys") == 0 and count(db, "hook_effects") == 0
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "on table hook_effects (permission denied for table hook_effects)" in line
+    statement = f"GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE hook_effects TO {app_role}"
+    assert f"run '{statement}' as its owner" in line
 
 
 test_receipts_relay_and_fulfilment_under_the_role = reduce(
