@@ -6,7 +6,7 @@ for table idempotency_keys_tombstones"), so the message may be logged. Such an e
 problem, not the client's, and it is over once the grant is given: every door answers it as a store that
 is unavailable for now (a request or a webhook delivery: 503, ``Retry-After``, ``retryable: true``; a job
 or a recovery pass: tried again later), and :func:`report` says in the log what to grant and how, once
-per cause every :data:`REPEAT` seconds rather than once per request.
+per cause and route (or task) every :data:`REPEAT` seconds rather than once per request.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _NEEDED = {
     "sequence": "USAGE",
 }
 
-_told: dict[tuple[str, str], float] = {}
+_told: dict[tuple[str, str, str], float] = {}
 _lock = threading.Lock()
 
 
@@ -56,6 +56,7 @@ def missing_grant(
         tombstones and outbox): ``flask idem migrate --grant`` covers those and their schema, and the
         ``GRANT`` statement is given for any other object. ``None``: every table is taken for flask-idem's.
     """
+    error = _denial(error)
     if not isinstance(error, psycopg.errors.InsufficientPrivilege):
         return None
     who = role or _role() or "ROLE"
@@ -86,14 +87,15 @@ def report(
     key_table: str | None = None,
 ) -> bool:
     """Log the grant ``error`` says is missing, naming ``where`` it happened and what was done ``then``;
-    at ``ERROR`` the first time in :data:`REPEAT` seconds for this role and message, else at ``DEBUG``.
+    at ``ERROR`` the first time in :data:`REPEAT` seconds for this place (a route, a task), role and
+    message, else at ``DEBUG``.
 
     :returns: whether ``error`` is a missing privilege (nothing is logged otherwise).
     """
     grant = missing_grant(error, role, key_table=key_table)
     if grant is None:
         return False
-    cause = (grant, error.diag.message_primary or "")
+    cause = (where, grant, _denial(error).diag.message_primary or "")
     now = time.monotonic()
     with _lock:
         last = _told.get(cause)
@@ -108,6 +110,17 @@ def report(
         then,
     )
     return True
+
+
+def _denial(error: psycopg.Error) -> psycopg.Error:
+    """``error``, or the missing privilege it was raised from: a statement sent with COMMIT (a batched
+    transaction) fails at COMMIT, and is raised as a COMMIT whose outcome is unknown, from it."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, psycopg.errors.InsufficientPrivilege):
+            return seen
+        seen = seen.__cause__
+    return error
 
 
 def _role() -> str | None:

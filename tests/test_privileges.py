@@ -11,6 +11,8 @@ logs every client in as the server's superuser.
 from __future__ import annotations
 
 import logging
+import random
+import time
 import uuid
 from collections.abc import Iterator
 from functools import reduce
@@ -25,9 +27,10 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from example_app import create_app
 from example_app.cli import create_org
-from flask_idem import _layout
+from flask_idem import _delivery, _layout
+from flask_idem.jobs import Defer
 
-from .support import webhook_app
+from .support import jobs_app, webhook_app
 from .support.celery_workers import BROKER_URL, broker_marks, delete_queue, new_queue, worker
 from .support.helpers import app_factory, close_pool, count, headers, wait_for
 from .support.servers import ROOT
@@ -222,7 +225,7 @@ def test_a_lost_grant_is_a_retryable_503_naming_the_fix(
 ) -> None:
     """With SELECT on the tombstones revoked from the role, a request and a webhook delivery are each
     answered 503 problem+json with Retry-After and retryable true, not a 500; nothing is written; one
-    ERROR line, not one per request, names the table, the privileges and `flask idem migrate --grant`;
+    ERROR line per route, not per request, names the table, the privileges and `migrate --grant`;
     once that has run, the same key and the same delivery go through."""
     db.execute(
         sql.SQL("REVOKE SELECT ON idempotency_keys_tombstones FROM {}").format(sql.Identifier(app_role))
@@ -240,9 +243,10 @@ def test_a_lost_grant_is_a_retryable_503_naming_the_fix(
         assert answer.json["type"] == "urn:flask-idem:problem:store-unavailable"
         assert answer.json["retryable"] is True and int(answer.headers["Retry-After"]) >= 1
     assert count(db, "idempotency_keys") == 0 and count(db, "hook_effects") == 0
-    told = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert [r.levelno for r in told] == [logging.ERROR], [r.getMessage() for r in told]
-    line = told[0].getMessage()
+    told = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [line.split(":")[0] for line in told] == [f"Missing privilege in {e}" for e in ("note", "plain")]
+    assert all(r.levelno == logging.ERROR for r in caplog.records if r.levelno >= logging.WARNING)
+    line = told[0]
     assert "InsufficientPrivilege (SQLSTATE 42501)" in line
     assert (
         f"the role {app_role} lacks SELECT, INSERT, UPDATE, DELETE on table idempotency_keys_tombstones"
@@ -274,6 +278,55 @@ def test_a_lost_grant_on_the_applications_table_names_its_grant(
     assert "on table hook_effects (permission denied for table hook_effects)" in line
     statement = f"GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE hook_effects TO {app_role}"
     assert f"run '{statement}' as its owner" in line
+
+
+def test_a_grant_lost_on_a_statement_sent_with_commit_is_named_too(
+    role_hooks: Flask, app_role: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """INSERT on the key table revoked: the reservation, sent with COMMIT in one round trip, fails at
+    COMMIT; the request is still a retryable 503 and the log still names the table and the command."""
+    db.execute(sql.SQL("REVOKE INSERT ON idempotency_keys FROM {}").format(sql.Identifier(app_role)))
+    with caplog.at_level(logging.WARNING, logger="flask_idem"):
+        answer = role_hooks.test_client().post(
+            "/notes", headers={"X-Org": "1", "Idempotency-Key": str(uuid.uuid4())}
+        )
+    assert (answer.status_code, answer.json["retryable"], answer.headers["Retry-After"]) == (503, True, "1")
+    assert count(db, "idempotency_keys") == 0
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "lacks SELECT, INSERT, UPDATE, DELETE on table idempotency_keys (permission denied" in line
+    assert f"'flask idem migrate --grant {app_role}'" in line
+
+
+def test_a_lost_grant_defers_a_job_naming_the_fix(
+    role_url: str,
+    app_role: str,
+    db: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    """With INSERT on the key table revoked, a job's delivery is deferred as a failed attempt (delivered
+    again later), writes nothing, and the log names the table and `flask idem migrate --grant`."""
+    db.execute(jobs_app.SCHEMA)
+    role = sql.Identifier(app_role)
+    db.execute(sql.SQL("GRANT SELECT, INSERT ON job_effects TO {}").format(role))
+    db.execute(sql.SQL("REVOKE INSERT ON idempotency_keys FROM {}").format(role))
+    app = jobs_app.build_jobs_app(
+        role_url, broker_url=BROKER_URL, queue="unused", trace=str(tmp_path / "trace"), maildir=str(tmp_path)
+    )
+    delivery = _delivery.Delivery(1, uuid.uuid4(), (5,), {}, enqueued_at=time.time())
+    try:
+        with caplog.at_level(logging.WARNING, logger="flask_idem"):
+            outcome = _delivery.run_delivery(
+                app, jobs_app.jobs.tasks["jobs.add"], delivery, rng=random.Random(0)
+            )
+    finally:
+        close_pool(app)
+    assert isinstance(outcome, Defer) and outcome.failed and outcome.envelope.failures == 1
+    assert count(db, "idempotency_keys") == 0 and count(db, "job_effects") == 0
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line.startswith("Missing privilege in task jobs.add: InsufficientPrivilege (SQLSTATE 42501)")
+    assert f"the role {app_role} lacks SELECT, INSERT, UPDATE, DELETE on table idempotency_keys " in line
+    assert f"'flask idem migrate --grant {app_role}'" in line and "delivered again later" in line
 
 
 test_receipts_relay_and_fulfilment_under_the_role = reduce(
