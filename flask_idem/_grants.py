@@ -65,17 +65,25 @@ def missing_grant(
     if denied is None:  # "must be owner of ...": DDL, which the tables' owner runs, never the application
         return f"the role {who} may not do this ({message}): run it as the role that owns the tables"
     kind, name = denied["kind"], denied["name"]
-    privilege = _NEEDED.get(kind, "a privilege")
-    base = None if key_table is None else key_table.rsplit(".", 1)[-1]
-    ours = kind == "schema" or (
-        kind == "table" and (base is None or name == base or name.startswith(base + "_"))
-    )
-    fix = (
-        f"run 'flask idem migrate --grant {who}' as the tables' owner"
-        if ours
-        else f"run 'GRANT {privilege} ON {kind.upper()} {name} TO {who}' as its owner"
-    )
+    privilege = _NEEDED.get(kind)
+    if privilege is None:  # a view, a type, ...: nothing flask-idem uses; the application knows
+        return f"the role {who} lacks a privilege on {kind} {name} ({message}): grant it, as its owner"
+    if _covered(kind, name, key_table):
+        fix = f"run 'flask idem migrate --grant {who}' as the tables' owner"
+    else:
+        fix = f"run 'GRANT {privilege} ON {kind.upper()} {name} TO {who}' as its owner"
     return f"the role {who} lacks {privilege} on {kind} {name} ({message}): {fix}"
+
+
+def _covered(kind: str, name: str, key_table: str | None) -> bool:
+    """Whether ``flask idem migrate --grant`` grants the role what it needs on ``kind`` ``name``: the key
+    table's own tables (named after it), and the schema the key table names, if it names one."""
+    if key_table is None:
+        return kind == "table"
+    schema, _, base = key_table.rpartition(".")
+    if kind == "schema":
+        return name == schema
+    return kind == "table" and (name == base or name.startswith(base + "_"))
 
 
 def report(

@@ -27,7 +27,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from example_app import create_app
 from example_app.cli import create_org
-from flask_idem import _delivery, _layout
+from flask_idem import _delivery, _grants, _layout
 from flask_idem.jobs import Defer
 
 from .support import jobs_app, webhook_app
@@ -295,6 +295,44 @@ def test_a_grant_lost_on_a_statement_sent_with_commit_is_named_too(
     [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert "lacks SELECT, INSERT, UPDATE, DELETE on table idempotency_keys (permission denied" in line
     assert f"'flask idem migrate --grant {app_role}'" in line
+
+
+def test_each_kind_of_denial_names_its_grant(
+    role_url: str, app_role: str, db: psycopg.Connection[Any]
+) -> None:
+    """PostgreSQL's own refusals, as the role meets them: a function without EXECUTE gets its GRANT
+    statement; a schema without USAGE gets `migrate --grant` when it is the key table's (which that
+    command covers), else its GRANT statement; any other error is no missing grant."""
+    db.execute("CREATE FUNCTION grants_probe() RETURNS int LANGUAGE sql AS 'SELECT 1'")
+    db.execute("REVOKE EXECUTE ON FUNCTION grants_probe() FROM PUBLIC")
+    db.execute("CREATE SCHEMA grants_probe_s")
+    db.execute("CREATE TABLE grants_probe_s.t (id int)")
+    try:
+        denied = {}
+        probes = [("function", "SELECT grants_probe()"), ("schema", "TABLE grants_probe_s.t")]
+        with psycopg.connect(role_url, autocommit=True) as conn:
+            for kind, statement in probes:
+                with pytest.raises(psycopg.errors.InsufficientPrivilege) as raised:
+                    conn.execute(statement)
+                denied[kind] = raised.value
+            with pytest.raises(psycopg.errors.UndefinedTable) as missing:
+                conn.execute("TABLE no_such_table")
+    finally:
+        db.execute("DROP FUNCTION grants_probe()")
+        db.execute("DROP SCHEMA grants_probe_s CASCADE")
+    r = app_role
+    assert _grants.missing_grant(denied["function"], r, key_table="idempotency_keys") == (
+        f"the role {r} lacks EXECUTE on function grants_probe (permission denied for function"
+        f" grants_probe): run 'GRANT EXECUTE ON FUNCTION grants_probe TO {r}' as its owner"
+    )
+    assert _grants.missing_grant(denied["schema"], r, key_table="grants_probe_s.keys") == (
+        f"the role {r} lacks USAGE on schema grants_probe_s (permission denied for schema"
+        f" grants_probe_s): run 'flask idem migrate --grant {r}' as the tables' owner"
+    )
+    assert f"run 'GRANT USAGE ON SCHEMA grants_probe_s TO {r}' as its owner" in str(
+        _grants.missing_grant(denied["schema"], r, key_table="idempotency_keys")
+    )
+    assert _grants.missing_grant(missing.value, r) is None
 
 
 def test_a_lost_grant_defers_a_job_naming_the_fix(
