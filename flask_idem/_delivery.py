@@ -25,7 +25,7 @@ import psycopg
 from flask import Flask
 from psycopg.rows import TupleRow
 
-from . import _layout, _protocol, _steps, signals
+from . import _grants, _layout, _protocol, _steps, signals
 from ._outbox import Outbox
 from ._records import Final, Lease
 from ._retry import backoff
@@ -247,6 +247,12 @@ class _Delivery:
             self.spec.name,
             type(error).__name__,
             error.sqlstate,
+        )
+        _grants.report(
+            error,
+            f"task {self.spec.name}",
+            "the task is delivered again later",
+            key_table=self.state.settings.table,
         )
         return self.failed(f"{type(error).__name__} (database)")
 

@@ -7,7 +7,8 @@ One loop, so that both handle trouble the same way (``flask idem recover --loop`
   logger; a pass that handled ``limit`` items (more may be waiting) is followed by the next one at once,
   any other after ``interval`` seconds, or as soon as ``stop`` is set;
 - a database error (:class:`psycopg.Error`, a pool timeout included) is logged as a ``WARNING`` with its
-  class and SQLSTATE, never its message (which may quote values), and the loop goes on after the pause;
+  class and SQLSTATE, never its message (which may quote values), and the loop goes on after the pause; a
+  privilege the role lacks is logged as an ``ERROR`` too, with the grant and the command that gives it;
 - a :class:`~flask_idem.errors.ConfigurationError` (the table is not there yet: a migration may come)
   is logged as an ``ERROR`` with its message, and the loop goes on after the pause;
 - any other exception is logged as an ``ERROR`` with its class only, for the same reason, and the loop
@@ -25,6 +26,7 @@ from typing import TypeVar
 
 import psycopg
 
+from . import _grants
 from .errors import ConfigurationError
 
 __all__ = ["run_passes"]
@@ -57,6 +59,7 @@ def run_passes(
             report = one_pass()
         except psycopg.Error as e:
             logger.warning("%s pass failed: %s (SQLSTATE %s).", what, type(e).__name__, e.sqlstate)
+            _grants.report(e, f"a {what.lower()} pass", "the next pass tries again")
         except ConfigurationError as e:
             logger.error("%s pass skipped: %s", what, e)
         except Exception as e:  # the loop outlives one bad pass; the class only, as for a database error

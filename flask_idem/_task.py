@@ -199,9 +199,15 @@ class Job:
             raise RuntimeError("Job.connection is only available while the task's function runs.")
         return self._connection
 
-    def derived_key(self, name: str) -> uuid.UUID:
-        """A key for a task this task enqueues in its turn (:func:`task_key` of this task's key)."""
-        return task_key(self.org_id, self.key, name, flow=self.name)
+    def derived_key(self, name: str) -> str:
+        """A key for an outside party this task calls, or for a task it enqueues in its turn: the same for
+        every delivery of this task and ``name``.
+
+        It is :meth:`Run.derived_key <flask_idem.Run.derived_key>` of the task's key with ``name`` as the
+        step, so a string, the text of a UUID (``uuid.UUID(key)`` turns it back), and :func:`task_key`'s
+        text when ``name`` is the enqueued task's.
+        """
+        return Run(flow=self.name, org_id=self.org_id, key=self.key).derived_key(name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,8 @@ from werkzeug.exceptions import (
 )
 from werkzeug.http import HTTP_STATUS_CODES
 
+from . import _grants
+
 __all__ = [
     "PROBLEM_JSON",
     "ConfigurationError",
@@ -379,7 +381,10 @@ def database_error(
     refused inside the extension's transaction (psycopg's ``ProgrammingError``, no SQLSTATE) is logged
     as such, with why it is refused. A row of the partitioned key table (layout 4) whose expiry no
     partition covers is answered 503, like an unreachable store, and logged as an error naming
-    ``flask idem purge``, which makes partitions ahead. Applications can route their own database
+    ``flask idem purge``, which makes partitions ahead. So is a privilege the application's role lacks
+    (``InsufficientPrivilege``, SQLSTATE 42501: a grant lost or never given), logged once per cause with
+    the missing grant (the object named by the message, which holds no value) and the command that
+    gives it, ``flask idem migrate --grant ROLE``. Applications can route their own database
     errors through it::
 
         @app.errorhandler(psycopg.Error)
@@ -417,6 +422,8 @@ def database_error(
             where,
             key_table,
         )
+        return DatabaseUnavailable(retry_after=retry_after)
+    if _grants.report(error, where, "answered 503 until then", key_table=key_table):
         return DatabaseUnavailable(retry_after=retry_after)
     if isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError)):
         _logger.warning(

@@ -38,7 +38,6 @@ from ._delivery import (
     Done,
     Dropped,
     JobsState,
-    Outcome,
     TaskSpec,
     get_jobs,
     run_delivery,
@@ -65,9 +64,7 @@ if TYPE_CHECKING:
     from ._extension import Idempotency
 
 __all__ = [
-    "EXTENSION_NAME",
     "Defer",
-    "Delivery",
     "Done",
     "Dropped",
     "Envelope",
@@ -77,13 +74,9 @@ __all__ = [
     "JobMismatch",
     "JobPolicy",
     "Jobs",
-    "JobsState",
     "Message",
-    "Outcome",
     "Publisher",
     "TaskSpec",
-    "get_jobs",
-    "run_delivery",
     "task_key",
 ]
 
@@ -251,7 +244,7 @@ class Jobs:
         envelope: Envelope,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
-    ) -> Outcome:
+    ) -> Done | Defer | Dropped:
         """Run one delivery of ``spec`` in ``app``: the message's ``envelope`` and arguments.
 
         The runner acts on the outcome: :class:`Done`, the task's result; :class:`Defer`, deliver the

@@ -17,6 +17,7 @@ from flask import Flask
 from flask_idem import Idempotency
 from flask_idem.errors import ConfigurationError
 from flask_idem.flow import Flow, OutcomeUnknown, Run
+from flask_idem.jobs import Job, task_key
 
 from .support.flow_app import Ledger, row
 from .support.helpers import count
@@ -146,6 +147,16 @@ def test_derived_keys() -> None:
     derived = run.derived_key("a")  # the canonical text of a version 5 UUID, as docs/flows.rst says
     assert isinstance(derived, str) and str(uuid.UUID(derived)) == derived
     assert uuid.UUID(derived).version == 5
+
+
+def test_a_jobs_derived_key_is_a_runs() -> None:
+    """``Job.derived_key`` returns what ``Run.derived_key`` does for the task's key, the same type (the
+    text of a UUID, what an outside party is sent), and the text of ``task_key`` for an enqueued task."""
+    key = uuid.uuid4()
+    derived = Job(name="jobs.mail", org_id=1, key=key).derived_key("send")
+    assert derived == Run(flow="jobs.mail", org_id=1, key=key).derived_key("send")
+    assert isinstance(derived, str) and derived == str(task_key(1, key, "send", flow="jobs.mail"))
+    assert derived != Job(name="jobs.mail", org_id=2, key=key).derived_key("send")
 
 
 def test_call_steps_have_no_connection() -> None:

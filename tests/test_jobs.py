@@ -27,14 +27,12 @@ from flask import Flask
 from flask_idem import _delivery
 from flask_idem.jobs import (
     Defer,
-    Delivery,
     Done,
     Dropped,
     Envelope,
     JobGivenUp,
     JobMismatch,
     Message,
-    run_delivery,
     task_key,
 )
 from flask_idem.relay import relay
@@ -492,8 +490,8 @@ def test_a_duplicate_waits_longer_after_each_deferral_up_to_the_cap(
     key = held_mail(jobs_app, db, "c@example.com")
     envelope, windows = Envelope(1, key, time.time()), []
     for _ in range(4):
-        delivery = Delivery.of(envelope, ["c@example.com"], {})
-        outcome = run_delivery(jobs_app, jobs.tasks["jobs.mail"], delivery, rng=Ceiling())
+        delivery = _delivery.Delivery.of(envelope, ["c@example.com"], {})
+        outcome = _delivery.run_delivery(jobs_app, jobs.tasks["jobs.mail"], delivery, rng=Ceiling())
         assert isinstance(outcome, Defer) and not outcome.failed
         windows.append(outcome.countdown)
         envelope = outcome.envelope
@@ -508,14 +506,14 @@ def test_a_duplicate_stops_waiting_at_the_deadline(
     """Past IDEM_JOB_DEADLINE a duplicate is not deferred again: while the key is held it stops, with a
     warning; once the holder's lease has lapsed, it gives the task up and flags it."""
     key = held_mail(jobs_app, db, "d@example.com")
-    late = Delivery.of(Envelope(1, key, time.time() - 7200, deferrals=12), ["d@example.com"], {})
+    late = _delivery.Delivery.of(Envelope(1, key, time.time() - 7200, deferrals=12), ["d@example.com"], {})
     spec = jobs.tasks["jobs.mail"]
     with caplog.at_level(logging.WARNING, logger="flask_idem"):
-        assert isinstance(run_delivery(jobs_app, spec, late, rng=Ceiling()), Dropped)
+        assert isinstance(_delivery.run_delivery(jobs_app, spec, late, rng=Ceiling()), Dropped)
     assert "still waiting at the deadline; this delivery stops" in caplog.text
     db.execute("UPDATE idempotency_keys SET lease_expires_at = now()")
     with pytest.raises(JobGivenUp):
-        run_delivery(jobs_app, spec, late, rng=Ceiling())
+        _delivery.run_delivery(jobs_app, spec, late, rng=Ceiling())
     assert db.execute("SELECT status, needs_attention FROM idempotency_keys").fetchall() == [("failed", True)]
     assert [line.split()[0] for line in runs(jobs_app)] == ["mail", "send"]
 

@@ -172,3 +172,21 @@ def test_the_shop_imports_only_public_api(tmp_path: Path) -> None:
         "db.py: flask_idem._state",
         'db.py: extensions["idem"]',
     ]
+
+
+def documented_names(module: str) -> set[str]:
+    """The names docs/api.rst documents under ``.. module:: <module>``, up to the next module."""
+    text = (ROOT / "docs" / "api.rst").read_text("utf-8")
+    section = text.split(f".. module:: {module}\n", 1)[1].split(".. module:: ", 1)[0]
+    return set(re.findall(r"^\.\. auto(?:class|exception|function|data):: (\w+)", section, re.MULTILINE))
+
+
+def test_the_jobs_module_exports_what_a_runner_needs() -> None:
+    """``flask_idem.jobs`` exports the names docs/api.rst documents for it and no others: the tasks, their
+    errors and policy, and what a runner hands over and gets back; about a dozen, not its internals."""
+    import flask_idem.jobs
+
+    assert set(flask_idem.jobs.__all__) == documented_names("flask_idem.jobs")
+    assert len(flask_idem.jobs.__all__) <= 14
+    internals = {"run_delivery", "JobsState", "get_jobs", "Delivery", "Outcome"}
+    assert internals.isdisjoint(flask_idem.jobs.__all__)

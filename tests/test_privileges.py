@@ -10,6 +10,9 @@ logs every client in as the server's superuser.
 
 from __future__ import annotations
 
+import logging
+import random
+import time
 import uuid
 from collections.abc import Iterator
 from functools import reduce
@@ -24,10 +27,12 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from example_app import create_app
 from example_app.cli import create_org
-from flask_idem import _layout
+from flask_idem import _delivery, _grants, _layout
+from flask_idem.jobs import Defer
 
+from .support import jobs_app, webhook_app
 from .support.celery_workers import BROKER_URL, broker_marks, delete_queue, new_queue, worker
-from .support.helpers import app_factory, close_pool, headers, wait_for
+from .support.helpers import app_factory, close_pool, count, headers, wait_for
 from .support.servers import ROOT
 from .support.shop_actions import charges, pay, payment_statuses, place_order, stranded_payment
 
@@ -57,13 +62,18 @@ def app_role(direct_database_url: str) -> Iterator[str]:
 @pytest.fixture
 def role_url(app_role: str, direct_database_url: str, database_url: str, db: psycopg.Connection[Any]) -> str:
     """This worker's database as the application's role reaches it, after `migrate --grant` (as owner)."""
-    owner = create_app({"TESTING": True, "DATABASE_URL": direct_database_url})
+    grant(app_role, direct_database_url)
+    return make_conninfo(direct_database_url, user=app_role)
+
+
+def grant(role: str, owner_url: str) -> None:
+    """Run `flask idem migrate --grant role` as the tables' owner."""
+    owner = create_app({"TESTING": True, "DATABASE_URL": owner_url})
     try:
-        result = owner.test_cli_runner().invoke(args=["idem", "migrate", "--grant", app_role])
+        result = owner.test_cli_runner().invoke(args=["idem", "migrate", "--grant", role])
     finally:
         close_pool(owner)
     assert result.exit_code == 0, result.output
-    return make_conninfo(direct_database_url, user=app_role)
 
 
 @pytest.fixture
@@ -193,6 +203,168 @@ def test_receipts_relay_and_fulfilment_under_the_role(
             )
     finally:
         delete_queue(queue)
+
+
+@pytest.fixture
+def role_hooks(role_url: str, app_role: str, db: psycopg.Connection[Any]) -> Iterator[Flask]:
+    """The webhook test application (a webhook route and an idempotent one) under the role."""
+    db.execute(webhook_app.SCHEMA)
+    role = sql.Identifier(app_role)
+    db.execute(sql.SQL("GRANT SELECT, INSERT ON hook_effects TO {}").format(role))
+    db.execute(sql.SQL("GRANT USAGE ON SEQUENCE hook_effects_id_seq TO {}").format(role))
+    with app_factory(lambda: webhook_app.build_webhook_app(role_url)[0]) as make:
+        yield make()
+
+
+def test_a_lost_grant_is_a_retryable_503_naming_the_fix(
+    role_hooks: Flask,
+    app_role: str,
+    direct_database_url: str,
+    db: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With SELECT on the tombstones revoked from the role, a request and a webhook delivery are each
+    answered 503 problem+json with Retry-After and retryable true, not a 500; nothing is written; one
+    ERROR line per route, not per request, names the table, the privileges and `migrate --grant`;
+    once that has run, the same key and the same delivery go through."""
+    db.execute(
+        sql.SQL("REVOKE SELECT ON idempotency_keys_tombstones FROM {}").format(sql.Identifier(app_role))
+    )
+    client, key = role_hooks.test_client(), str(uuid.uuid4())
+    body = webhook_app.event("evt_lost_grant")
+    with caplog.at_level(logging.DEBUG, logger="flask_idem"):
+        answers = [
+            client.post("/notes", headers={"X-Org": "1", "Idempotency-Key": key}),
+            client.post("/notes", headers={"X-Org": "1", "Idempotency-Key": key}),
+            client.post("/hooks/plain", data=body, headers={**webhook_app.sign(body), "X-Org": "1"}),
+        ]
+    for answer in answers:
+        assert (answer.status_code, answer.mimetype) == (503, "application/problem+json"), answer.json
+        assert answer.json["type"] == "urn:flask-idem:problem:store-unavailable"
+        assert answer.json["retryable"] is True and int(answer.headers["Retry-After"]) >= 1
+    assert count(db, "idempotency_keys") == 0 and count(db, "hook_effects") == 0
+    told = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [line.split(":")[0] for line in told] == [f"Missing privilege in {e}" for e in ("note", "plain")]
+    assert all(r.levelno == logging.ERROR for r in caplog.records if r.levelno >= logging.WARNING)
+    line = told[0]
+    assert "InsufficientPrivilege (SQLSTATE 42501)" in line
+    assert (
+        f"the role {app_role} lacks SELECT, INSERT, UPDATE, DELETE on table idempotency_keys_tombstones"
+        in line
+    )
+    assert f"run 'flask idem migrate --grant {app_role}' as the tables' owner" in line
+    assert "answered 503 until then" in line
+    grant(app_role, direct_database_url)
+    assert client.post("/notes", headers={"X-Org": "1", "Idempotency-Key": key}).status_code == 201
+    delivered = client.post("/hooks/plain", data=body, headers={**webhook_app.sign(body), "X-Org": "1"})
+    assert delivered.status_code == 200, delivered.json
+    assert count(db, "hook_effects") == 1
+
+
+def test_a_lost_grant_on_the_applications_table_names_its_grant(
+    role_hooks: Flask, app_role: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A privilege lost on the handler's own table is a 503 too, and the log gives the GRANT statement
+    for it (`migrate --grant` covers flask-idem's tables only); the key stays free."""
+    db.execute(sql.SQL("REVOKE INSERT ON hook_effects FROM {}").format(sql.Identifier(app_role)))
+    body = webhook_app.event("evt_own_table")
+    with caplog.at_level(logging.WARNING, logger="flask_idem"):
+        answer = role_hooks.test_client().post(
+            "/hooks/plain", data=body, headers={**webhook_app.sign(body), "X-Org": "1"}
+        )
+    assert (answer.status_code, answer.json["retryable"]) == (503, True)
+    assert count(db, "idempotency_keys") == 0 and count(db, "hook_effects") == 0
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "on table hook_effects (permission denied for table hook_effects)" in line
+    statement = f"GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE hook_effects TO {app_role}"
+    assert f"run '{statement}' as its owner" in line
+
+
+def test_a_grant_lost_on_a_statement_sent_with_commit_is_named_too(
+    role_hooks: Flask, app_role: str, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """INSERT on the key table revoked: the reservation, sent with COMMIT in one round trip, fails at
+    COMMIT; the request is still a retryable 503 and the log still names the table and the command."""
+    db.execute(sql.SQL("REVOKE INSERT ON idempotency_keys FROM {}").format(sql.Identifier(app_role)))
+    with caplog.at_level(logging.WARNING, logger="flask_idem"):
+        answer = role_hooks.test_client().post(
+            "/notes", headers={"X-Org": "1", "Idempotency-Key": str(uuid.uuid4())}
+        )
+    assert (answer.status_code, answer.json["retryable"], answer.headers["Retry-After"]) == (503, True, "1")
+    assert count(db, "idempotency_keys") == 0
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "lacks SELECT, INSERT, UPDATE, DELETE on table idempotency_keys (permission denied" in line
+    assert f"'flask idem migrate --grant {app_role}'" in line
+
+
+def test_each_kind_of_denial_names_its_grant(
+    role_url: str, app_role: str, db: psycopg.Connection[Any]
+) -> None:
+    """PostgreSQL's own refusals, as the role meets them: a function without EXECUTE gets its GRANT
+    statement; a schema without USAGE gets `migrate --grant` when it is the key table's (which that
+    command covers), else its GRANT statement; any other error is no missing grant."""
+    db.execute("CREATE FUNCTION grants_probe() RETURNS int LANGUAGE sql AS 'SELECT 1'")
+    db.execute("REVOKE EXECUTE ON FUNCTION grants_probe() FROM PUBLIC")
+    db.execute("CREATE SCHEMA grants_probe_s")
+    db.execute("CREATE TABLE grants_probe_s.t (id int)")
+    try:
+        denied = {}
+        probes = [("function", "SELECT grants_probe()"), ("schema", "TABLE grants_probe_s.t")]
+        with psycopg.connect(role_url, autocommit=True) as conn:
+            for kind, statement in probes:
+                with pytest.raises(psycopg.errors.InsufficientPrivilege) as raised:
+                    conn.execute(statement)
+                denied[kind] = raised.value
+            with pytest.raises(psycopg.errors.UndefinedTable) as missing:
+                conn.execute("TABLE no_such_table")
+    finally:
+        db.execute("DROP FUNCTION grants_probe()")
+        db.execute("DROP SCHEMA grants_probe_s CASCADE")
+    r = app_role
+    assert _grants.missing_grant(denied["function"], r, key_table="idempotency_keys") == (
+        f"the role {r} lacks EXECUTE on function grants_probe (permission denied for function"
+        f" grants_probe): run 'GRANT EXECUTE ON FUNCTION grants_probe TO {r}' as its owner"
+    )
+    assert _grants.missing_grant(denied["schema"], r, key_table="grants_probe_s.keys") == (
+        f"the role {r} lacks USAGE on schema grants_probe_s (permission denied for schema"
+        f" grants_probe_s): run 'flask idem migrate --grant {r}' as the tables' owner"
+    )
+    assert f"run 'GRANT USAGE ON SCHEMA grants_probe_s TO {r}' as its owner" in str(
+        _grants.missing_grant(denied["schema"], r, key_table="idempotency_keys")
+    )
+    assert _grants.missing_grant(missing.value, r) is None
+
+
+def test_a_lost_grant_defers_a_job_naming_the_fix(
+    role_url: str,
+    app_role: str,
+    db: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    """With INSERT on the key table revoked, a job's delivery is deferred as a failed attempt (delivered
+    again later), writes nothing, and the log names the table and `flask idem migrate --grant`."""
+    db.execute(jobs_app.SCHEMA)
+    role = sql.Identifier(app_role)
+    db.execute(sql.SQL("GRANT SELECT, INSERT ON job_effects TO {}").format(role))
+    db.execute(sql.SQL("REVOKE INSERT ON idempotency_keys FROM {}").format(role))
+    app = jobs_app.build_jobs_app(
+        role_url, broker_url=BROKER_URL, queue="unused", trace=str(tmp_path / "trace"), maildir=str(tmp_path)
+    )
+    delivery = _delivery.Delivery(1, uuid.uuid4(), (5,), {}, enqueued_at=time.time())
+    try:
+        with caplog.at_level(logging.WARNING, logger="flask_idem"):
+            outcome = _delivery.run_delivery(
+                app, jobs_app.jobs.tasks["jobs.add"], delivery, rng=random.Random(0)
+            )
+    finally:
+        close_pool(app)
+    assert isinstance(outcome, Defer) and outcome.failed and outcome.envelope.failures == 1
+    assert count(db, "idempotency_keys") == 0 and count(db, "job_effects") == 0
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line.startswith("Missing privilege in task jobs.add: InsufficientPrivilege (SQLSTATE 42501)")
+    assert f"the role {app_role} lacks SELECT, INSERT, UPDATE, DELETE on table idempotency_keys " in line
+    assert f"'flask idem migrate --grant {app_role}'" in line and "delivered again later" in line
 
 
 test_receipts_relay_and_fulfilment_under_the_role = reduce(

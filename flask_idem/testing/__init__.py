@@ -19,6 +19,7 @@ from ._core import NotRetrySafe as NotRetrySafe
 from ._core import Rows as Rows
 from ._core import WorkerKilled as WorkerKilled
 from ._fixtures import DATABASE_ENV as DATABASE_ENV
+from ._fixtures import embedded_server_url as embedded_server_url
 from ._fixtures import idem_database_url as idem_database_url
 from ._fixtures import idem_db as idem_db
 from ._fixtures import idem_server_url as idem_server_url
@@ -38,6 +39,7 @@ __all__ = [
     "check_scope",
     "check_webhook_redelivery",
     "crash_between_steps",
+    "embedded_server_url",
     "hammer",
     "idem_database_url",
     "idem_db",

