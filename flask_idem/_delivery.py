@@ -134,7 +134,6 @@ class TaskSpec:
     flow: Flow | None = None
     ttl: float | None = None
     policy: JobPolicy | None = None
-    lease_timeout: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +244,9 @@ class _Delivery:
         #: Whether the key table names a task's row and stores its result as such (layout 4 and later).
         self.named = state.store.partitioned
         self.keyed = task_request(delivery.org_id, delivery.key, spec.name, sha, named=self.named)
-        self.claim = _protocol.Claim(self.keyed, state.settings.key_ttl if spec.ttl is None else spec.ttl)
+        self.claim = _protocol.Claim(
+            self.keyed, state.settings.key_ttl if spec.ttl is None else spec.ttl, reported=_reported
+        )
         self.overdue = time.time() - delivery.enqueued_at > policy.deadline
         self.door = TaskDoor(named=self.named)
 
@@ -253,6 +254,7 @@ class _Delivery:
 
     def unreachable(self, error: psycopg.Error) -> Outcome:
         """The key table could not be reached: this attempt failed."""
+        _protocol.unavailable(self.state, error, self.keyed.org_id, self.keyed.key)
         logger.warning(
             "Task %s could not reach the key table: %s (SQLSTATE %s).",
             self.spec.name,
@@ -305,7 +307,7 @@ class _Delivery:
         if held is not None:
             marked = _protocol.give_up_leased(self.state, held, document, reason)
         else:
-            lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds())
+            lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds)
             name = flow.name if flow else self.spec.name
             marked = _protocol.give_up(self.state, self.claim, name, lease, document, reason)
         if isinstance(marked, _protocol.InFlight):
@@ -366,16 +368,12 @@ class _Delivery:
     def _run(self, conn: psycopg.Connection[TupleRow]) -> Final[Any]:
         return task_final(self._call(conn), named=self.named)
 
+    @property
     def _lease_seconds(self) -> float:
-        flow = self.spec.flow
-        return (
-            self.spec.lease_timeout
-            or (flow.lease_timeout if flow else None)
-            or self.state.settings.lease_timeout
-        )
+        return _protocol.lease_seconds(self.state.settings, self.spec.flow)
 
     def _multistep(self, flow: Flow) -> Outcome | Final[Any] | _protocol.Existing:
-        lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds())
+        lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds)
         try:
             started: Run | Final[Any] | _protocol.Existing = _protocol.begin(
                 self.state, self.claim, flow, lease, self._call
@@ -411,3 +409,14 @@ class _Delivery:
         if outcome.failed:
             raise JobGivenUp(f"Task {self.spec.name} was given up before and is flagged for a person.")
         return Done(task_result(outcome.document), replayed=True)
+
+
+def _reported(outcome: _protocol.Replay | _protocol.Tombstone) -> int | None:
+    """The status the signals report for a task's key already taken: a stored result's ``200`` (``500``
+    when given up), as its :class:`~flask_idem._records.Final` had; none for a tombstone (dropped)."""
+    if isinstance(outcome, _protocol.Tombstone):
+        return None
+    status: int | None = outcome.document.get("status")
+    if status is None:
+        return 500 if outcome.failed else 200
+    return status

@@ -43,6 +43,7 @@ from ._delivery import (
     get_jobs,
     run_delivery,
 )
+from ._http import current
 from ._retry import backoff
 from ._settings import parse_seconds
 from ._state import get_state
@@ -59,7 +60,6 @@ from ._task import (
     task_key,
     task_path,
 )
-from ._view import current
 from .errors import ConfigurationError, DatabaseUnavailable
 from .flow import Flow
 
@@ -241,7 +241,7 @@ class Jobs:
         except ConfigurationError as e:
             if not has_request_context():
                 raise
-            # As a missing key table at the first request (_view.ready): the deployment's problem, over
+            # As a missing key table at the first request (_http.ready): the deployment's problem, over
             # once the migration has run; the client retries with its key, and nothing was recorded.
             logger.error("%s Answered 503 until then.", e)
             raise DatabaseUnavailable(retry_after=settings.retry_after) from None

@@ -20,7 +20,7 @@ import pytest
 from flask import Flask
 from psycopg.types.json import Jsonb
 
-from flask_idem import _protocol
+from flask_idem import _protocol, signals
 from flask_idem._protocol import (
     Claim,
     InFlight,
@@ -212,19 +212,28 @@ def test_classify(found: KeyRecord | None, claimed: Claim, expected: _protocol.E
     assert classify(found, claimed) == expected
 
 
-@pytest.mark.parametrize(("location", "status"), [("/things/1", 303), (None, 410)], ids=["see-other", "gone"])
+@pytest.mark.parametrize("location", ["/things/1", None], ids=["location", "none"])
 def test_an_expired_answer_leaves_a_tombstone(
-    state: IdemState, db: psycopg.Connection[Any], location: str | None, status: int
+    notes_app: Flask, state: IdemState, db: psycopg.Connection[Any], location: str | None
 ) -> None:
-    """Past its retention a key's stored answer is a tombstone: the work never runs again."""
+    """Past its retention a key's stored answer is a tombstone, which keeps where the result is: the work
+    never runs again, and its signal reports the status the door names (the protocol has none)."""
     key = uuid.uuid4()
     assert isinstance(
         atomic(state, claim(key), lambda conn: Final(None, document(201, {}, location), 201)), Final
     )
     age(db, "1 hour 1 second")
-    found = atomic(state, claim(key), never)
+    heard: list[dict[str, Any]] = []
+
+    def hear(sender: Flask, **data: Any) -> None:
+        heard.append(data)
+
+    told = {"/things/1": 1, None: 2}
+    with signals.tombstone_hit.connected_to(hear, notes_app):
+        found = atomic(state, claim(key, reported=lambda o: told[getattr(o, "location", "")]), never)
+        assert atomic(state, claim(key), never) == found
     assert found == Tombstone(location)
-    assert isinstance(found, Tombstone) and found.status == status
+    assert [d["status"] for d in heard] == [told[location], None]
 
 
 # -- atomic -------------------------------------------------------------------------------------------
