@@ -1,8 +1,8 @@
 """Advancing a multi-step run: the steps after the intent, each guarded by the lease.
 
 Used by every door of the key protocol (:mod:`._protocol`) once a run began or was taken over: a request
-(:mod:`._view`), a background job (:mod:`._delivery`) and the recovery job. Every transaction here is short
-and no connection is held during a call step. The engine knows nothing of HTTP: what the finish step
+(:mod:`._view`), a background job (:mod:`._delivery`) and the recovery job (:mod:`.recovery`). Every
+transaction here is short and no connection is held during a call step. The engine knows nothing of HTTP: what the finish step
 answers is made into the door's :class:`._records.Final` by the door (:class:`Door`).
 """
 

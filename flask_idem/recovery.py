@@ -24,7 +24,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from flask import Flask, current_app
@@ -46,6 +46,8 @@ from .flow import run_from_record
 __all__ = ["RecoveryReport", "backoff", "recover", "run_forever"]
 
 logger = logging.getLogger("flask_idem")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -74,19 +76,20 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
     :raises ConfigurationError: when the key table is missing or in a layout this code cannot run on.
     """
     state = get_state(app)
-    state.check_layout()
     settings = state.settings
     rng = rng or random.Random()
     # The longest lease of any flow: a claimed request must not lapse in the middle of a slow call.
     lease = max(_protocol.lease_seconds(settings, flow) for flow in (None, *state.flows.values()))
     report = RecoveryReport()
     with app.app_context():
+        _reachable(state, state.check_layout)
         for _ in range(limit):
             token = uuid.uuid4()
-            try:
-                claimed = in_transaction(
+            claimed = _reachable(
+                state,
+                lambda token=token: in_transaction(  # type: ignore[misc]
                     state.source,
-                    lambda conn, token=token: state.store.claim_stranded(  # type: ignore[misc]
+                    lambda conn: state.store.claim_stranded(
                         conn,
                         token=token,
                         lease=lease,
@@ -94,10 +97,8 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
                         deadline=settings.recovery_deadline,
                         flows=list(state.flows),
                     ),
-                )
-            except psycopg.Error as e:
-                _protocol.unavailable(state, e, None, None)
-                raise
+                ),
+            )
             if not claimed:
                 break
             row = claimed[0]
@@ -107,6 +108,16 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
             ):
                 _recover_one(state, row, Lease(row.org_id, row.key, token, lease), report, rng)
     return report
+
+
+def _reachable(state: IdemState, call: Callable[[], T]) -> T:
+    """``call``'s answer; a database error it raises ends the pass, announced as
+    :data:`.signals.store_unavailable` when the key table is out of reach."""
+    try:
+        return call()
+    except psycopg.Error as e:
+        _protocol.unavailable(state, e, None, None)
+        raise
 
 
 def _recover_one(
