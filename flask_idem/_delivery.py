@@ -197,10 +197,6 @@ class Dropped:
 Outcome = Done | Defer | Dropped
 
 
-class _GiveUp(Exception):
-    """The delivery is past its policy: the key row is to be marked failed and flagged."""
-
-
 def run_delivery(app: Flask, spec: TaskSpec, delivery: Delivery, *, rng: random.Random) -> Outcome:
     """Run one delivery of ``spec`` in ``app``; see the module's docstring for the outcomes.
 
@@ -274,9 +270,8 @@ class _Delivery:
 
     def busy(self, reason: str) -> Outcome:
         """Another delivery holds the key: try again later, each time after a longer backoff (with full
-        jitter, up to the cap), until the deadline; past it, give up as a failure does."""
-        if self.overdue:
-            return self.give_up(f"{reason}; still waiting at the deadline")
+        jitter, up to the cap), until the deadline (a delivery past it is given up before it tries,
+        :meth:`once`)."""
         deferrals = self.delivery.deferrals + 1
         countdown = backoff(deferrals, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng)
         envelope = replace(self.delivery.envelope, deferrals=deferrals)
@@ -293,23 +288,19 @@ class _Delivery:
         )
         return defer
 
-    def give_up(self, reason: str, *, held: Lease | None = None) -> Outcome:
+    def give_up(self, reason: str) -> Outcome:
         """Mark the key failed and flagged for a person, and raise :class:`JobGivenUp`.
 
-        The run is marked under ``held``, the lease this delivery holds on it, if any. Otherwise, when
-        another delivery holds or finished the key meanwhile, nothing is written and the outcome is that
-        of any delivery finding the key taken; one that holds it decides (this delivery is dropped, with
-        a warning).
+        The key is reserved and marked in one transaction, or its stranded run taken over and marked
+        (:func:`._protocol.give_up`). When another delivery holds or finished the key meanwhile, nothing
+        is written and the outcome is that of any delivery finding the key taken; one that holds it
+        decides (this delivery is dropped, with a warning).
         """
         flow = self.spec.flow
         document = task_failure(reason) if self.named else failure_document()
-        marked: bool | _protocol.Existing
-        if held is not None:
-            marked = _protocol.give_up_leased(self.state, held, document, reason)
-        else:
-            lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds)
-            name = flow.name if flow else self.spec.name
-            marked = _protocol.give_up(self.state, self.claim, name, lease, document, reason)
+        lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds)
+        name = flow.name if flow else self.spec.name
+        marked = _protocol.give_up(self.state, self.claim, name, lease, document, reason)
         if isinstance(marked, _protocol.InFlight):
             logger.warning(
                 "Task %s (org %s, key %s): %s; this delivery stops, the one holding the key (or flask"
@@ -336,14 +327,16 @@ class _Delivery:
     # -- one attempt ---------------------------------------------------------------------------------------
 
     def once(self) -> Outcome:
+        if self.overdue:
+            # Never run: the key is reserved (or its stranded run taken over) and given up in one
+            # transaction, unless another delivery holds or finished it (:meth:`give_up`).
+            return self.give_up("deadline passed before it ran")
         outcome: Outcome | Final[Any] | _protocol.Existing
         try:
             if self.spec.flow is None:
                 outcome = _protocol.atomic(self.state, self.claim, self._run)
             else:
                 outcome = self._multistep(self.spec.flow)
-        except _GiveUp as e:
-            return self.give_up(str(e))
         except psycopg.Error:
             raise
         except Exception as e:  # the task's own failure: its writes and its reservation rolled back
@@ -356,8 +349,6 @@ class _Delivery:
         return self._existing(outcome)
 
     def _call(self, conn: psycopg.Connection[TupleRow]) -> Any:
-        if self.overdue:  # the key was reserved just now: rolled back, then reserved and given up
-            raise _GiveUp("deadline passed before it ran")
         job = Job(self.spec.name, self.keyed.org_id, self.keyed.key, self.delivery.failures, conn)
         entering_app_code()
         try:
@@ -382,8 +373,6 @@ class _Delivery:
             return self.busy("the reserved row was not found again")
         if not isinstance(started, Run):
             return started
-        if started.resumed and self.overdue:  # taken over just now, under this lease
-            return self.give_up("deadline passed", held=lease)
         retry_in = backoff(
             self.delivery.failures + 1, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng
         )

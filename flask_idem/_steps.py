@@ -2,8 +2,9 @@
 
 Used by every door of the key protocol (:mod:`._protocol`) once a run began or was taken over: a request
 (:mod:`._view`), a background job (:mod:`._delivery`) and the recovery job (:mod:`.recovery`). Every
-transaction here is short and no connection is held during a call step. The engine knows nothing of HTTP: what the finish step
-answers is made into the door's :class:`._records.Final` by the door (:class:`Door`).
+transaction here is short and no connection is held during a call step. The engine knows nothing of
+HTTP: what the finish step answers is made into the door's :class:`._records.Final` by the door
+(:class:`Door`).
 """
 
 from __future__ import annotations
