@@ -157,6 +157,10 @@ class ResponseDoor:
             return None
         return self._final(current_app.make_response(self.handle(error)))
 
+    def failure(self, final: Final[Response]) -> str:
+        """A 5xx answer, recorded as ``HTTP <status>``."""
+        return f"HTTP {final.status}"
+
     def _final(self, response: Response) -> Final[Response]:
         if response.status_code >= 500:
             return final_response(response, None)

@@ -44,6 +44,11 @@ class Door(Protocol[T]):
         answer (a request's 4xx); ``None``: a failure, the step is rolled back and the error raised."""
         ...
 
+    def failure(self, final: Final[T]) -> str:
+        """What the key's row records as its last error when the finish step's answer ``final`` is a
+        failure (a request's ``HTTP 500``)."""
+        ...
+
 
 class _Unknown(Exception):
     """A call step ended without a known outcome."""
@@ -105,7 +110,7 @@ def advance(
         release(state, lease, type(e).__name__, retry_in)
         raise
     if final.failed:  # rolled back: let a retry or the recovery job finish it
-        release(state, lease, f"HTTP {final.status}", retry_in)
+        release(state, lease, door.failure(final), retry_in)
     else:
         _stored(run, final)
     return final
