@@ -43,6 +43,7 @@ __all__ = [
     "database_failure",
     "final_response",
     "handled_in_request",
+    "published",
     "ready",
     "render",
 ]
@@ -116,16 +117,26 @@ def call_view(
         delattr(g, CURRENT_ATTR)
 
 
+def published(attr: str, missing: str) -> Any:
+    """What the HTTP door running now published on :data:`flask.g` under ``attr``.
+
+    :raises RuntimeError: with ``missing``, when no such door runs.
+    """
+    found = g.get(attr)
+    if found is None:
+        raise RuntimeError(missing)
+    return found
+
+
 def current() -> Current:
     """The state of the decorated view running now (see :attr:`Idempotency.connection`)."""
-    found: Current | None = g.get(CURRENT_ATTR)
-    if found is None:
-        raise RuntimeError(
-            "idem.connection and idem.key are only available while an @idem.idempotent() view"
-            " handles a write request. If this is such a view, check that @idem.idempotent() is placed"
-            " below @app.post(...): above it, Flask registers the undecorated view. Elsewhere, borrow a"
-            " connection with 'with idem.pool.connection() as conn:'."
-        )
+    found: Current = published(
+        CURRENT_ATTR,
+        "idem.connection and idem.key are only available while an @idem.idempotent() view handles a"
+        " write request. If this is such a view, check that @idem.idempotent() is placed below"
+        " @app.post(...): above it, Flask registers the undecorated view. Elsewhere, borrow a"
+        " connection with 'with idem.pool.connection() as conn:'.",
+    )
     return found
 
 

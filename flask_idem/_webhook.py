@@ -21,7 +21,7 @@ from flask import Request, Response, current_app, g, request
 from psycopg.rows import TupleRow
 
 from . import _protocol, signals
-from ._http import call_view, database_failure, final_response, ready
+from ._http import call_view, database_failure, final_response, published, ready
 from ._records import Final, KeyedRequest
 from ._replay import record_response, replay_response
 from ._state import IdemState
@@ -163,10 +163,9 @@ def _answer_existing(state: IdemState, outcome: _protocol.Existing) -> Response 
 
 def current_event() -> Event:
     """The event of the webhook handler running now (:attr:`Idempotency.event`)."""
-    found: Event | None = g.get(EVENT_ATTR)
-    if found is None:
-        raise RuntimeError(
-            "idem.event is only available while an @idem.webhook(...) view handles a delivery; check that"
-            " @idem.webhook(...) is placed below @app.post(...)."
-        )
+    found: Event = published(
+        EVENT_ATTR,
+        "idem.event is only available while an @idem.webhook(...) view handles a delivery; check that"
+        " @idem.webhook(...) is placed below @app.post(...).",
+    )
     return found
