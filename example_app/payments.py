@@ -95,6 +95,8 @@ def create_payment(data: dict[str, Any]) -> dict[str, Any]:
         "amount": amount,
         "currency": currency,
         "source": data["source"],
+        # Built here, in the request: the finish step may run in the recovery job, which has none.
+        "location": url_for("payments.get_payment", payment_id=row[0]),
     }
 
 
@@ -138,7 +140,7 @@ def record(run: Run) -> tuple[dict[str, Any], int, dict[str, str]]:
         raise problem_exception(PaymentDeclined(), payment_id=payment["id"])
     if outcome["status"] != "succeeded":
         raise problem_exception(PaymentFailed(), payment_id=payment["id"])
-    return payment, 201, {"Location": url_for("payments.get_payment", payment_id=payment["id"])}
+    return payment, 201, {"Location": run.intent["location"]}
 
 
 @bp.route("/payments/<int:payment_id>", parameters=[path_id("payment_id")])

@@ -324,6 +324,8 @@ def pay_order(order_id: int) -> dict[str, Any]:
         "amount": amount,
         "currency": currency,
         "source": source,
+        # Built here, in the request: the finish step may run in the recovery job, which has none.
+        "location": url_for("web.order_page", order_id=order_id),
     }
 
 
@@ -343,8 +345,7 @@ def record(run: Run) -> ResponseReturnValue:
         (status, outcome["charge_id"], run.org_id, run.intent["payment_id"]),
     )
     fulfilment.after_payment(run, outcome)  # the fulfilment task's message, in this transaction
-    # Absolute endpoint: the recovery job runs this step outside any request to the blueprint.
-    return redirect(url_for("web.order_page", order_id=run.intent["order_id"]), 303)
+    return redirect(run.intent["location"], 303)
 
 
 #: Each order once, with its latest payment, and whether flask-idem flagged that payment for a person.

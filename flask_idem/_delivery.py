@@ -131,7 +131,6 @@ class TaskSpec:
     flow: Flow | None = None
     ttl: float | None = None
     policy: JobPolicy | None = None
-    lease_timeout: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,10 +194,6 @@ class Dropped:
 Outcome = Done | Defer | Dropped
 
 
-class _GiveUp(Exception):
-    """The delivery is past its policy: the key row is to be marked failed and flagged."""
-
-
 def run_delivery(app: Flask, spec: TaskSpec, delivery: Delivery, *, rng: random.Random) -> Outcome:
     """Run one delivery of ``spec`` in ``app``; see the module's docstring for the outcomes.
 
@@ -234,7 +229,9 @@ class _Delivery:
         self.delivery, self.policy, self.rng = delivery, policy, rng
         sha = task_fingerprint(spec.name, delivery.args, delivery.kwargs)
         self.keyed = task_request(delivery.org_id, delivery.key, spec.name, sha)
-        self.claim = _protocol.Claim(self.keyed, state.settings.key_ttl if spec.ttl is None else spec.ttl)
+        self.claim = _protocol.Claim(
+            self.keyed, state.settings.key_ttl if spec.ttl is None else spec.ttl, reported=_reported
+        )
         self.overdue = time.time() - delivery.enqueued_at > policy.deadline
         self.door = TaskDoor()
 
@@ -242,6 +239,7 @@ class _Delivery:
 
     def unreachable(self, error: psycopg.Error) -> Outcome:
         """The key table could not be reached: this attempt failed."""
+        _protocol.unavailable(self.state, error, self.keyed.org_id, self.keyed.key)
         logger.warning(
             "Task %s could not reach the key table: %s (SQLSTATE %s).",
             self.spec.name,
@@ -267,9 +265,8 @@ class _Delivery:
 
     def busy(self, reason: str) -> Outcome:
         """Another delivery holds the key: try again later, each time after a longer backoff (with full
-        jitter, up to the cap), until the deadline; past it, give up as a failure does."""
-        if self.overdue:
-            return self.give_up(f"{reason}; still waiting at the deadline")
+        jitter, up to the cap), until the deadline (a delivery past it is given up before it tries,
+        :meth:`once`)."""
         deferrals = self.delivery.deferrals + 1
         countdown = backoff(deferrals, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng)
         envelope = replace(self.delivery.envelope, deferrals=deferrals)
@@ -286,23 +283,19 @@ class _Delivery:
         )
         return defer
 
-    def give_up(self, reason: str, *, held: Lease | None = None) -> Outcome:
+    def give_up(self, reason: str) -> Outcome:
         """Mark the key failed and flagged for a person, and raise :class:`JobGivenUp`.
 
-        The run is marked under ``held``, the lease this delivery holds on it, if any. Otherwise, when
-        another delivery holds or finished the key meanwhile, nothing is written and the outcome is that
-        of any delivery finding the key taken; one that holds it decides (this delivery is dropped, with
-        a warning).
+        The key is reserved and marked in one transaction, or its stranded run taken over and marked
+        (:func:`._protocol.give_up`). When another delivery holds or finished the key meanwhile, nothing
+        is written and the outcome is that of any delivery finding the key taken; one that holds it
+        decides (this delivery is dropped, with a warning).
         """
         flow = self.spec.flow
         document = task_failure(reason)
-        marked: bool | _protocol.Existing
-        if held is not None:
-            marked = _protocol.give_up_leased(self.state, held, document, reason)
-        else:
-            lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds())
-            name = flow.name if flow else self.spec.name
-            marked = _protocol.give_up(self.state, self.claim, name, lease, document, reason)
+        lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds)
+        name = flow.name if flow else self.spec.name
+        marked = _protocol.give_up(self.state, self.claim, name, lease, document, reason)
         if isinstance(marked, _protocol.InFlight):
             logger.warning(
                 "Task %s (org %s, key %s): %s; this delivery stops, the one holding the key (or flask"
@@ -329,14 +322,16 @@ class _Delivery:
     # -- one attempt ---------------------------------------------------------------------------------------
 
     def once(self) -> Outcome:
+        if self.overdue:
+            # Never run: the key is reserved (or its stranded run taken over) and given up in one
+            # transaction, unless another delivery holds or finished it (:meth:`give_up`).
+            return self.give_up("deadline passed before it ran")
         outcome: Outcome | Final[Any] | _protocol.Existing
         try:
             if self.spec.flow is None:
                 outcome = _protocol.atomic(self.state, self.claim, self._run)
             else:
                 outcome = self._multistep(self.spec.flow)
-        except _GiveUp as e:
-            return self.give_up(str(e))
         except psycopg.Error:
             raise
         except Exception as e:  # the task's own failure: its writes and its reservation rolled back
@@ -349,8 +344,6 @@ class _Delivery:
         return self._existing(outcome)
 
     def _call(self, conn: psycopg.Connection[TupleRow]) -> Any:
-        if self.overdue:  # the key was reserved just now: rolled back, then reserved and given up
-            raise _GiveUp("deadline passed before it ran")
         job = Job(self.spec.name, self.keyed.org_id, self.keyed.key, self.delivery.failures, conn)
         entering_app_code()
         try:
@@ -361,16 +354,12 @@ class _Delivery:
     def _run(self, conn: psycopg.Connection[TupleRow]) -> Final[Any]:
         return task_final(self._call(conn))
 
+    @property
     def _lease_seconds(self) -> float:
-        flow = self.spec.flow
-        return (
-            self.spec.lease_timeout
-            or (flow.lease_timeout if flow else None)
-            or self.state.settings.lease_timeout
-        )
+        return _protocol.lease_seconds(self.state.settings, self.spec.flow)
 
     def _multistep(self, flow: Flow) -> Outcome | Final[Any] | _protocol.Existing:
-        lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds())
+        lease = Lease(self.keyed.org_id, self.keyed.key, uuid.uuid4(), self._lease_seconds)
         try:
             started: Run | Final[Any] | _protocol.Existing = _protocol.begin(
                 self.state, self.claim, flow, lease, self._call
@@ -379,8 +368,6 @@ class _Delivery:
             return self.busy("the reserved row was not found again")
         if not isinstance(started, Run):
             return started
-        if started.resumed and self.overdue:  # taken over just now, under this lease
-            return self.give_up("deadline passed", held=lease)
         retry_in = backoff(
             self.delivery.failures + 1, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng
         )
@@ -406,3 +393,14 @@ class _Delivery:
         if outcome.failed:
             raise JobGivenUp(f"Task {self.spec.name} was given up before and is flagged for a person.")
         return Done(task_result(outcome.document), replayed=True)
+
+
+def _reported(outcome: _protocol.Replay | _protocol.Tombstone) -> int | None:
+    """The status the signals report for a task's key already taken: a stored result's ``200`` (``500``
+    when given up), as its :class:`~flask_idem._records.Final` had; none for a tombstone (dropped)."""
+    if isinstance(outcome, _protocol.Tombstone):
+        return None
+    status: int | None = outcome.document.get("status")
+    if status is None:
+        return 500 if outcome.failed else 200
+    return status

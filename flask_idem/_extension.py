@@ -21,7 +21,7 @@ from flask import Flask, Response
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from . import _deadline, _layout, _migrate, _partitions, _view, _webhook
+from . import _deadline, _http, _layout, _migrate, _partitions, _view, _webhook
 from ._async import synchronous
 from ._policy import Fingerprint
 from ._pool import ConnectionSource, ForkSafeConnectionPool, PooledConnection
@@ -420,7 +420,7 @@ class Idempotency:
 
         :raises RuntimeError: outside an idempotent view handling a write request.
         """
-        return _view.current().connection
+        return _http.current().connection
 
     @property
     def key(self) -> uuid.UUID | None:
@@ -431,7 +431,7 @@ class Idempotency:
 
         :raises RuntimeError: outside an idempotent view handling a write request.
         """
-        return _view.current().key
+        return _http.current().key
 
     def deadline(self, seconds: float | None) -> AbstractContextManager[None]:
         """Give the database work of a ``with`` block ``seconds`` of database time in all, measured by the

@@ -20,7 +20,7 @@ import psycopg
 from flask import current_app, has_app_context
 from psycopg.conninfo import conninfo_to_dict
 
-__all__ = ["REPEAT", "missing_grant", "report"]
+__all__ = ["REPEAT", "denied", "missing_grant", "report"]
 
 logger = logging.getLogger("flask_idem")
 
@@ -118,6 +118,11 @@ def report(
         then,
     )
     return True
+
+
+def denied(error: psycopg.Error) -> bool:
+    """Whether ``error`` is, or was raised from, a privilege the role lacks."""
+    return isinstance(_denial(error), psycopg.errors.InsufficientPrivilege)
 
 
 def _denial(error: psycopg.Error) -> psycopg.Error:

@@ -1,21 +1,25 @@
-"""The key protocol, written once for every door: a request (:mod:`._view`), a background job
-(:mod:`._delivery`) and the recovery job.
+"""The key protocol, written once for every door: a request (:mod:`._view`), a webhook delivery
+(:mod:`._webhook`), a background job (:mod:`._delivery`) and the recovery job (:mod:`.recovery`).
 
 It reserves a key (atomically, in the transaction of the work's writes, or under a lease for a
 multi-step run), sorts what is already there into an outcome (:class:`InFlight`, :class:`Mismatch`,
 :class:`Tombstone`, :class:`Replay`), completes the key, takes a stranded run over and gives one up.
 It speaks in records and outcomes and knows nothing of HTTP: a door hands it a :class:`Claim` and a
 callable doing its own work, which answers a :class:`._records.Final` (the door's own value and what the
-key table keeps of it), and maps the outcomes to its world (a response, a delivery's result). The
-multi-step engine that advances a run after its intent is :mod:`._steps`.
+key table keeps of it), and maps the outcomes to its world (a response, a sender's 2xx, a delivery's
+result). The multi-step engine that advances a run after its intent is :mod:`._steps`.
 
-Every outcome is announced here, once, with its signal (:mod:`.signals`).
+Every outcome is announced here, once, with its signal (:mod:`.signals`); what a signal reports of the
+door's answer (a status) is the door's word, handed over in the claim (:attr:`Claim.reported`). The rules
+every door shares live here too: how long a lease lasts (:func:`lease_seconds`), and when a database error
+means the key table is out of reach (:func:`unavailable`).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -25,8 +29,10 @@ from psycopg.rows import TupleRow
 
 from . import signals
 from ._records import Final, KeyedRequest, KeyRecord, Lease
+from ._settings import Settings
 from ._state import IdemState
 from ._transactions import in_transaction
+from .errors import store_unreachable
 from .flow import INTENT, Flow, Run, run_from_record
 
 __all__ = [
@@ -43,8 +49,10 @@ __all__ = [
     "classify",
     "give_up",
     "give_up_leased",
+    "lease_seconds",
     "release",
     "stored",
+    "unavailable",
 ]
 
 T = TypeVar("T")
@@ -74,9 +82,10 @@ class Claim:
     #: Whether a stored fingerprint is this work's under an earlier fingerprint policy (:mod:`._policy`);
     #: ``None``: only the same fingerprint is the same work.
     earlier: Callable[[bytes], bool] | None = None
-    #: What the door answers a tombstone with, when not the HTTP answer of :attr:`Tombstone.status`
-    #: (``303``/``410``): a webhook's sender is answered ``200``.
-    tombstone_status: int | None = None
+    #: The status the signals report for a :class:`Replay` or a :class:`Tombstone`, in the door's words
+    #: (a request's ``303`` or ``410`` for a tombstone, a webhook sender's ``200``); the protocol passes
+    #: it on and reads nothing in it. ``None``: the stored answer's own ``status``, if it has one.
+    reported: Callable[[Replay | Tombstone], int | None] | None = None
 
     def same(self, request_sha: bytes) -> bool:
         """Whether the key's first work, stored with ``request_sha``, is this one."""
@@ -109,11 +118,6 @@ class Tombstone:
 
     location: str | None
 
-    @property
-    def status(self) -> int:
-        """What a retry is told: ``303 See Other`` to :attr:`location`, or ``410 Gone``."""
-        return 410 if self.location is None else 303
-
     @classmethod
     def of(cls, document: Mapping[str, Any]) -> Tombstone:
         """The tombstone of a stored answer (its headers are kept as name-value pairs)."""
@@ -131,15 +135,6 @@ class Replay:
     #: The stored answer is another request's, replayed under ``replay_mismatch``.
     mismatched: bool = False
     failed: bool = False
-
-    @property
-    def status(self) -> int:
-        """The stored status: a response's; a task's result (stored without one, from layout 4 on) is
-        ``200``, and a task given up ``500``, as a request's would be."""
-        status: int | None = self.document.get("status")
-        if status is None:
-            return 500 if self.failed else 200
-        return status
 
 
 Existing = InFlight | Mismatch | Tombstone | Replay
@@ -171,11 +166,21 @@ def announce(outcome: Existing, claim: Claim) -> None:
     elif isinstance(outcome, Mismatch):
         signals.send(signals.mismatch_rejected, org_id=org_id, key=key)
     elif isinstance(outcome, Tombstone):
-        status = outcome.status if claim.tombstone_status is None else claim.tombstone_status
-        signals.send(signals.tombstone_hit, org_id=org_id, key=key, status=status)
+        signals.send(signals.tombstone_hit, org_id=org_id, key=key, status=_reported(outcome, claim))
     else:
         replayed = signals.mismatch_replayed if outcome.mismatched else signals.response_replayed
-        signals.send(replayed, org_id=org_id, key=key, status=outcome.status)
+        signals.send(replayed, org_id=org_id, key=key, status=_reported(outcome, claim))
+
+
+def _reported(outcome: Replay | Tombstone, claim: Claim) -> int | None:
+    """The status a signal reports for ``outcome``: the door's (:attr:`Claim.reported`), or the stored
+    answer's own."""
+    if claim.reported is not None:
+        return claim.reported(outcome)
+    if isinstance(outcome, Replay):
+        status: int | None = outcome.document.get("status")
+        return status
+    return None
 
 
 def stored(keyed: KeyedRequest, flow: str | None, final: Final[Any]) -> None:
@@ -216,8 +221,8 @@ def atomic(
 
     try:
         outcome = in_transaction(state.source, body, batched=True)
-    except psycopg.errors.UniqueViolation as e:
-        if not _is_key_table(e.diag.table_name, state.settings.table):
+    except psycopg.Error as e:
+        if not state.store.lost_race(e):
             raise
         # The key's row, written with COMMIT, met one committed meanwhile (under REPEATABLE READ, whose
         # snapshot predates the key's lock): nothing of this attempt was kept, and the next finds it.
@@ -229,17 +234,16 @@ def atomic(
     return outcome
 
 
-def _is_key_table(name: str | None, table: str) -> bool:
-    """Whether ``name``, a table an error names, is the key table ``table`` or, on layout 4, one of its
-    partitions (``<table>_p0``, ``<table>_p<stamp>``: the index that refuses a row is a partition's)."""
-    base = table.rpartition(".")[2]
-    if name is None or not name.startswith(base):
-        return False
-    rest = name[len(base) :]
-    return rest == "" or (rest.startswith("_p") and rest[2:].isdigit())
-
-
 # -- multi-step: the intent under a lease, then the steps (._steps) -----------------------------------
+
+
+def lease_seconds(settings: Settings, flow: Flow | None = None) -> float:
+    """How long a lease on a run of ``flow`` lasts from each write that renews it: the flow's
+    ``lease_timeout``, or ``IDEM_LEASE_TIMEOUT``. The one rule of every door (a request's, a task's, the
+    recovery job's, and an atomic run given up under a lease, which has no flow)."""
+    if flow is not None and flow.lease_timeout is not None:
+        return flow.lease_timeout
+    return settings.lease_timeout
 
 
 def begin(
@@ -371,3 +375,22 @@ def release(state: IdemState, lease: Lease, error: str, retry_in: float) -> None
         )
     except psycopg.Error as e:
         logger.warning("Could not release a lease: %s (SQLSTATE %s).", type(e).__name__, e.sqlstate)
+
+
+# -- the key table out of reach ------------------------------------------------------------------------
+
+
+def unavailable(state: IdemState, error: psycopg.Error, org_id: int | None, key: uuid.UUID | None) -> bool:
+    """Whether ``error`` means that the key table is out of reach for now, so that the same work may
+    succeed later (:func:`.errors.store_unreachable`); if so, :data:`.signals.store_unavailable` is
+    sent, the same from every door. ``org_id`` and ``key`` are ``None`` when not known yet."""
+    if not store_unreachable(error, state.settings.table):
+        return False
+    signals.send(
+        signals.store_unavailable,
+        org_id=org_id,
+        key=key,
+        error=type(error).__name__,
+        sqlstate=error.sqlstate,
+    )
+    return True

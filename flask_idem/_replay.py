@@ -1,6 +1,7 @@
 """Stored responses: what is kept of a view's answer, and how a retry gets it back.
 
-Shared by the atomic path (:mod:`._view`), the multi-step engine (:mod:`._steps`) and the recovery job.
+Shared by the request and webhook doors (:mod:`._view`, :mod:`._webhook`), the multi-step engine
+(:mod:`._steps`) and the recovery door (:mod:`.recovery`).
 
 What a stored response may hold is the route's choice (``store_response``):
 

@@ -1,9 +1,10 @@
 """Advancing a multi-step run: the steps after the intent, each guarded by the lease.
 
 Used by every door of the key protocol (:mod:`._protocol`) once a run began or was taken over: a request
-(:mod:`._view`), a background job (:mod:`._delivery`) and the recovery job. Every transaction here is short
-and no connection is held during a call step. The engine knows nothing of HTTP: what the finish step
-answers is made into the door's :class:`._records.Final` by the door (:class:`Door`).
+(:mod:`._view`), a background job (:mod:`._delivery`) and the recovery job (:mod:`.recovery`). Every
+transaction here is short and no connection is held during a call step. The engine knows nothing of
+HTTP: what the finish step answers is made into the door's :class:`._records.Final` by the door
+(:class:`Door`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class Door(Protocol[T]):
     def refused(self, error: Exception) -> Final[T] | None:
         """The final answer of a database step that raised ``error``, when the door takes it for an
         answer (a request's 4xx); ``None``: a failure, the step is rolled back and the error raised."""
+        ...
+
+    def failure(self, final: Final[T]) -> str:
+        """What the key's row records as its last error when the finish step's answer ``final`` is a
+        failure (a request's ``HTTP 500``)."""
         ...
 
 
@@ -104,7 +110,7 @@ def advance(
         release(state, lease, type(e).__name__, retry_in)
         raise
     if final.failed:  # rolled back: let a retry or the recovery job finish it
-        release(state, lease, f"HTTP {final.status}", retry_in)
+        release(state, lease, door.failure(final), retry_in)
     else:
         _stored(run, final)
     return final

@@ -176,6 +176,24 @@ class Store:
             cursor.execute(q.delete_expired, params)
         return Reservation(reserved=False)
 
+    def lost_race(self, error: psycopg.Error) -> bool:
+        """Whether ``error``, raised by a transaction that reserved a key, is the key table's unique
+        index refusing the key's row because another transaction committed the same key meanwhile (as
+        an atomic row written once with ``COMMIT`` may meet under REPEATABLE READ): nothing of that
+        transaction was kept, and the next attempt finds the other's row.
+
+        The index that refuses the row is the table's, or on the partitioned table one of its
+        partitions' (``<table>_p0``, ``<table>_p<stamp>``).
+        """
+        if not isinstance(error, psycopg.errors.UniqueViolation):
+            return False
+        name = error.diag.table_name
+        base = self.table.rpartition(".")[2]
+        if name is None or not name.startswith(base):
+            return False
+        rest = name[len(base) :]
+        return rest == "" or (rest.startswith("_p") and rest[2:].isdigit())
+
     def _lock_then(
         self,
         conn: psycopg.Connection[Any],

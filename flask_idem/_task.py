@@ -262,6 +262,10 @@ class TaskDoor:
         """A database step's error is the task's failure: rolled back, and the delivery retried."""
         return None
 
+    def failure(self, final: Final[Any]) -> str:
+        """A task's finish step never answers a failure (it raises instead); named all the same."""
+        return "the finish step failed"
+
 
 #: A NUL character escaped in JSON text (``\u0000`` after an even number of backslashes), which
 #: ``jsonb`` cannot hold.

@@ -1,6 +1,8 @@
-"""Calling application code: inside one of the extension's transactions, and with its 4xx rendered.
+"""The extension's transactions: application code run inside one, committed unless it failed.
 
-Shared by the atomic path (:mod:`._view`), the multi-step engine (:mod:`._steps`) and the recovery job.
+Shared by the key protocol (:mod:`._protocol`), the multi-step engine (:mod:`._steps`) and every door. It
+knows no door: whether the work failed (and is rolled back) is what the work answers, a failed
+:class:`._records.Final`, never a response.
 """
 
 from __future__ import annotations
@@ -12,16 +14,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
-from flask import Response, current_app, has_request_context, request
 from psycopg import pq
 from psycopg.rows import TupleRow
-from werkzeug.exceptions import HTTPException
 
 from ._pool import ConnectionSource
 from ._records import Final
 from .errors import DatabaseFailed
 
-__all__ = ["entering_app_code", "in_transaction", "render"]
+__all__ = ["CommitOutcomeUnknown", "entering_app_code", "in_transaction"]
 
 logger = logging.getLogger("flask_idem")
 
@@ -50,7 +50,7 @@ _INERROR = pq.TransactionStatus.INERROR
 
 
 class _Discard(Exception):
-    """Ends a transaction with a ROLLBACK and carries the result out of it (a 5xx response)."""
+    """Ends a transaction with a ROLLBACK and carries the result out of it (a failed Final)."""
 
     def __init__(self, result: Any) -> None:
         self.result = result
@@ -65,9 +65,9 @@ def in_transaction(
     ``COMMIT``) where the source can (:class:`._pool.Batched`): ``body`` must begin with a statement of
     the key store.
 
-    The transaction is rolled back instead when ``body`` raises, when it returns a 5xx response or a
-    failed :class:`._records.Final`, and
-    when application code inside it swallowed a database error (the transaction is then unusable, so
+    The transaction is rolled back instead when ``body`` raises, when it returns a failed
+    :class:`._records.Final` (the door's word for failed work, such as a request's 5xx), and when
+    application code inside it swallowed a database error (the transaction is then unusable, so
     whatever success it reports is false: :class:`.DatabaseFailed`). The result is returned only after
     COMMIT succeeded, so a client never hears "created" for writes that were rolled back.
 
@@ -85,17 +85,11 @@ def in_transaction(
                 result = body(conn)
                 if conn.pgconn.transaction_status == _INERROR:  # conn.info makes an object per use
                     logger.error(
-                        "Application code in %r went on after a database error inside its transaction;"
-                        " the transaction was rolled back.",
-                        request.endpoint if has_request_context() else "a command",
+                        "Application code went on after a database error inside its transaction;"
+                        " the transaction was rolled back."
                     )
                     raise DatabaseFailed()
-                if (
-                    isinstance(result, Final)
-                    and result.failed
-                    or isinstance(result, Response)
-                    and result.status_code >= 500
-                ):
+                if isinstance(result, Final) and result.failed:
                     raise _Discard(result)
                 progress.committing = True
             return result
@@ -127,18 +121,3 @@ def in_transaction(
 
 class CommitOutcomeUnknown(psycopg.OperationalError):
     """COMMIT failed without saying that the transaction was rolled back: answered 503, to be retried."""
-
-
-def render(call: Callable[[], Any]) -> Any:
-    """Call application code; a client-error exception it raises becomes its response.
-
-    ``abort(404)`` and other 4xx exceptions are a view's normal way of answering, so they are rendered by
-    the application's error handlers and stored like a returned 4xx. Server errors propagate.
-    """
-    entering_app_code()
-    try:
-        return call()
-    except HTTPException as e:
-        if e.code is None or e.code >= 500:
-            raise
-        return current_app.make_response(current_app.handle_user_exception(e))

@@ -1,13 +1,13 @@
-"""What runs around a decorated view: parse, fingerprint, reserve, run, store, commit, or short-circuit.
+"""The request door of the key protocol: what runs around a decorated view (parse, fingerprint,
+reserve, run, store, commit, or short-circuit), and what a request is answered for each outcome.
 
-This module is also the one boundary where driver errors become HTTP errors: a :class:`psycopg.Error`
-leaving a request goes through :func:`.errors.database_error`.
+A :class:`psycopg.Error` leaving a request goes through the HTTP doors' one boundary
+(:func:`._http.database_failure`).
 """
 
 from __future__ import annotations
 
 import hmac
-import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,75 +16,47 @@ from typing import Any
 import psycopg
 from flask import Request, Response, current_app, g, request
 from psycopg.rows import TupleRow
-from werkzeug.exceptions import HTTPException
 
-from . import _protocol, _steps, signals
+from . import _protocol, _steps
 from ._fingerprint import fingerprint
+from ._http import (
+    CURRENT_ATTR,
+    Current,
+    ResponseDoor,
+    call_view,
+    database_failure,
+    final_response,
+    ready,
+    render,
+)
 from ._keys import HEADER, parse_key
 from ._policy import Fingerprint, Fingerprinted, RequestParts, describe_mismatch
 from ._records import Final, KeyedRequest, KeyRecord, Lease
 from ._replay import StoreResponse, record_response, replay_response
 from ._settings import VIEW_OPTIONS_ATTR, OnMismatch, ScopeFunc, Settings
 from ._state import IdemState
-from ._transactions import in_transaction, render
+from ._transactions import in_transaction
 from .errors import (
     ConfigurationError,
-    DatabaseUnavailable,
     KeyExpired,
     KeyInUse,
     KeyMismatch,
     MissingKey,
     NoScope,
     OutcomePending,
-    ResponseNotStored,
-    database_error,
 )
 from .flow import Flow, Run
 
-__all__ = [
-    "CURRENT_ATTR",
-    "SAFE_METHODS",
-    "Current",
-    "RequestDoor",
-    "ViewOptions",
-    "call_view",
-    "current",
-    "final_response",
-    "handle",
-    "ready",
-]
+__all__ = ["SAFE_METHODS", "ViewOptions", "handle"]
 
 #: Methods that are passed through untouched: they must not change state, so retrying them is harmless.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
-CURRENT_ATTR = "_flask_idem_current"
 _HEADER_ENVIRON = "HTTP_" + HEADER.upper().replace("-", "_")  # where the WSGI environ keeps it
 
 #: Attribute of a decorated view that holds its :class:`ViewOptions` (read by flask_idem.openapi and
 #: flask_idem.testing).
 OPTIONS_ATTR = VIEW_OPTIONS_ATTR
-
-logger = logging.getLogger("flask_idem")
-
-#: The detail of the 500 when a flow's answer is over ``IDEM_MAX_RESPONSE_BYTES``: unlike an atomic
-#: request's, the earlier steps stand (an outside call may have been made) and the request stays open.
-_FLOW_NOT_STORED = (
-    "This request was started and its earlier steps were carried out (a call to another service may have"
-    " been made), but its answer is larger than the server keeps for retries, so the last step was undone"
-    " and the request is not finished. Do not send it again under a new Idempotency-Key: that would carry"
-    " the operation out a second time. A retry with the same key does not repeat the finished steps, but"
-    " meets the same server-side limit until the server is changed; until then the server keeps trying to"
-    " finish it, and after its recovery deadline marks it failed for a person to look at."
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Current:
-    """What a running idempotent view can ask about its request (kept on :data:`flask.g`)."""
-
-    connection: psycopg.Connection[TupleRow]
-    org_id: int | None
-    key: uuid.UUID | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +119,10 @@ def _answer_write(
             ready(state)
             return in_transaction(
                 state.source,
-                lambda conn: current_app.make_response(call_view(conn, None, None, view, args, kwargs)),
-            )
+                lambda conn: final_response(
+                    current_app.make_response(call_view(conn, None, None, view, args, kwargs)), None
+                ),
+            ).value
         printed: _PolicyPrint | None = None
         if options.fingerprint is None:  # the default policy, as it always was: nothing more to do
             request_sha = fingerprint(
@@ -168,30 +142,7 @@ def _answer_write(
             return _atomic(state, options, attempt)
         return _multistep(state, options, options.flow, attempt)
     except psycopg.Error as e:
-        error = database_error(e, retry_after=state.settings.retry_after, key_table=state.settings.table)
-        if error.code == 503:
-            signals.send(
-                signals.store_unavailable,
-                org_id=None if keyed is None else keyed.org_id,
-                key=key,
-                error=type(e).__name__,
-                sqlstate=e.sqlstate,
-            )
-        raise error from None
-
-
-def ready(state: IdemState) -> None:
-    """Check the key table's layout at the first write request (:meth:`.IdemState.check_layout`).
-
-    A missing or unusable key table is the deployment's problem, not the client's, and it ends once the
-    migration has run: the request is answered 503 with ``Retry-After`` (nothing was recorded; a retry
-    with the same key is safe), and the error, with the command to run, goes to the log.
-    """
-    try:
-        state.check_layout()
-    except ConfigurationError as e:
-        logger.error("%s Answered 503 until then.", e)
-        raise DatabaseUnavailable(retry_after=state.settings.retry_after) from None
+        raise database_failure(state, e, None if keyed is None else keyed.org_id, key) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +240,17 @@ def _claim(options: ViewOptions, settings: Settings, attempt: _Attempt) -> _prot
         options.key_ttl(settings),
         replay_mismatch=on_mismatch == "replay",
         earlier=None if printed is None or not printed.policy.previous else printed.earlier,
+        reported=_reported,
     )
+
+
+def _reported(outcome: _protocol.Replay | _protocol.Tombstone) -> int | None:
+    """The status the signals report: a replay's stored one; a tombstone's ``303`` (to the first
+    answer's ``Location``) or ``410``, as :func:`_answer_existing` answers it."""
+    if isinstance(outcome, _protocol.Tombstone):
+        return 410 if outcome.location is None else 303
+    status: int | None = outcome.document.get("status")
+    return status
 
 
 def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Response:
@@ -310,12 +271,6 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
     return _answer_existing(state, options, outcome, attempt)
 
 
-def final_response(response: Response, document: dict[str, Any] | None) -> Final[Response]:
-    """A response as the protocol's final answer: a 5xx is a failure (rolled back, not stored)."""
-    status = response.status_code
-    return Final(response, document, status, failed=status >= 500)
-
-
 def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Attempt) -> Response:
     """Reserve under a lease and record the intent in one short transaction, then advance step by step.
 
@@ -323,7 +278,7 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
     resumes it after its last finished step.
     """
     settings, keyed = state.settings, attempt.request
-    seconds = flow.lease_timeout or settings.lease_timeout
+    seconds = _protocol.lease_seconds(settings, flow)
     lease = Lease(keyed.org_id, keyed.key, token=uuid.uuid4(), seconds=seconds)
 
     def start(conn: psycopg.Connection[TupleRow]) -> Mapping[str, Any] | Final[Response]:
@@ -343,50 +298,13 @@ def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Att
             return _answer_existing(state, options, started, attempt)
         stored_request = None if attempt.printed is None else attempt.printed.stored()
         final = _steps.advance(
-            state, flow, started, lease, RequestDoor(settings, stored_request), retry_in=seconds
+            state, flow, started, lease, ResponseDoor(settings, stored_request), retry_in=seconds
         )
     except _protocol.LeaseLost:
         raise KeyInUse(retry_after=settings.retry_after) from None
     except _protocol.Pending:
         raise OutcomePending(retry_after=settings.retry_after) from None
     return final.value
-
-
-@dataclass(frozen=True, slots=True)
-class RequestDoor:
-    """What a multi-step request's finish makes of its answer (:class:`._steps.Door`): a response, stored
-    as the key's answer unless it is a 5xx. Also the recovery job's, for the requests it finishes."""
-
-    settings: Settings
-    #: What the route's fingerprint policy keeps of the request (its part digests), stored with the
-    #: answer; ``None`` for the default policy and for the recovery job, which has no request.
-    request: Mapping[str, Any] | None = None
-
-    def finish(self, call: Callable[[], Any]) -> Final[Response]:
-        return self._final(current_app.make_response(render(call)))
-
-    def refused(self, error: Exception) -> Final[Response] | None:
-        """A database step's 4xx ends the request with that answer (rendered by the error handlers)."""
-        if not isinstance(error, HTTPException) or error.code is None or error.code >= 500:
-            return None
-        return self._final(current_app.make_response(current_app.handle_user_exception(error)))
-
-    def _final(self, response: Response) -> Final[Response]:
-        if response.status_code >= 500:
-            return final_response(response, None)
-        settings = self.settings
-        try:
-            document = record_response(
-                response, settings.replay_headers, max_bytes=settings.max_response_bytes, request=self.request
-            )
-        except ResponseNotStored as e:
-            logger.warning(
-                "That answer is a multi-step request's: only its last step was rolled back; the steps"
-                " before it stand, and the request stays in progress until the limit or the answer"
-                " changes or its recovery deadline passes."
-            )
-            raise ResponseNotStored(_FLOW_NOT_STORED) from e
-        return final_response(response, document)
 
 
 def _whole_body(req: Request) -> bytes:
@@ -401,39 +319,6 @@ def _whole_body(req: Request) -> bytes:
     if limit is not None and req.content_length is None and len(body) >= limit:
         req.stream.read(1)
     return body
-
-
-def call_view(
-    conn: psycopg.Connection[TupleRow],
-    org_id: int | None,
-    key: uuid.UUID | None,
-    view: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-) -> Any:
-    """Call the view with its connection and key published on ``g``; return what it returned.
-
-    ``g`` belongs to the application context, which an ``async def`` view's coroutine shares although it
-    runs on another thread (:mod:`._async`).
-    """
-    setattr(g, CURRENT_ATTR, Current(conn, org_id, key))
-    try:
-        return render(lambda: view(*args, **kwargs))
-    finally:
-        delattr(g, CURRENT_ATTR)
-
-
-def current() -> Current:
-    """The state of the decorated view running now (see :attr:`Idempotency.connection`)."""
-    found: Current | None = g.get(CURRENT_ATTR)
-    if found is None:
-        raise RuntimeError(
-            "idem.connection and idem.key are only available while an @idem.idempotent() view"
-            " handles a write request. If this is such a view, check that @idem.idempotent() is placed"
-            " below @app.post(...): above it, Flask registers the undecorated view. Elsewhere, borrow a"
-            " connection with 'with idem.pool.connection() as conn:'."
-        )
-    return found
 
 
 def _org_id(scope: ScopeFunc) -> int:

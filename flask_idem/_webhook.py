@@ -21,11 +21,11 @@ from flask import Request, Response, current_app, g, request
 from psycopg.rows import TupleRow
 
 from . import _protocol, signals
+from ._http import call_view, database_failure, final_response, published, ready
 from ._records import Final, KeyedRequest
 from ._replay import record_response, replay_response
 from ._state import IdemState
-from ._view import call_view, final_response, ready
-from .errors import KeyInUse, KeyMismatch, WebhookRejected, database_error
+from .errors import KeyInUse, KeyMismatch, WebhookRejected
 from .webhooks import Event, Source
 
 __all__ = ["EVENT_ATTR", "OPTIONS_ATTR", "WebhookOptions", "current_event", "event_key", "handle"]
@@ -88,13 +88,11 @@ def handle(
         ready(state)
         outcome = _protocol.atomic(
             state,
-            _protocol.Claim(keyed, source.window, tombstone_status=200),
+            _protocol.Claim(keyed, source.window, reported=_reported),
             lambda conn: _run(state, conn, keyed, event, view, args, kwargs),
         )
     except psycopg.Error as e:
-        raise database_error(
-            e, retry_after=state.settings.retry_after, key_table=state.settings.table
-        ) from None
+        raise database_failure(state, e, keyed.org_id, keyed.key) from None
     if isinstance(outcome, Final):
         if not outcome.failed:
             signals.send(
@@ -132,6 +130,15 @@ def _run(
     return final_response(response, document)
 
 
+def _reported(outcome: _protocol.Replay | _protocol.Tombstone) -> int | None:
+    """The status the signals report: a replay's stored one; for a tombstone the ``200`` its sender is
+    answered (:func:`_answer_existing`)."""
+    if isinstance(outcome, _protocol.Tombstone):
+        return 200
+    status: int | None = outcome.document.get("status")
+    return status
+
+
 def _answer_existing(state: IdemState, outcome: _protocol.Existing) -> Response | KeyInUse | KeyMismatch:
     """What a provider is answered for an event already taken.
 
@@ -156,10 +163,9 @@ def _answer_existing(state: IdemState, outcome: _protocol.Existing) -> Response 
 
 def current_event() -> Event:
     """The event of the webhook handler running now (:attr:`Idempotency.event`)."""
-    found: Event | None = g.get(EVENT_ATTR)
-    if found is None:
-        raise RuntimeError(
-            "idem.event is only available while an @idem.webhook(...) view handles a delivery; check that"
-            " @idem.webhook(...) is placed below @app.post(...)."
-        )
+    found: Event = published(
+        EVENT_ATTR,
+        "idem.event is only available while an @idem.webhook(...) view handles a delivery; check that"
+        " @idem.webhook(...) is placed below @app.post(...).",
+    )
     return found

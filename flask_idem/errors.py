@@ -60,6 +60,7 @@ __all__ = [
     "WebhookRejected",
     "missing_table_hint",
     "problem",
+    "store_unreachable",
 ]
 
 #: The media type of every error body (RFC 9457).
@@ -412,6 +413,15 @@ def database_error(
             missing_table_hint(error, key_table),
         )
         return DatabaseFailed()
+    if not store_unreachable(error, key_table):
+        _logger.error(
+            "Database error in %s: %s (SQLSTATE %s); rolled back and answered 500.\n%s",
+            where,
+            type(error).__name__,
+            error.sqlstate or "none",
+            "".join(traceback.format_tb(error.__traceback__)),
+        )
+        return DatabaseFailed()
     if _no_partition(error, key_table):
         _logger.error(
             "Database error in %s: no partition of the key table %s covers the key's expiry (SQLSTATE"
@@ -422,25 +432,27 @@ def database_error(
             where,
             key_table,
         )
-        return DatabaseUnavailable(retry_after=retry_after)
-    if _grants.report(error, where, "answered 503 until then", key_table=key_table):
-        return DatabaseUnavailable(retry_after=retry_after)
-    if isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError)):
+    elif not _grants.report(error, where, "answered 503 until then", key_table=key_table):
         _logger.warning(
             "Database unavailable in %s: %s (SQLSTATE %s); answered 503.",
             where,
             type(error).__name__,
             error.sqlstate or "none",
         )
-        return DatabaseUnavailable(retry_after=retry_after)
-    _logger.error(
-        "Database error in %s: %s (SQLSTATE %s); rolled back and answered 500.\n%s",
-        where,
-        type(error).__name__,
-        error.sqlstate or "none",
-        "".join(traceback.format_tb(error.__traceback__)),
+    return DatabaseUnavailable(retry_after=retry_after)
+
+
+def store_unreachable(error: psycopg.Error, key_table: str | None = None) -> bool:
+    """Whether ``error`` means that the database is out of reach for now, so that the same work may
+    succeed later: a lost or refused connection, a pool timeout, a row of the partitioned key table
+    ``key_table`` whose expiry no partition covers yet, or a privilege the role lacks (a grant to give).
+    The one answer of every door: a request's or a webhook's ``503`` (:func:`database_error`), a task's
+    retry, the recovery job's next pass."""
+    return (
+        isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError))
+        or _no_partition(error, key_table)
+        or _grants.denied(error)
     )
-    return DatabaseFailed()
 
 
 def _no_partition(error: psycopg.Error, key_table: str | None) -> bool:

@@ -42,6 +42,7 @@ from ._delivery import (
     get_jobs,
     run_delivery,
 )
+from ._http import current
 from ._retry import backoff
 from ._settings import parse_seconds
 from ._state import get_state
@@ -56,7 +57,6 @@ from ._task import (
     Publisher,
     task_key,
 )
-from ._view import current
 from .errors import ConfigurationError, DatabaseUnavailable
 from .flow import Flow
 
@@ -230,7 +230,7 @@ class Jobs:
         except ConfigurationError as e:
             if not has_request_context():
                 raise
-            # As a missing key table at the first request (_view.ready): the deployment's problem, over
+            # As a missing key table at the first request (_http.ready): the deployment's problem, over
             # once the migration has run; the client retries with its key, and nothing was recorded.
             logger.error("%s Answered 503 until then.", e)
             raise DatabaseUnavailable(retry_after=settings.retry_after) from None

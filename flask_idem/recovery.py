@@ -7,6 +7,13 @@ after its last finished step, and for a call step asks the outside party first t
 resolver. A request whose outcome stays unknown is tried again later, after a capped exponential backoff
 with full jitter; one older than ``IDEM_RECOVERY_DEADLINE`` is marked ``failed`` and flagged for a person
 (``flask idem stuck``) instead of being retried forever.
+
+Recovery is a door of the key protocol of its own, beside a request's, a webhook's and a job's: it opens
+no request context. A request's run is finished in the application context with what its row recorded
+(its flow's intent and step results, :class:`~flask_idem.flow.Run`); its answer is made a stored response
+as a request's is (:class:`._http.ResponseDoor`), a client error its finish step raises rendered by the
+application's own error handlers (a request's blueprint is not known here, and there is no request for a
+handler to read). Signals name the route the row's method and path match.
 """
 
 from __future__ import annotations
@@ -16,13 +23,16 @@ import random
 import threading
 import uuid
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from flask import Flask
+import psycopg
+from flask import Flask, current_app
+from werkzeug.exceptions import HTTPException
+from werkzeug.routing import RoutingException
 
-from . import _steps, signals, tracing
+from . import _protocol, _steps, signals, tracing
+from ._http import ResponseDoor
 from ._loop import run_passes
 from ._protocol import LeaseLost, Pending, give_up_leased
 from ._records import Lease, Stranded
@@ -31,12 +41,13 @@ from ._retry import backoff as backoff
 from ._state import IdemState, get_state
 from ._task import TaskDoor, task_failure
 from ._transactions import in_transaction
-from ._view import RequestDoor
 from .flow import run_from_record
 
 __all__ = ["RecoveryReport", "backoff", "recover", "run_forever"]
 
 logger = logging.getLogger("flask_idem")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -65,35 +76,48 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
     :raises ConfigurationError: when the key table is missing or in a layout this code cannot run on.
     """
     state = get_state(app)
-    state.check_layout()
     settings = state.settings
     rng = rng or random.Random()
     # The longest lease of any flow: a claimed request must not lapse in the middle of a slow call.
-    lease = max([settings.lease_timeout] + [f.lease_timeout or 0 for f in state.flows.values()])
+    lease = max(_protocol.lease_seconds(settings, flow) for flow in (None, *state.flows.values()))
     report = RecoveryReport()
     with app.app_context():
+        _reachable(state, state.check_layout)
         for _ in range(limit):
             token = uuid.uuid4()
-            claimed = in_transaction(
-                state.source,
-                lambda conn, token=token: state.store.claim_stranded(  # type: ignore[misc]
-                    conn,
-                    token=token,
-                    lease=lease,
-                    limit=1,
-                    deadline=settings.recovery_deadline,
-                    flows=list(state.flows),
+            claimed = _reachable(
+                state,
+                lambda token=token: in_transaction(  # type: ignore[misc]
+                    state.source,
+                    lambda conn: state.store.claim_stranded(
+                        conn,
+                        token=token,
+                        lease=lease,
+                        limit=1,
+                        deadline=settings.recovery_deadline,
+                        flows=list(state.flows),
+                    ),
                 ),
             )
             if not claimed:
                 break
             row = claimed[0]
             with (
-                _door_context(app, row),
+                signals.serving(_endpoint(app, row)),
                 tracing.recovery_span(row.flow, row.org_id, row.key, row.attempts),
             ):
                 _recover_one(state, row, Lease(row.org_id, row.key, token, lease), report, rng)
     return report
+
+
+def _reachable(state: IdemState, call: Callable[[], T]) -> T:
+    """``call``'s answer; a database error it raises ends the pass, announced as
+    :data:`.signals.store_unavailable` when the key table is out of reach."""
+    try:
+        return call()
+    except psycopg.Error as e:
+        _protocol.unavailable(state, e, None, None)
+        raise
 
 
 def _recover_one(
@@ -111,7 +135,9 @@ def _recover_one(
     retry_in = backoff(
         row.attempts, base=settings.recovery_backoff, cap=settings.recovery_backoff_cap, rng=rng
     )
-    door: _steps.Door[Any] = RequestDoor(settings) if row.task is None else TaskDoor()
+    door: _steps.Door[Any] = (
+        ResponseDoor(settings, handle=_handled_by_app) if row.task is None else TaskDoor()
+    )
     try:
         final = _steps.advance(state, flow, run, lease, door, retry_in=retry_in)
     except Pending:
@@ -119,6 +145,8 @@ def _recover_one(
     except LeaseLost:
         report.lost.append((*entry, "taken over by another attempt"))
     except Exception as e:  # one bad row must not stop the pass
+        if isinstance(e, psycopg.Error):
+            _protocol.unavailable(state, e, row.org_id, row.key)
         logger.error("Recovery of a %s request failed: %s.", row.flow, type(e).__name__)
         report.pending.append((*entry, f"{type(e).__name__}; will be retried"))
     else:
@@ -136,12 +164,35 @@ def _recover_one(
             )
 
 
-def _door_context(app: Flask, row: Stranded) -> AbstractContextManager[object]:
-    """Where a stranded run is finished: a request's in a request context like its first attempt's (its
-    finisher may read ``request``), a task's in the application context it already has."""
+def _endpoint(app: Flask, row: Stranded) -> str | None:
+    """The route a stranded request's method and path match, which its signals name; ``None`` for a
+    task's row, or when no route matches any more."""
     if row.method is None or row.path is None or row.task is not None:
-        return nullcontext()
-    return app.test_request_context(row.path, method=row.method)
+        return None
+    try:
+        endpoint, _ = app.url_map.bind("").match(row.path, method=row.method)
+    except (HTTPException, RoutingException):
+        return None
+    return str(endpoint)
+
+
+def _handled_by_app(error: HTTPException) -> Any:
+    """A client error a finish step raised, as the application's own error handlers answer it (those
+    registered on the application, by status first, then by class), else as the exception itself does.
+
+    The recovery job has no request: a blueprint's handlers (found by a request's blueprints) are not
+    asked, and a handler must not read ``request``.
+    """
+    handlers = current_app.error_handler_spec[None]
+    for code in (error.code, None):
+        found = handlers.get(code)
+        if not found:
+            continue
+        for cls in type(error).__mro__:
+            handler = found.get(cls)
+            if handler is not None:
+                return current_app.ensure_sync(handler)(error)
+    return error.get_response()
 
 
 def _give_up(state: IdemState, row: Stranded, lease: Lease, reason: str) -> None:

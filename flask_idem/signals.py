@@ -55,6 +55,7 @@ __all__ = [
     "response_replayed",
     "response_stored",
     "running_task",
+    "serving",
     "step_finished",
     "store_operation",
     "store_unavailable",
@@ -100,12 +101,15 @@ key_in_flight = _signals.signal("key-in-flight")
 
 #: A retry came after the stored response had passed its retention, found the key's tombstone, and
 #: was answered 303 (to the first answer's ``Location``) or 410 without running anything. Arguments:
-#: ``org_id``, ``key``, ``endpoint``, ``status`` (303 or 410).
+#: ``org_id``, ``key``, ``endpoint``, ``status`` (what the door answered: a request's 303 or 410, a
+#: webhook sender's 200; ``None`` for a task, which is dropped).
 tombstone_hit = _signals.signal("tombstone-hit")
 
-#: A request was answered 503 because the key table could not be reached (a lost connection, a pool
-#: timeout). Arguments: ``org_id`` and ``key`` (``None`` when not known yet), ``endpoint``, ``error``
-#: (the driver exception's class name) and ``sqlstate`` (or ``None``).
+#: The key table could not be reached (a lost connection, a pool timeout, no partition for a key's
+#: expiry yet): a request or a webhook delivery was answered 503, a task's delivery will be retried, a
+#: recovery pass stopped or left the request for the next one. Sent by every door. Arguments: ``org_id``
+#: and ``key`` (``None`` when not known yet), ``endpoint`` (``None`` for a task's and a recovery pass's),
+#: ``error`` (the driver exception's class name) and ``sqlstate`` (or ``None``).
 store_unavailable = _signals.signal("store-unavailable")
 
 # -- multi-step requests -------------------------------------------------------------------------------
@@ -227,7 +231,7 @@ _LOG: dict[str, tuple[int, str]] = {
     "mismatch-replayed": (_INFO, "Key reused with a different request; original response replayed"),
     "key-in-flight": (_INFO, "Key in flight; duplicate refused"),
     "tombstone-hit": (_INFO, "Retry after the retention period answered from the key's tombstone"),
-    "store-unavailable": (_INFO, "Key table unavailable; answered 503"),
+    "store-unavailable": (_INFO, "Key table unavailable"),
     "step-finished": (_DEBUG, "Step finished"),
     "lease-taken-over": (_INFO, "Stranded request taken over by a retry"),
     "lease-lost": (_INFO, "Lease lost to another attempt"),
@@ -244,6 +248,7 @@ _LOG: dict[str, tuple[int, str]] = {
 }
 
 _task: ContextVar[str | None] = ContextVar("flask_idem_task", default=None)
+_endpoint: ContextVar[str | None] = ContextVar("flask_idem_endpoint", default=None)
 
 
 @contextmanager
@@ -256,6 +261,17 @@ def running_task(name: str) -> Iterator[None]:
         _task.reset(token)
 
 
+@contextmanager
+def serving(endpoint: str | None) -> Iterator[None]:
+    """Within the block, outcome signals sent outside a request name ``endpoint`` (the recovery job
+    finishing a request of that route)."""
+    token = _endpoint.set(endpoint)
+    try:
+        yield
+    finally:
+        _endpoint.reset(token)
+
+
 def wanted(signal: NamedSignal) -> bool:
     """Whether sending ``signal`` would reach anyone: a receiver, or the log at the outcome's level."""
     return bool(signal.receivers) or logger.isEnabledFor(_LOG[signal.name][0])
@@ -265,12 +281,13 @@ def send(signal: NamedSignal, **data: Any) -> None:
     """Send an outcome signal with the current application as sender, and log it; nothing more when
     neither a receiver nor the log would hear it (:func:`wanted`), as Flask's own signals do.
 
-    ``endpoint`` is added from the current request when the caller does not give it.
+    ``endpoint`` is added from the current request when the caller does not give it (outside a
+    request: the one :func:`serving` names, or ``None``).
     """
     if not wanted(signal):
         return
     if "endpoint" not in data:
-        data["endpoint"] = request.endpoint if has_request_context() else None
+        data["endpoint"] = request.endpoint if has_request_context() else _endpoint.get()
     task = _task.get()
     if task is not None and "task" not in data:
         data["task"] = task

@@ -40,6 +40,29 @@ def test_layers_contract_is_kept() -> None:
     assert "1 kept, 0 broken" in result.stdout
 
 
+def http_imports(path: Path) -> list[str]:
+    """The Flask and Werkzeug modules ``path`` imports (at any depth of its code)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append(node.module)
+    return sorted(name for name in found if name.split(".")[0] in ("flask", "werkzeug"))
+
+
+def test_the_protocol_knows_no_http(tmp_path: Path) -> None:
+    """The key protocol, its engine and its transactions import neither Flask nor Werkzeug (each door maps
+    outcomes to its world); the check finds one planted in a copy."""
+    modules = ("_protocol.py", "_steps.py", "_transactions.py", "_records.py", "_store.py")
+    assert {m: http_imports(ROOT / "flask_idem" / m) for m in modules} == {m: [] for m in modules}
+    planted = tmp_path / "_protocol.py"
+    planted.write_text(
+        (ROOT / "flask_idem" / "_protocol.py").read_text("utf-8") + "\nfrom flask import Response\n"
+    )
+    assert http_imports(planted) == ["flask"]
+
+
 @pytest.mark.parametrize(
     ("module", "line"),
     [
@@ -47,12 +70,18 @@ def test_layers_contract_is_kept() -> None:
         ("_view.py", "if TYPE_CHECKING:\n    from ._extension import Idempotency"),
         ("_settings.py", "from ._state import get_state"),
         ("_retry.py", "from .client import IdempotentClient"),
+        ("_webhook.py", "from ._view import handle"),
+        ("recovery.py", "from ._delivery import run_delivery"),
+        ("_http.py", "from ._view import ViewOptions"),
     ],
     ids=[
         "store-imports-extension",
         "view-imports-extension-for-typing",
         "settings-imports-state",
         "retry-engine-imports-client",
+        "webhook-door-imports-request-door",
+        "recovery-door-imports-job-door",
+        "shared-http-imports-a-door",
     ],
 )
 def test_layers_contract_catches_an_upward_import(tmp_path: Path, module: str, line: str) -> None:

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from flask import Flask
 
-from flask_idem import _protocol
+from flask_idem import _protocol, signals
 from flask_idem._protocol import (
     Claim,
     InFlight,
@@ -211,19 +211,28 @@ def test_classify(found: KeyRecord | None, claimed: Claim, expected: _protocol.E
     assert classify(found, claimed) == expected
 
 
-@pytest.mark.parametrize(("location", "status"), [("/things/1", 303), (None, 410)], ids=["see-other", "gone"])
+@pytest.mark.parametrize("location", ["/things/1", None], ids=["location", "none"])
 def test_an_expired_answer_leaves_a_tombstone(
-    state: IdemState, db: psycopg.Connection[Any], location: str | None, status: int
+    notes_app: Flask, state: IdemState, db: psycopg.Connection[Any], location: str | None
 ) -> None:
-    """Past its retention a key's stored answer is a tombstone: the work never runs again."""
+    """Past its retention a key's stored answer is a tombstone, which keeps where the result is: the work
+    never runs again, and its signal reports the status the door names (the protocol has none)."""
     key = uuid.uuid4()
     assert isinstance(
         atomic(state, claim(key), lambda conn: Final(None, document(201, {}, location), 201)), Final
     )
     age(db, "1 hour 1 second")
-    found = atomic(state, claim(key), never)
+    heard: list[dict[str, Any]] = []
+
+    def hear(sender: Flask, **data: Any) -> None:
+        heard.append(data)
+
+    told = {"/things/1": 1, None: 2}
+    with signals.tombstone_hit.connected_to(hear, notes_app):
+        found = atomic(state, claim(key, reported=lambda o: told[getattr(o, "location", "")]), never)
+        assert atomic(state, claim(key), never) == found
     assert found == Tombstone(location)
-    assert isinstance(found, Tombstone) and found.status == status
+    assert [d["status"] for d in heard] == [told[location], None]
 
 
 # -- atomic -------------------------------------------------------------------------------------------
@@ -341,6 +350,9 @@ class NoteDoor:
         if isinstance(error, Refused):
             return Final(str(error), document(409, str(error)), 409)
         return None
+
+    def failure(self, final: Final[Any]) -> str:
+        return f"note {final.value}ed"
 
 
 DOOR = NoteDoor()
@@ -693,7 +705,7 @@ def test_a_failure_rolls_the_step_back_and_releases_the_lease(
         flow = tiny_flow(finish=lambda run: "fail")
         run, held = started(state, flow, key)
         assert advance(state, flow, run, held, DOOR, retry_in=60.0).failed
-        expected = ("post_step", "HTTP 500", 1)
+        expected = ("post_step", "note failed", 1)  # the door's word for it
     row = key_row(db, key)
     assert (row["status"], row["live"]) == ("processing", False)
     assert (row["step"], row["last_error"], notes_of(db, key)) == expected

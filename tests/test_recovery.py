@@ -69,6 +69,27 @@ def test_recovery_loop_finishes_stranded_requests(
     assert post(flow_app, "/transfers", key, {"amount": 3}).status_code == 200
 
 
+def test_recovery_finishes_a_request_in_no_request_context(
+    flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]
+) -> None:
+    """The recovery door opens no request context: the finish step runs in the application context, and
+    a client error it raises is answered by the application's own error handler, stored and replayed."""
+    from flask_idem.recovery import recover
+
+    flow_app.register_error_handler(409, lambda e: ({"handled": "by the application"}, 409))
+    key = uuid.uuid4()
+    ledger.lose_answer = True
+    assert post(flow_app, "/transfers", key, {"amount": 3}).status_code == 503
+    db.execute("UPDATE idempotency_keys SET next_attempt_at = now()")
+    flow_app.config["FINISH_ABORT"] = 409
+    report = recover(flow_app)
+    assert [done[2] for done in report.completed] == ["answered 409"]
+    assert flow_app.config["FINISH_IN_REQUEST"] == [False]
+    again = post(flow_app, "/transfers", key, {"amount": 3})
+    assert (again.status_code, again.json) == (409, {"handled": "by the application"})
+    assert again.headers["Idempotent-Replayed"] == "true"
+
+
 def test_recovery_loop_runs_the_next_pass_at_once_after_a_full_one(
     flow_app: Flask, ledger: Ledger, db: psycopg.Connection[Any]
 ) -> None:

@@ -7,21 +7,25 @@ Requests go through Flask's test client to the real database; the multi-step cas
 from __future__ import annotations
 
 import logging
+import random
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from flask import Flask
 
-from flask_idem import OutcomeUnknown, signals
+from flask_idem import OutcomeUnknown, _delivery, signals
 from flask_idem.recovery import recover
 
 from .support.flow_app import Ledger, build_flow_app
 from .support.helpers import ROOT, age, close_pool
+from .support.jobs_app import build_jobs_app, jobs
 from .support.notes_app import build_app, post
 
 Event = tuple[str, dict[str, Any]]
@@ -170,6 +174,56 @@ def test_unreachable_database_is_store_unavailable(db: Any) -> None:
         (
             "store-unavailable",
             {"org_id": 1, "key": key, "endpoint": "create", "error": "PoolTimeout", "sqlstate": None},
+        )
+    ]
+
+
+UNREACHABLE = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1"
+
+
+def test_an_unreachable_database_is_store_unavailable_for_a_task(tmp_path: Path) -> None:
+    """A task's delivery that cannot reach the key table sends store-unavailable, as a request does, and
+    is a failed attempt to be delivered again."""
+    app = build_jobs_app(
+        UNREACHABLE,
+        broker_url="memory://",
+        queue="unused",
+        trace=str(tmp_path / "trace"),
+        maildir=str(tmp_path / "maildir"),
+        IDEM_POOL_TIMEOUT=0.5,
+    )
+    key = uuid.uuid4()
+    delivery = _delivery.Delivery(1, key, (1,), {}, enqueued_at=time.time())
+    try:
+        with recorded(app) as events:
+            outcome = _delivery.run_delivery(app, jobs.tasks["jobs.add"], delivery, rng=random.Random(0))
+    finally:
+        close_pool(app)
+    assert isinstance(outcome, _delivery.Defer) and outcome.failed
+    assert [data for name, data in events if name == "store-unavailable"] == [
+        {
+            "org_id": 1,
+            "key": key,
+            "endpoint": None,
+            "task": "jobs.add",
+            "error": "PoolTimeout",
+            "sqlstate": None,
+        }
+    ]
+
+
+def test_an_unreachable_database_is_store_unavailable_for_recovery(db: Any) -> None:
+    """A recovery pass that cannot reach the key table sends store-unavailable and ends with the error."""
+    app, _ = build_app(UNREACHABLE, IDEM_POOL_TIMEOUT=0.5)
+    try:
+        with recorded(app) as events, pytest.raises(psycopg.OperationalError):
+            recover(app)
+    finally:
+        close_pool(app)
+    assert events == [
+        (
+            "store-unavailable",
+            {"org_id": None, "key": None, "endpoint": None, "error": "PoolTimeout", "sqlstate": None},
         )
     ]
 

@@ -321,3 +321,28 @@ def test_worker_killed_mid_handler_then_redelivered(
     assert Counter(r for (r,) in db.execute("SELECT event_id FROM hook_effects").fetchall()) == {
         "evt_killed": 1
     }
+
+
+def test_unreachable_database_is_503_and_store_unavailable(schema: None) -> None:
+    """A delivery that cannot reach the key table is a 503 with Retry-After (the sender delivers it again)
+    and sends store-unavailable, as a request does: the two HTTP doors share one database boundary."""
+    app = build_webhook_app("postgresql://nobody@127.0.0.1:1/none?connect_timeout=1", IDEM_POOL_TIMEOUT=0.5)[
+        0
+    ]
+    body = event("evt_unreachable")
+    try:
+        with recorded(app) as events:
+            response = deliver(app, "/hooks/plain", body)
+    finally:
+        close_pool(app)
+    assert is_problem(response, 503, "store-unavailable") and "Retry-After" in response.headers
+    unavailable = [data for name, data in events if name == "store-unavailable"]
+    assert unavailable == [
+        {
+            "org_id": source().org_id(None),
+            "key": event_key(source(), "evt_unreachable"),
+            "endpoint": "plain",
+            "error": "PoolTimeout",
+            "sqlstate": None,
+        }
+    ]

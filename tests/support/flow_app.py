@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
-from flask import Flask, abort, current_app, request
+from flask import Flask, abort, current_app, has_request_context, request
 
 from flask_idem import Idempotency
 from flask_idem.flow import Flow, OutcomeUnknown, Run
@@ -72,6 +72,10 @@ def build_flow_app(database_url: str, ledger: Ledger, **config: Any) -> Flask:
     @flow.finish
     def done(run: Run) -> Any:
         steps_run.append("done")
+        # Whether the finish step ran in a request (the recovery door opens none), and a 4xx on demand.
+        current_app.config.setdefault("FINISH_IN_REQUEST", []).append(has_request_context())
+        if current_app.config.get("FINISH_ABORT"):
+            abort(current_app.config.pop("FINISH_ABORT"))
         if current_app.config.get("FINISH_500"):
             current_app.config["FINISH_500"] = False
             return {"error": "later"}, 500
