@@ -63,6 +63,8 @@ from bench.report import machine
 from flask_idem import Idempotency, _layout, _partitions
 from flask_idem._migrate import upgrade
 from flask_idem._partitions import maintain, partitions
+from flask_idem._partitions import run as maintain_run
+from flask_idem._partitions.clock import aligned_after
 from flask_idem._state import get_state
 
 DATABASE = "flask_idem_bench_retention"
@@ -111,7 +113,7 @@ FROM r LEFT JOIN steps AS s ON r.start_lsn >= s.first AND r.start_lsn < s.last
 WHERE r.mine OR r.xid IN (SELECT xid FROM ours)
 GROUP BY s.name
 """
-#: The check of maintain's first step for requests in progress on a partition (_partitions._retire).
+#: The check of maintain's first step for requests in progress on a partition (_partitions.retire).
 CHECK = "SELECT count(*) FROM {} WHERE status = 'processing'"
 #: The partitions of a partitioned table: bytes with indexes and TOAST, and without indexes.
 TREE_SIZE = """
@@ -338,7 +340,7 @@ def layout4_table(url: str, conn: psycopg.Connection[Any], name: str, tombstone_
     upgrade(url, table=name, horizon=60.0, echo=quiet)
     [first] = partitions(conn, name)
     assert first.upper is not None
-    day = _partitions._aligned_after(first.upper, INTERVAL)
+    day = aligned_after(first.upper, INTERVAL)
     maintain(url, table=name, interval=INTERVAL, horizon=2 * DAY, tombstone_ttl=tombstone_ttl,
              now=lambda: day + AFTER, echo=quiet)  # fmt: skip
     for part in partitions(conn, name):
@@ -404,19 +406,21 @@ def purge3(url: str, meter: Meter, table: str, tombstone_ttl: float, *, vacuum: 
     return found
 
 
-#: maintain's steps, as _partitions names them; ``_drop`` is timed in two: the detach, and the last
+#: maintain's steps, as _partitions.run names them; ``drop`` is timed in two: the detach, and the last
 #: transaction, the DROP TABLE.
-STEPS = {"_retire": "retire", "_drop": "drop", "_ahead": "ahead"}
+STEPS = {"retire": "retire", "drop": "drop", "make_ahead": "ahead"}
 
 
 @contextmanager
 def steps_timed(meter: Meter, steps: list[Step]) -> Iterator[None]:
-    """Time maintain's steps (``_partitions._retire``, ``_drop``, ``_ahead``) and note their WAL ranges."""
+    """Time maintain's steps (``_partitions.run``'s ``retire``, ``drop``, ``make_ahead``) and note their WAL
+    ranges."""
 
     def wrap(name: str, step: Callable[..., Any]) -> Callable[..., Any]:
-        def timed_step(runner: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed_step(run: Any, *args: Any, **kwargs: Any) -> Any:
+            runner = run.runner
             transactions: list[tuple[str, float]] = []  # where each of the step's transactions began
-            if name == "_drop":
+            if name == "drop":
                 original = runner.transaction
 
                 def transaction(work: Callable[..., Any]) -> Any:
@@ -426,11 +430,11 @@ def steps_timed(meter: Meter, steps: list[Step]) -> Iterator[None]:
                 runner.transaction = transaction
             start, began = meter.lsn(), time.perf_counter()
             try:
-                return step(runner, *args, **kwargs)
+                return step(run, *args, **kwargs)
             finally:
                 ended = time.perf_counter()
                 end = meter.lsn()
-                if name == "_drop":
+                if name == "drop":
                     del runner.transaction  # the class's method again
                     middle, split = transactions[-1] if transactions else (end, ended)
                     steps.append(Step("detach", split - began, start, middle))
@@ -442,7 +446,9 @@ def steps_timed(meter: Meter, steps: list[Step]) -> Iterator[None]:
 
     with ExitStack() as stack:
         for name in STEPS:
-            stack.enter_context(mock.patch.object(_partitions, name, wrap(name, getattr(_partitions, name))))
+            stack.enter_context(
+                mock.patch.object(maintain_run, name, wrap(name, getattr(maintain_run, name)))
+            )
         yield
 
 

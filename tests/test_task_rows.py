@@ -26,6 +26,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from flask_idem import _delivery, _layout, _migrate, _partitions
+from flask_idem._partitions.tables import Tables
 from flask_idem._state import get_state
 from flask_idem.flow import Run
 from flask_idem.jobs import Defer, Done, Dropped, JobGivenUp, JobMismatch
@@ -296,7 +297,7 @@ def test_task_rows_of_layout_3_keep_working_after_the_upgrade_to_layout_4(
     tombstones = sql.Identifier(layout3 + "_tombstones")
     with db.transaction():
         db.execute(
-            sql.SQL(_partitions._TOMBSTONES).format(tombstones=tombstones, partition=sql.Identifier(first)),
+            Tables(layout3).sql("tombstones", partition=sql.Identifier(first)),
             {"tomb": 3600.0, "now": datetime.now(UTC)},
         )
         db.execute(
