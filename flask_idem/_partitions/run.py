@@ -21,7 +21,7 @@ from .. import _migrate
 from .ahead import make_ahead
 from .clock import Ranges, grace, tombstone_interval
 from .retire import drop, retire
-from .tables import Maintenance, RetentionReport, Tables, partitions, plain
+from .tables import Maintenance, RetentionReport, partitions
 
 __all__ = ["maintain"]
 
@@ -62,15 +62,8 @@ def maintain(
         ahead of the database's (a test's) retires partitions consistently.
     """
     with _migrate.connect(url, connect_options) as conn:
-        tables = Tables(table)
-        runner = _migrate._Runner(conn, table, tables.names, lock_timeout, echo)
-        citus = conn.execute(plain("citus_installed")).fetchone() == (True,)
-        runner.distributed = citus and runner.is_distributed()
-        if runner.distributed:
-            tables = Tables(table, distributed=True)  # with the Citus blocks
-        clock = now or (lambda: conn.execute(plain("now")).fetchone()[0])  # type: ignore[index]
-        run = Maintenance(runner, tables, clock)
-        moment = clock()
+        run = Maintenance.on(conn, table, lock_timeout=lock_timeout, echo=echo, now=now)
+        tables, moment = run.tables, run.clock()
         ranges = Ranges.of_keys(moment, interval=interval, horizon=horizon, ahead=ahead)
         make_ahead(run, tables.keys, interval, ranges)
         if tombstone_ttl > 0:

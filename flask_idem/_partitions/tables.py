@@ -110,6 +110,27 @@ class Maintenance:
     clock: Callable[[], datetime]
     report: RetentionReport = field(default_factory=RetentionReport)
 
+    @classmethod
+    def on(
+        cls,
+        conn: psycopg.Connection[Any],
+        table: str,
+        *,
+        lock_timeout: float,
+        echo: Callable[[str], None],
+        now: Callable[[], datetime] | None,
+    ) -> Maintenance:
+        """A run on ``conn`` (an autocommit connection of the migration's): with the Citus blocks when
+        the key table is distributed, and the database's clock unless ``now`` is given."""
+        tables = Tables(table)
+        runner = _migrate._Runner(conn, table, tables.names, lock_timeout, echo)
+        citus = conn.execute(plain("citus_installed")).fetchone() == (True,)
+        runner.distributed = citus and runner.is_distributed()
+        if runner.distributed:
+            tables = Tables(table, distributed=True)
+        clock = now or (lambda: conn.execute(plain("now")).fetchone()[0])  # type: ignore[index]
+        return cls(runner, tables, clock)
+
     def run(self, block: str, **names: sql.Composable) -> None:
         """Statement ``block`` in a transaction of its own (see :meth:`_migrate._Runner.transaction`)."""
         statement = self.tables.sql(block, **names)
