@@ -236,20 +236,12 @@ class Idempotency:
             view is ``async def`` and asgiref (``flask-idem[async]``) is not installed.
         """
         options = self._route_options(
-            scope=scope,
-            required=required,
-            on_mismatch=on_mismatch,
-            ttl=ttl,
-            flow=flow,
-            key_from=key_from,
-            fingerprint=fingerprint,
-            store_response=store_response,
+            scope, required, on_mismatch, ttl, flow, key_from, fingerprint, store_response
         )
 
         def decorator(view: F) -> F:
-            wrapper = self._wrap(
-                view, _view.handle, options, _view.OPTIONS_ATTR
-            )  # read by .openapi, .testing
+            # The options are set on the wrapper for flask_idem.openapi and flask_idem.testing to read.
+            wrapper = self._wrap(view, _view.handle, options, _view.OPTIONS_ATTR)
             for app in self._apps:
                 if view in app.view_functions.values():
                     raise ConfigurationError(_misplaced_message([f"{view.__module__}.{view.__qualname__}"]))
@@ -259,7 +251,6 @@ class Idempotency:
 
     def _route_options(
         self,
-        *,
         scope: ScopeFunc | None,
         required: bool | None,
         on_mismatch: OnMismatch | None,
