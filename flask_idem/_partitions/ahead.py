@@ -53,9 +53,8 @@ def make_ahead(run: Maintenance, parent: str, interval: float, ranges: Ranges) -
         attach(tables, conn, parent, name, (lower, upper), fillfactor=fillfactor)
         return name
 
-    if (
-        empty := run.runner.transaction(lambda conn: _spare(run, conn, parent, interval, ranges))
-    ) is not None:
+    empty = run.runner.transaction(lambda conn: _spare(run, conn, parent, interval, ranges))
+    if empty is not None:
         replace_spare(run, parent, empty)
     while (made := run.runner.transaction(create)) is not None:
         run.report.created.append(made.as_string(None))
