@@ -71,16 +71,14 @@ def maintain(
                 moment, interval=interval, horizon=horizon, ahead=ahead, tombstone_ttl=tombstone_ttl
             )
             make_ahead(run, tables.tombstones, tombstone_interval(interval, tombstone_ttl), ranges)
-        _retire_passed(run, conn, interval=interval, tombstone_ttl=tombstone_ttl)
+        _retire_passed(run, interval=interval, tombstone_ttl=tombstone_ttl)
     return run.report
 
 
-def _retire_passed(
-    run: Maintenance, conn: psycopg.Connection[Any], *, interval: float, tombstone_ttl: float
-) -> None:
+def _retire_passed(run: Maintenance, *, interval: float, tombstone_ttl: float) -> None:
     """Retire the key table's partitions whose range passed more than a grace ago, then drop the
     tombstones' whose range has passed."""
-    tables = run.tables
+    tables, conn = run.tables, run.runner.conn
     for part in partitions(conn, tables.keys):
         at = run.clock()
         if part.upper is None or part.upper > at - grace(interval):
