@@ -229,11 +229,11 @@ class RetriesExhausted(CallFailed):
         self,
         message: str,
         *,
+        reason: StopReason,
         key: str,
         attempts: int,
         response: ResponseLike | None,
         error: BaseException | None,
-        reason: StopReason,
     ) -> None:
         super().__init__(message, key=key, attempts=attempts, response=response, error=error)
         self.reason = reason
@@ -424,11 +424,11 @@ class IdempotentClient(Generic[R]):
         return RetriesExhausted(
             f"{method} gave up after {number} attempt{'s' * (number > 1)} ({reason}); "
             f"last outcome: {last}; {HEADER}: {key}",
+            reason=reason,
             key=key,
             attempts=number,
             response=response,
             error=error,
-            reason=reason,
         )
 
     def _report(self, info: AttemptInfo) -> None:
