@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["Idempotency"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+OptionsT = TypeVar("OptionsT")
 
 _logger = logging.getLogger("flask_idem")
 
@@ -117,21 +118,7 @@ class Idempotency:
                 "This application already has flask-idem set up. Call init_app() once per"
                 " application; create one Idempotency() and share it between modules."
             )
-        source: ConnectionSource | None = None
-        if self.sqlalchemy is None:
-            settings = Settings.from_config(app.config)
-        else:
-            from .sqla import SessionSource  # SQLAlchemy is an optional dependency
-
-            if app.config.get("IDEM_DATABASE_URL"):
-                raise ConfigurationError(
-                    "IDEM_DATABASE_URL is set, but with sqlalchemy= the key store runs on the"
-                    " SQLAlchemy engine's connections, in the session's transaction. Remove it."
-                )
-            sessions = SessionSource.for_app(app, self.sqlalchemy)
-            settings = Settings.from_config(app.config, database_url=sessions.conninfo)
-            sessions.deadline = settings.database_deadline
-            source = sessions
+        settings, source = self._settings(app)
         app.extensions[EXTENSION_NAME] = IdemState.create(settings, self._flows, source)
         if "idem" not in app.cli.commands:
             app.cli.add_command(idem_cli)
@@ -147,6 +134,23 @@ class Idempotency:
                 " is refused with 413 before any database work.",
                 app.name,
             )
+
+    def _settings(self, app: Flask) -> tuple[Settings, ConnectionSource | None]:
+        """The settings of ``app``, and where its key store's connections come from: the pool of
+        ``IDEM_DATABASE_URL`` (``None``), or with ``sqlalchemy=`` the session's."""
+        if self.sqlalchemy is None:
+            return Settings.from_config(app.config), None
+        from .sqla import SessionSource  # SQLAlchemy is an optional dependency
+
+        if app.config.get("IDEM_DATABASE_URL"):
+            raise ConfigurationError(
+                "IDEM_DATABASE_URL is set, but with sqlalchemy= the key store runs on the"
+                " SQLAlchemy engine's connections, in the session's transaction. Remove it."
+            )
+        sessions = SessionSource.for_app(app, self.sqlalchemy)
+        settings = Settings.from_config(app.config, database_url=sessions.conninfo)
+        sessions.deadline = settings.database_deadline
+        return settings, sessions
 
     def _placement_check(self, app: Flask) -> Callable[[], None]:
         """A ``before_request`` hook that refuses to serve while a decorated view is not its route's view.
@@ -231,6 +235,33 @@ class Idempotency:
         :raises ConfigurationError: at decoration time, when there is no scope, an option is invalid, or the
             view is ``async def`` and asgiref (``flask-idem[async]``) is not installed.
         """
+        options = self._route_options(
+            scope, required, on_mismatch, ttl, flow, key_from, fingerprint, store_response
+        )
+
+        def decorator(view: F) -> F:
+            # The options are set on the wrapper for flask_idem.openapi and flask_idem.testing to read.
+            wrapper = self._wrap(view, _view.handle, options, _view.OPTIONS_ATTR)
+            for app in self._apps:
+                if view in app.view_functions.values():
+                    raise ConfigurationError(_misplaced_message([f"{view.__module__}.{view.__qualname__}"]))
+            return wrapper
+
+        return decorator
+
+    def _route_options(
+        self,
+        scope: ScopeFunc | None,
+        required: bool | None,
+        on_mismatch: OnMismatch | None,
+        ttl: float | timedelta | None,
+        flow: Flow | None,
+        key_from: Callable[[], Sequence[str]] | None,
+        fingerprint: Fingerprint | None,
+        store_response: StoreResponse,
+    ) -> _view.ViewOptions:
+        """The options of an idempotent route (:meth:`idempotent`'s), checked once, when the decorator is
+        applied: a request reads them as they are."""
         scope = scope or self.scope
         if scope is None:
             raise ConfigurationError(
@@ -252,7 +283,7 @@ class Idempotency:
                 "store_response= is for atomic routes: a multi-step route's answer is stored by its finish"
                 " step, which the recovery job also runs, away from the route. Keep secrets out of it."
             )
-        options = _view.ViewOptions(
+        return _view.ViewOptions(
             scope=scope,
             required=required,
             on_mismatch=None if on_mismatch is None else parse_on_mismatch("on_mismatch", on_mismatch),
@@ -266,21 +297,26 @@ class Idempotency:
             store_response=store,
         )
 
-        def decorator(view: F) -> F:
-            run = synchronous(view, "view")
+    def _wrap(
+        self,
+        view: F,
+        handle: Callable[
+            [IdemState, Callable[..., Any], tuple[Any, ...], dict[str, Any], OptionsT], Response
+        ],
+        options: OptionsT,
+        attr: str,
+    ) -> F:
+        """The wrapper of ``view`` that hands each request to a door's ``handle`` with the route's
+        ``options`` (set on the wrapper as ``attr``), known to the placement check."""
+        run = synchronous(view, "view")
 
-            @functools.wraps(view)
-            def wrapper(*args: Any, **kwargs: Any) -> Response:
-                return _view.handle(get_state(), run, args, kwargs, options)
+        @functools.wraps(view)
+        def wrapper(*args: Any, **kwargs: Any) -> Response:
+            return handle(get_state(), run, args, kwargs, options)
 
-            self._wrappers[view] = wrapper
-            for app in self._apps:
-                if view in app.view_functions.values():
-                    raise ConfigurationError(_misplaced_message([f"{view.__module__}.{view.__qualname__}"]))
-            setattr(wrapper, _view.OPTIONS_ATTR, options)  # read by flask_idem.openapi and .testing
-            return wrapper  # type: ignore[return-value]
-
-        return decorator
+        self._wrappers[view] = wrapper
+        setattr(wrapper, attr, options)
+        return wrapper  # type: ignore[return-value]
 
     def webhook(
         self, source: Source, *, scope: Callable[[], str | int | None] | None = None
@@ -318,15 +354,7 @@ class Idempotency:
         options = _webhook.WebhookOptions(source, scope)
 
         def decorator(view: F) -> F:
-            run = synchronous(view, "view")
-
-            @functools.wraps(view)
-            def wrapper(*args: Any, **kwargs: Any) -> Response:
-                return _webhook.handle(get_state(), run, args, kwargs, options)
-
-            self._wrappers[view] = wrapper
-            setattr(wrapper, _webhook.OPTIONS_ATTR, options)  # read by flask_idem.testing
-            return wrapper  # type: ignore[return-value]
+            return self._wrap(view, _webhook.handle, options, _webhook.OPTIONS_ATTR)  # read by .testing
 
         return decorator
 

@@ -120,6 +120,39 @@ def _header_name(name: Any) -> str:
     return name
 
 
+def _pointers(
+    include: Sequence[Any] | None, exclude: Sequence[Any]
+) -> tuple[list[tuple[str, ...]] | None, list[tuple[str, ...]]]:
+    """The reference tokens of the pointers ``include`` (``None``: the whole body) and ``exclude``, checked:
+    no part named twice, or inside another of its list, and each part left out inside an included one."""
+    included = None if include is None else [_pointer(p, "include") for p in include]
+    excluded = [_pointer(p, "exclude") for p in exclude]
+    _no_overlap(included or [], "include")
+    _no_overlap(excluded, "exclude")
+    for tokens in excluded:
+        if included is not None and not any(_inside(tokens, outer) and tokens != outer for outer in included):
+            raise ConfigurationError(
+                f"Fingerprint(exclude=...) names {_show(tokens)!r}, which is not inside any included"
+                " part: only the included parts count, so there is nothing to leave out."
+            )
+    return included, excluded
+
+
+#: A part of the body that counts: its name, its pointer's tokens, and the tokens left out of it (below it).
+_BodyPart = tuple[str, tuple[str, ...], list[tuple[str, ...]]]
+
+
+def _body_parts(include: list[tuple[str, ...]] | None, exclude: list[tuple[str, ...]]) -> list[_BodyPart]:
+    """Each part of the body that counts (the whole body when ``include`` is ``None``), in a stable order."""
+    if include is None:
+        return [(_named("body", exclude), (), exclude)]
+    parts = []
+    for tokens in sorted(include):
+        inner = [t for t in exclude if _inside(t, tokens)]
+        parts.append((_named(f"body {_show(tokens)}", inner), tokens, [t[len(tokens) :] for t in inner]))
+    return parts
+
+
 def _strings(value: Any, option: str) -> tuple[Any, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ConfigurationError(f"Fingerprint({option}=...) takes a list, not {value!r}.")
@@ -185,32 +218,11 @@ class Fingerprint:
             raise ConfigurationError(f"Fingerprint(version=...) takes a str or an int, not {version!r}.")
         if any(not isinstance(p, Fingerprint) for p in self.previous):
             raise ConfigurationError("Fingerprint(previous=...) takes a list of Fingerprint objects.")
-        self._include = None if self.include is None else [_pointer(p, "include") for p in self.include]
-        self._exclude = [_pointer(p, "exclude") for p in self.exclude]
-        _no_overlap(self._include or [], "include")
-        _no_overlap(self._exclude, "exclude")
-        for tokens in self._exclude:
-            if self._include is not None and not any(
-                _inside(tokens, outer) and tokens != outer for outer in self._include
-            ):
-                raise ConfigurationError(
-                    f"Fingerprint(exclude=...) names {_show(tokens)!r}, which is not inside any included"
-                    " part: only the included parts count, so there is nothing to leave out."
-                )
+        self._include, self._exclude = _pointers(self.include, self.exclude)
         if len({h.lower() for h in self.headers}) != len(self.headers):
             raise ConfigurationError("Fingerprint(headers=...) names a header twice.")
         # Precomputed, not per request: each part of the body that counts, its name and what is left out.
-        if self._include is None:
-            self._body: list[tuple[str, tuple[str, ...], list[tuple[str, ...]]]] = [
-                (_named("body", self._exclude), (), self._exclude)
-            ]
-        else:
-            self._body = []
-            for tokens in sorted(self._include):
-                inner = [t for t in self._exclude if _inside(t, tokens)]
-                self._body.append(
-                    (_named(f"body {_show(tokens)}", inner), tokens, [t[len(tokens) :] for t in inner])
-                )
+        self._body = _body_parts(self._include, self._exclude)
         #: Whether this is the default policy: the whole request, hashed as without a policy.
         self.default = self.include is None and not self._exclude and not self.headers and custom is None
         self._header_keys = tuple(sorted((h.lower(), h) for h in self.headers))

@@ -229,14 +229,25 @@ class RetriesExhausted(CallFailed):
         self,
         message: str,
         *,
+        reason: StopReason,
         key: str,
         attempts: int,
         response: ResponseLike | None,
         error: BaseException | None,
-        reason: StopReason,
     ) -> None:
         super().__init__(message, key=key, attempts=attempts, response=response, error=error)
         self.reason = reason
+
+
+def _keyed(key: uuid.UUID | str | None, headers: dict[str, str] | None) -> tuple[str, dict[str, str]]:
+    """The key every attempt carries (a new random UUID without one), and the headers with it.
+
+    :raises ValueError: when ``key`` is not a UUID or ``headers`` already carry a key.
+    """
+    key = str(uuid.uuid4() if key is None else uuid.UUID(str(key)))
+    if headers and any(name.lower() == HEADER.lower() for name in headers):
+        raise ValueError(f"Pass the key as key=..., not as an {HEADER} header.")
+    return key, {**(headers or {}), HEADER: key}
 
 
 def _is_transient(error: BaseException, extra: tuple[type[BaseException], ...]) -> bool:
@@ -347,10 +358,7 @@ class IdempotentClient(Generic[R]):
         :raises RetriesExhausted: when the attempts, the deadline or the budget run out.
         :raises ValueError: when *key* is not a UUID or *headers* already carry a key.
         """
-        key = str(uuid.uuid4() if key is None else uuid.UUID(str(key)))
-        if headers and any(name.lower() == HEADER.lower() for name in headers):
-            raise ValueError(f"Pass the key as key=..., not as an {HEADER} header.")
-        headers = {**(headers or {}), HEADER: key}
+        key, keyed = _keyed(key, headers)
         attempts = Attempts(self.policy, budget=self.budget, rng=self.rng, clock=self.clock, sleep=self.sleep)
         response: R | None = None
         error: Exception | None = None
@@ -360,28 +368,13 @@ class IdempotentClient(Generic[R]):
             except GiveUp as stop:
                 raise self._exhausted(method, key, attempts.number, response, error, stop.reason) from error
             number = attempts.number
-            response, error = None, None
-            try:
-                response = self.transport(method, url, headers=headers, json=json, timeout=timeout)
-            except Exception as exc:
-                if not _is_transient(exc, self.transient_errors):
-                    raise
-                error = exc
+            response, error = self._send(method, url, keyed, json, timeout)
             status = None if response is None else response.status_code
             if response is not None and 200 <= response.status_code < 300:
                 self._report(AttemptInfo(key, number, status, None, None))
                 return response
-            said = None if response is None else retryable_member(response)
-            if status is not None and not (status in self.policy.retry_statuses if said is None else said):
-                self._report(AttemptInfo(key, number, status, None, None))
-                why = "which no retry would change" if said is None else "which the server says is final"
-                raise Rejected(
-                    f"{method} was answered {status}, {why}; {HEADER}: {key}",
-                    key=key,
-                    attempts=number,
-                    response=response,
-                    error=None,
-                )
+            if response is not None:
+                self._refuse_final(method, key, number, response)
             asked = None if response is None else parse_retry_after(response.headers.get("Retry-After"))
             try:
                 wait = attempts.backoff(asked)
@@ -390,6 +383,33 @@ class IdempotentClient(Generic[R]):
                 raise self._exhausted(method, key, number, response, error, stop.reason) from error
             self._report(AttemptInfo(key, number, status, error, wait))
             attempts.wait(wait)
+
+    def _send(
+        self, method: str, url: str, headers: dict[str, str], json: Any, timeout: float
+    ) -> tuple[R | None, Exception | None]:
+        """One attempt: its answer, or the transient error it raised (any other error propagates)."""
+        try:
+            return self.transport(method, url, headers=headers, json=json, timeout=timeout), None
+        except Exception as exc:
+            if not _is_transient(exc, self.transient_errors):
+                raise
+            return None, exc
+
+    def _refuse_final(self, method: str, key: str, number: int, response: R) -> None:
+        """Raise :class:`Rejected` when ``response`` is one no retry would change: a problem document that
+        says ``"retryable": false``, or, for one that does not say, a status outside ``retry_statuses``."""
+        status, said = response.status_code, retryable_member(response)
+        if status in self.policy.retry_statuses if said is None else said:
+            return
+        self._report(AttemptInfo(key, number, status, None, None))
+        why = "which no retry would change" if said is None else "which the server says is final"
+        raise Rejected(
+            f"{method} was answered {status}, {why}; {HEADER}: {key}",
+            key=key,
+            attempts=number,
+            response=response,
+            error=None,
+        )
 
     @staticmethod
     def _exhausted(
@@ -404,11 +424,11 @@ class IdempotentClient(Generic[R]):
         return RetriesExhausted(
             f"{method} gave up after {number} attempt{'s' * (number > 1)} ({reason}); "
             f"last outcome: {last}; {HEADER}: {key}",
+            reason=reason,
             key=key,
             attempts=number,
             response=response,
             error=error,
-            reason=reason,
         )
 
     def _report(self, info: AttemptInfo) -> None:

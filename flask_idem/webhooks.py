@@ -228,8 +228,12 @@ def stripe(
     :param window: how long event ids are kept (:attr:`Source.window`).
     :raises ConfigurationError: the ``stripe`` library is not installed.
     """
-    secrets = _secrets(secret, "stripe")
-    tolerance = parse_seconds("tolerance", tolerance)
+    verify = _stripe_verify(_secrets(secret, "stripe"), parse_seconds("tolerance", tolerance))
+    return Source(name, verify, parse_seconds("window", window))
+
+
+def _stripe_verify(secrets: tuple[str, ...], tolerance: float) -> Callable[[Headers, bytes], str]:
+    """The check of a delivery by Stripe's library, under any one of ``secrets`` (see :func:`stripe`)."""
     try:
         import stripe as library
     except ImportError:
@@ -256,7 +260,7 @@ def stripe(
             return require_event_id(found.get("id") if isinstance(found, dict) else None, "the body's id")
         raise WebhookRejected(_NO_MATCH.format(header="Stripe-Signature"), check="signature")
 
-    return Source(name, verify, parse_seconds("window", window))
+    return verify
 
 
 def standard(
@@ -290,6 +294,12 @@ def standard(
             "webhooks.standard(tolerance=...) is at most 300 seconds: the standardwebhooks library "
             "refuses a timestamp five minutes away itself."
         )
+    return Source(name, _standard_verify(secrets, tolerance), parse_seconds("window", window))
+
+
+def _standard_verify(secrets: tuple[str, ...], tolerance: float) -> Callable[[Headers, bytes], str]:
+    """The check of a delivery by the Standard Webhooks reference library, under any one of ``secrets``
+    (see :func:`standard`)."""
     try:
         from standardwebhooks.webhooks import Webhook, WebhookVerificationError
     except ImportError:
@@ -327,7 +337,7 @@ def standard(
             return require_event_id(wanted["webhook-id"], "the webhook-id header")
         raise WebhookRejected(_NO_MATCH.format(header="webhook-signature"), check="signature")
 
-    return Source(name, verify, parse_seconds("window", window))
+    return verify
 
 
 # The details of a rejection name the check and the header, never a secret or the signature expected.

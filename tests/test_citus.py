@@ -21,6 +21,8 @@ from psycopg.conninfo import conninfo_to_dict
 
 from example_app import create_app
 from flask_idem import _migrate, _partitions
+from flask_idem._partitions.ahead import replace_spare
+from flask_idem._partitions.tables import Maintenance, Tables
 from flask_idem._pool import ForkSafeConnectionPool, PooledConnection
 from flask_idem._records import KeyedRequest, KeyRef, Lease, Reservation, lock_id
 from flask_idem._state import get_state
@@ -458,7 +460,7 @@ def test_the_spares_replacement_is_one_transaction(
     key = uuid.uuid4()
     insert_completed(db, short_table, key, spare.lower, org=9)
     db.commit()
-    tables = _partitions._Tables(short_table)
+    tables = Tables(short_table, distributed=True)
 
     def replace() -> tuple[_partitions.RetentionReport, list[str]]:
         report, lines = _partitions.RetentionReport(), []
@@ -466,7 +468,7 @@ def test_the_spares_replacement_is_one_transaction(
             runner = _migrate._Runner(conn, short_table, tables.names, 2.0, lines.append)
             runner.distributed = runner.is_distributed()
             assert runner.distributed
-            _partitions._replace(runner, tables, tables.keys, spare, report)
+            replace_spare(Maintenance(runner, tables, lambda: start, report), tables.keys, spare)
         return report, lines
 
     seen: list[int] = []

@@ -35,6 +35,8 @@ from psycopg import sql
 
 from flask_idem import Idempotency, _migrate, _partitions, _protocol
 from flask_idem._partitions import RetentionReport
+from flask_idem._partitions.ahead import attach, replace_spare
+from flask_idem._partitions.tables import Maintenance, Tables
 from flask_idem._protocol import Claim, InFlight, Replay
 from flask_idem._records import Final, KeyedRequest, Lease, lock_id
 from flask_idem._state import IdemState, get_state
@@ -973,7 +975,7 @@ def test_a_spare_replacement_left_pending_is_finished_and_its_range_filled(
     maintain(direct_database_url, horizon=20.0, ahead=16.0, now=lambda: start)
     spare = _partitions.partitions(db, TABLE)[-1]
     assert spare.lower is not None and spare.upper is not None
-    tables = _partitions._Tables(TABLE)
+    tables = Tables(TABLE)
     lines: list[str] = []
     with (
         psycopg.connect(direct_database_url) as reader,
@@ -981,7 +983,7 @@ def test_a_spare_replacement_left_pending_is_finished_and_its_range_filled(
     ):
         reader.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(TABLE)))  # stays open
         runner = _migrate._Runner(conn, TABLE, tables.names, 0.3, lines.append)
-        _partitions._replace(runner, tables, tables.keys, spare, RetentionReport())
+        replace_spare(Maintenance(runner, tables, lambda: start), tables.keys, spare)
         reader.rollback()
     assert any("the next run finishes it" in line for line in lines), lines
     [pending] = [p for p in _partitions.partitions(db, TABLE) if p.name == spare.name]
@@ -990,7 +992,7 @@ def test_a_spare_replacement_left_pending_is_finished_and_its_range_filled(
         insert_expiring(db, spare.lower)
     # A partition after it, as the same run makes once the detach is left pending.
     after = tables.partition("_p", spare.upper)
-    _partitions._make(db, TABLE, after, spare.upper, spare.upper + timedelta(seconds=INTERVAL), fillfactor=80)
+    attach(tables, db, TABLE, after, (spare.upper, spare.upper + timedelta(seconds=INTERVAL)), fillfactor=80)
     db.commit()
 
     later = start + timedelta(seconds=1)
@@ -1041,11 +1043,11 @@ def test_a_spare_partition_that_a_row_entered_is_attached_again(
     key = uuid.uuid4()
     insert_completed(db, TABLE, key, spare.lower, org=ORG)
     db.commit()
-    tables = _partitions._Tables(TABLE)
+    tables = Tables(TABLE)
     report = RetentionReport()
     with psycopg.connect(direct_database_url, autocommit=True) as conn:
         runner = _migrate._Runner(conn, TABLE, tables.names, 2.0, lambda _: None)
-        _partitions._replace(runner, tables, tables.keys, spare, report)
+        replace_spare(Maintenance(runner, tables, lambda: start, report), tables.keys, spare)
     assert report.dropped == []
     assert (spare.lower, spare.upper) in _ranges(db) and partition_of(db, key) == spare.name
 

@@ -58,6 +58,48 @@ def _first(call: Call, response: TestResponse, effect: Effect, before: int, what
         )
 
 
+def _killed_leaves_nothing(
+    client: FlaskClient, call: Call, key: uuid.UUID, body: Any, effect: Effect
+) -> None:
+    """A request killed inside its transaction, right after the view returned, leaves ``effect`` as it was."""
+    before = effect()
+    killer = send_and_kill(client, call, key, body, "view")
+    if not killer.killed:
+        raise fail(
+            f"{call.name} never reached flask-idem's transaction: is the view decorated with"
+            " @idem.idempotent() (under the route decorator), and does the request carry what the route"
+            " needs to get that far (authentication)?"
+        )
+    after_crash = effect()
+    if after_crash != before:
+        raise fail(
+            f"{call.name} was killed before its COMMIT, yet {describe(effect)} changed from {before} to"
+            f" {after_crash}: {_OUTSIDE} Such a write stays when the request fails, and the retry does it"
+            " again."
+        )
+
+
+def _twice(
+    client: FlaskClient,
+    call: Call,
+    key: uuid.UUID,
+    bodies: tuple[Any, Any],
+    effect: Effect,
+    before: int,
+    what: str,
+    why: str,
+) -> tuple[TestResponse, TestResponse]:
+    """A first request with ``key`` (a real answer, see :func:`_first`), then ``what``, a second with the
+    same key, which must leave ``effect`` as it was (else ``why``); both answers."""
+    first = call.send(client, key, json=bodies[0])
+    _first(call, first, effect, before)
+    counted = effect()
+    second = call.send(client, key, json=bodies[1])
+    if effect() != counted:
+        raise fail(f"{what} changed {describe(effect)} from {counted} to {effect()}: {why}")
+    return first, second
+
+
 def check_replay(
     target: Flask | FlaskClient,
     method: str,
@@ -84,29 +126,9 @@ def check_replay(
     key = key or uuid.uuid4()
     body = call.body()
     before = effect()
-    killer = send_and_kill(client, call, key, body, "view")
-    if not killer.killed:
-        raise fail(
-            f"{call.name} never reached flask-idem's transaction: is the view decorated with"
-            " @idem.idempotent() (under the route decorator), and does the request carry what the route"
-            " needs to get that far (authentication)?"
-        )
-    after_crash = effect()
-    if after_crash != before:
-        raise fail(
-            f"{call.name} was killed before its COMMIT, yet {describe(effect)} changed from {before} to"
-            f" {after_crash}: {_OUTSIDE} Such a write stays when the request fails, and the retry does it"
-            " again."
-        )
-    first = call.send(client, key, json=body)
-    _first(call, first, effect, before)
-    counted = effect()
-    again = call.send(client, key, json=body)
-    if effect() != counted:
-        raise fail(
-            f"the second request to {call.name} with the same key changed {describe(effect)} from"
-            f" {counted} to {effect()}: {_OUTSIDE}"
-        )
+    _killed_leaves_nothing(client, call, key, body, effect)
+    what = f"the second request to {call.name} with the same key"
+    first, again = _twice(client, call, key, (body, body), effect, before, what, _OUTSIDE)
     expected = 200 if first.status_code == 201 else first.status_code
     if not replayed(again) or again.status_code != expected:
         raise fail(
@@ -140,17 +162,9 @@ def check_mismatch(
     """
     client = client_of(target)
     call = Call(method, path, json, None, headers or {})
-    key = uuid.uuid4()
-    before = effect()
-    first = call.send(client, key, json=json)
-    _first(call, first, effect, before)
-    counted = effect()
-    second = call.send(client, key, json=changed)
-    if effect() != counted:
-        raise fail(
-            f"a request to {call.name} that reused a key with another body changed {describe(effect)}"
-            f" from {counted} to {effect()}: it must be refused and write nothing."
-        )
+    what = f"a request to {call.name} that reused a key with another body"
+    why = "it must be refused and write nothing."
+    first, second = _twice(client, call, uuid.uuid4(), (json, changed), effect, effect(), what, why)
     if second.status_code == 422 and second.mimetype == "application/problem+json":
         return second
     if replayed(second) and second.get_data() == first.get_data():
@@ -178,11 +192,26 @@ def check_in_flight(
     :returns: the first answer and the duplicate's.
     """
     client = client_of(target)
-    app = client.application
     call = Call(method, path, json, None, headers or {})
     key = uuid.uuid4()
     body = call.body()
     before = effect()
+    first, duplicate = _duplicate_while_held(client, call, key, body)
+    if duplicate.status_code != 409 or "Retry-After" not in duplicate.headers:
+        raise fail(
+            f"a duplicate of {call.name} sent while the first was inside its transaction answered"
+            f" {show(duplicate)}, not 409 with Retry-After."
+        )
+    _first(call, first, effect, before)
+    return first, duplicate
+
+
+def _duplicate_while_held(
+    client: FlaskClient, call: Call, key: uuid.UUID, body: Any
+) -> tuple[TestResponse, TestResponse]:
+    """The first request's answer and a duplicate's, sent while the first is held in its transaction
+    right after its view returned (a barrier, no sleep), then let go."""
+    app = client.application
     entered, release = threading.Event(), threading.Event()
     answers: dict[str, TestResponse | BaseException] = {}
     held: list[str] = []
@@ -219,12 +248,6 @@ def check_in_flight(
     first = answers.get("first")
     if not isinstance(first, TestResponse):
         raise fail(f"the first request to {call.name} failed while held: {first!r}")
-    if duplicate.status_code != 409 or "Retry-After" not in duplicate.headers:
-        raise fail(
-            f"a duplicate of {call.name} sent while the first was inside its transaction answered"
-            f" {show(duplicate)}, not 409 with Retry-After."
-        )
-    _first(call, first, effect, before)
     return first, duplicate
 
 

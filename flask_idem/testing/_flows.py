@@ -57,6 +57,25 @@ def crash_between_steps(
     with hooked(app, watcher):
         clean = call.send(client, key, json=body)
     points = watcher.seen
+    per_request = outside() - calls
+    _check_clean(call, clean, points, per_request, outside, effect() - done if effect else None, effect)
+    call_steps = set(watcher.outside)
+    for point in points:
+        _crash_at(client, call, point, point in call_steps, per_request, outside, effect, clean)
+    return points
+
+
+def _check_clean(
+    call: Call,
+    clean: TestResponse,
+    points: list[str],
+    per_request: int,
+    outside: Effect,
+    grew: int | None,
+    effect: Effect | None,
+) -> None:
+    """The run without a crash must be a multi-step request that works: it passed ``points``, made
+    ``per_request`` outside calls, and grew ``effect`` by one (``grew``)."""
     if "view" not in points:
         raise fail(
             f"{call.name} never reached flask-idem's transaction (it answered {show(clean)}): is the view"
@@ -68,21 +87,16 @@ def crash_between_steps(
         raise fail(
             f"{call.name} with a new key answered {show(clean)}; the check needs a request that works."
         )
-    per_request = outside() - calls
     if per_request < 1:
         raise fail(
             f"{call.name} answered {clean.status_code} but the outside party saw no call ({describe(outside)}"
             " did not change): `outside` must count the calls the outside party received."
         )
-    if effect is not None and effect() - done != 1:
+    if effect is not None and grew != 1:
         raise fail(
-            f"{call.name} answered {clean.status_code} and {describe(effect)} changed by {effect() - done}:"
+            f"{call.name} answered {clean.status_code} and {describe(effect)} changed by {grew}:"
             " the effect must count one per finished request."
         )
-    call_steps = set(watcher.outside)
-    for point in points:
-        _crash_at(client, call, point, point in call_steps, per_request, outside, effect, clean)
-    return points
 
 
 def _crash_at(
@@ -95,32 +109,11 @@ def _crash_at(
     effect: Effect | None,
     clean: TestResponse,
 ) -> None:
-    app = client.application
+    """A request with a new key killed at ``point`` must end as the run without a crash did (``clean``),
+    with ``per_request`` outside calls and the effect done once."""
     key, body = uuid.uuid4(), call.body()
     calls, done = outside(), effect() if effect else 0
-    killer = send_and_kill(client, call, key, body, point)
-    if not killer.killed:
-        raise fail(
-            f"{call.name} did not reach {point!r} on a second run (it went {' -> '.join(killer.seen)}):"
-            " the check needs a request that takes the same steps every time."
-        )
-    if point == "view":
-        seen = outside() - calls
-        if seen:
-            raise fail(
-                f"the outside party saw {seen} call(s) from {call.name} although the request was killed"
-                " in its view, before the COMMIT, and rolled back: the view is the flow's first,"
-                " transactional step and must not call outside. Call outside only in a @flow.call step,"
-                " whose result is recorded and never made again blindly."
-            )
-    else:
-        _make_due(app, key)
-        report = recover(app)
-        if not any(entry[1] == key for entry in report.completed):
-            raise fail(
-                f"after {call.name} was killed after {point!r}, the recovery job did not finish it:"
-                f" {report!r}"
-            )
+    _kill(client, call, key, body, point, outside, calls)
     final = call.send(client, key, json=body)
     seen = outside() - calls
     if seen != per_request:
@@ -146,6 +139,37 @@ def _crash_at(
         raise fail(
             f"the retry of {call.name} killed after {point!r} answered {show(final)}; expected"
             f" {expected}{' (replayed)' if point != 'view' else ''} like the request without a crash."
+        )
+
+
+def _kill(
+    client: FlaskClient, call: Call, key: uuid.UUID, body: Any, point: str, outside: Effect, calls: int
+) -> None:
+    """Kill a request with ``key`` at ``point``: killed in its view, it was rolled back whole and made no
+    outside call (``calls`` before it); killed after, the recovery job finishes it once its lease is
+    over."""
+    app = client.application
+    killer = send_and_kill(client, call, key, body, point)
+    if not killer.killed:
+        raise fail(
+            f"{call.name} did not reach {point!r} on a second run (it went {' -> '.join(killer.seen)}):"
+            " the check needs a request that takes the same steps every time."
+        )
+    if point == "view":
+        seen = outside() - calls
+        if seen:
+            raise fail(
+                f"the outside party saw {seen} call(s) from {call.name} although the request was killed"
+                " in its view, before the COMMIT, and rolled back: the view is the flow's first,"
+                " transactional step and must not call outside. Call outside only in a @flow.call step,"
+                " whose result is recorded and never made again blindly."
+            )
+        return
+    _make_due(app, key)
+    report = recover(app)
+    if not any(entry[1] == key for entry in report.completed):
+        raise fail(
+            f"after {call.name} was killed after {point!r}, the recovery job did not finish it: {report!r}"
         )
 
 

@@ -57,6 +57,15 @@ def check_webhook_redelivery(
     event = new_body()
     before = effect()
     answers = [deliver(event, client) for _ in range(times)]
+    _in_a_row(name, answers, effect() - before, effect)
+    expected = 1 if callable(body) else 0
+    answers.extend(_all_at_once(client.application, name, new_body(), deliver, effect, threads, expected))
+    return answers
+
+
+def _in_a_row(name: str, answers: list[TestResponse], grew: int, effect: Effect) -> None:
+    """Deliveries of one event one after another (``answers``): the first a 2xx, every redelivery one
+    too, and ``effect`` grown by one (``grew``)."""
     first = answers[0]
     if not 200 <= first.status_code < 300:
         raise fail(
@@ -64,7 +73,6 @@ def check_webhook_redelivery(
             " the route accepts: do sign(body)'s headers pass the route's source, with the secret the"
             " application uses in tests?"
         )
-    grew = effect() - before
     if grew == 0:
         raise fail(
             f"the first delivery of an event to {name} answered {first.status_code} but did not change"
@@ -73,7 +81,7 @@ def check_webhook_redelivery(
         )
     if grew > 1:
         raise fail(
-            f"delivering one event {times} times to {name} changed {describe(effect)} by {grew}"
+            f"delivering one event {len(answers)} times to {name} changed {describe(effect)} by {grew}"
             f" (expected 1, however often it is delivered): {_ONCE}"
         )
     for again in answers[1:]:
@@ -82,9 +90,6 @@ def check_webhook_redelivery(
                 f"a redelivery of an event already handled by {name} answered {show(again)}: a provider"
                 " takes any answer but a 2xx for a failed delivery and keeps delivering it. " + _ONCE
             )
-    expected = 1 if callable(body) else 0
-    answers.extend(_all_at_once(client.application, name, new_body(), deliver, effect, threads, expected))
-    return answers
 
 
 def _all_at_once(
