@@ -281,8 +281,9 @@ def test_writers_go_on_while_the_index_is_built(
 def test_invalid_index_left_by_a_failed_build_is_built_again(
     fresh: str, direct_database_url: str, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An index left invalid by a failed concurrent build (here: a unique one over duplicates) is
-    dropped and built again; the layout is recorded only once it is valid."""
+    """An index left invalid by a failed concurrent build (here: a unique one over duplicates, with the
+    distribution column, which a unique index on Citus needs) is dropped and built again; the layout is
+    recorded only once it is valid."""
     _migrate.upgrade(direct_database_url, table=fresh, distributed=citus.ENABLED)
     second = second_layout(monkeypatch, **OUTBOX_INDEX)
     fill_outbox(db, fresh, 2)
@@ -290,14 +291,16 @@ def test_invalid_index_left_by_a_failed_build_is_built_again(
     outbox = sql.Identifier(fresh + "_outbox")
     with pytest.raises(psycopg.errors.UniqueViolation):
         db.execute(
-            sql.SQL("CREATE UNIQUE INDEX CONCURRENTLY {} ON {} (task)").format(sql.Identifier(name), outbox)
+            sql.SQL("CREATE UNIQUE INDEX CONCURRENTLY {} ON {} (org_id, task)").format(
+                sql.Identifier(name), outbox
+            )
         )
     assert any(index.endswith(" INVALID") for index in catalog(db, fresh + "_outbox")["indexes"])
     lines: list[str] = []
     _migrate.upgrade(direct_database_url, table=fresh, distributed=citus.ENABLED, echo=lines.append)
     assert f'Dropping index "{name}", left invalid by a failed build.' in lines
     [built] = [index for index in catalog(db, fresh + "_outbox")["indexes"] if "(task)" in index]
-    assert "UNIQUE" not in built and "INVALID" not in built
+    assert "UNIQUE" not in built and "INVALID" not in built and "org_id" not in built
     assert layout_of(db, fresh) == second.layout
 
 
