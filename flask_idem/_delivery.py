@@ -1,35 +1,30 @@
 """Running one delivery of an idempotent task, whatever the runner: reserve, run, store, or put off.
 
-The runner (through :meth:`flask_idem.jobs.Jobs.deliver`) hands over a delivery (its envelope and
-arguments) and gets an outcome back: :class:`Done` (return the result), :class:`Defer` (deliver it again
-in ``countdown`` seconds, with the envelope it gives), :class:`Dropped` (end quietly: the key is another
-delivery's, or its result has expired), or a :class:`~flask_idem.jobs.JobError` that ends the task for
-good. The key table does what it does for a
-request: an atomic task's writes commit with its key; a task with a :class:`~flask_idem.Flow` records its
-intent under a lease, then the engine advances it step by step (:mod:`._steps`), and a redelivery (or
-``flask idem recover``) resumes it after its last finished step.
+The runner (through :meth:`flask_idem.jobs.Jobs.deliver`) hands over a delivery and gets an outcome
+back: :class:`Done` (return the result), :class:`Defer` (deliver it again in ``countdown`` seconds, with
+the envelope it gives), :class:`Dropped` (end quietly), or a :class:`~flask_idem.jobs.JobError` that
+ends the task for good. An atomic task's writes commit with its key; a task with a
+:class:`~flask_idem.Flow` is advanced step by step (:mod:`._steps`), as a request's is.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
 from flask import Flask
 from psycopg.rows import TupleRow
 
-from . import _grants, _layout, _protocol, _steps, signals
-from ._outbox import Outbox
+from . import _grants, _protocol, _steps, signals
+from ._jobs_state import TaskSpec, get_jobs
 from ._records import Final, Lease
 from ._retry import backoff
-from ._settings import SETTINGS
 from ._state import IdemState, get_state
 from ._task import (
     Envelope,
@@ -37,7 +32,6 @@ from ._task import (
     JobGivenUp,
     JobMismatch,
     JobPolicy,
-    Publisher,
     TaskDoor,
     task_failure,
     task_final,
@@ -46,91 +40,11 @@ from ._task import (
     task_result,
 )
 from ._transactions import entering_app_code
-from .errors import ConfigurationError
 from .flow import Flow, Run
 
-__all__ = [
-    "EXTENSION_NAME",
-    "Defer",
-    "Delivery",
-    "Done",
-    "Dropped",
-    "JobsState",
-    "Outcome",
-    "TaskSpec",
-    "get_jobs",
-    "run_delivery",
-]
+__all__ = ["Defer", "Delivery", "Done", "Dropped", "Outcome", "run_delivery"]
 
 logger = logging.getLogger("flask_idem")
-
-#: The key of the background jobs' state in ``app.extensions``.
-EXTENSION_NAME = "idem_jobs"
-
-
-@dataclass(frozen=True, slots=True)
-class JobsState:
-    """What :meth:`Jobs.init_app <flask_idem.jobs.Jobs.init_app>` keeps for one application
-    (``app.extensions["idem_jobs"]``): the policy, the outbox, the relay's publisher."""
-
-    policy: JobPolicy
-    outbox: Outbox
-    publisher: Publisher
-    #: Seconds a relay holds the messages it claimed (``IDEM_OUTBOX_LEASE``).
-    relay_lease: float
-    #: Seconds sent messages are kept before the relay deletes them (``IDEM_OUTBOX_RETENTION``).
-    retention: float
-    #: Set once the outbox was found there (:meth:`check_outbox`).
-    outbox_found: threading.Event = field(default_factory=threading.Event)
-
-    def check_outbox(self, conn: psycopg.Connection[Any], table: str) -> None:
-        """Make sure, once, that the key table and its outbox exist in a layout this code runs on, on
-        ``conn``.
-
-        :raises ConfigurationError: naming the command that creates or upgrades them.
-        """
-        if not self.outbox_found.is_set():
-            _layout.check(_layout.read(conn, table), table)
-            self.outbox_found.set()
-
-    @classmethod
-    def create(cls, app: Flask, publisher: Publisher, policy: JobPolicy | None = None) -> JobsState:
-        """The state of ``app`` (whose flask-idem is initialised), from its ``IDEM_JOB_*`` configuration."""
-        state = get_state(app)
-        config = app.config
-        return cls(
-            policy=policy or JobPolicy.from_config(config),
-            outbox=Outbox.of(state.source, state.settings),
-            publisher=publisher,
-            relay_lease=SETTINGS["IDEM_OUTBOX_LEASE"].read(config),
-            retention=SETTINGS["IDEM_OUTBOX_RETENTION"].read(config),
-        )
-
-
-def get_jobs(app: Flask) -> JobsState:
-    """The background jobs' state of ``app``.
-
-    :raises ConfigurationError: when no runner was set up on the application.
-    """
-    found: JobsState | None = app.extensions.get(EXTENSION_NAME)
-    if found is None:
-        raise ConfigurationError(
-            "Background jobs are not set up on this application: call jobs.init_app(app, celery_app)"
-            " (flask_idem.celery.CeleryJobs, or another runner's init_app) after idem.init_app(app)."
-        )
-    return found
-
-
-@dataclass(frozen=True, slots=True)
-class TaskSpec:
-    """One idempotent task as :meth:`Jobs.task <flask_idem.jobs.Jobs.task>` registered it: its name, its
-    function, and its options (``None``: the application's)."""
-
-    name: str
-    func: Callable[..., Any]
-    flow: Flow | None = None
-    ttl: float | None = None
-    policy: JobPolicy | None = None
 
 
 @dataclass(frozen=True, slots=True)

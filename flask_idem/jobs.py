@@ -31,18 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Flask, current_app, has_request_context
 
-from ._delivery import (
-    EXTENSION_NAME,
-    Defer,
-    Delivery,
-    Done,
-    Dropped,
-    JobsState,
-    TaskSpec,
-    get_jobs,
-    run_delivery,
-)
+from ._delivery import Defer, Delivery, Done, Dropped, run_delivery
 from ._http import current
+from ._jobs_state import EXTENSION_NAME, JobsState, TaskSpec, get_jobs
 from ._retry import backoff
 from ._settings import parse_seconds
 from ._state import get_state

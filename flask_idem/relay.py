@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from flask import Flask
 
 from . import signals
-from ._delivery import get_jobs
+from ._jobs_state import get_jobs
 from ._loop import run_passes
 from ._retry import backoff
 from ._state import get_state
