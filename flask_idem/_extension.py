@@ -1,8 +1,5 @@
-"""The :class:`Idempotency` extension: ``init_app``, the route decorator, and the view's connection.
-
-This is the top floor: it puts together the settings (:mod:`._settings`), the per-application state
-(:mod:`._state`), what runs around a view (:mod:`._view`) and the CLI (:mod:`.cli`). Nothing below imports it.
-"""
+"""The :class:`Idempotency` extension: ``init_app``, the route decorators, and the view's connection.
+The top floor: nothing below imports it."""
 
 from __future__ import annotations
 
@@ -95,20 +92,12 @@ class Idempotency:
     def init_app(self, app: Flask) -> None:
         """Read the ``IDEM_*`` configuration of ``app``, set up its key store and add ``flask idem``.
 
-        The pool is not opened here but on first use in each process, so this is safe to call in the
-        master of a pre-fork server, and the database is not touched: the key table's layout is checked
-        at the first write request or ``flask idem`` command (:meth:`check_layout`), so that ``flask
-        idem init-db`` and ``flask db upgrade``, which load the application, can create it. With
-        ``sqlalchemy=``, call ``db.init_app(app)`` first.
-
-        The first request the application handles checks that every decorated view is the one its route
-        calls (:meth:`idempotent` placed below ``@app.post``); a misplaced decorator fails every request
-        with a :class:`ConfigurationError` that names the view, rather than leaving it unprotected. It
-        also logs a warning for each decorated endpoint whose routes answer only ``GET``, ``HEAD``,
-        ``OPTIONS`` or ``TRACE``, where the decorator does nothing.
-
-        When Flask's ``MAX_CONTENT_LENGTH`` is not set, a warning is logged on the ``flask_idem`` logger:
-        the whole body of every keyed request is then read into memory and fingerprinted, however large.
+        The database is not touched and the pool opens on first use in each process (safe in a
+        pre-fork server's master); the key table's layout is checked at the first write request or
+        ``flask idem`` command (:meth:`check_layout`). With ``sqlalchemy=``, call ``db.init_app(app)``
+        first. The first request checks that every decorated view is its route's (a misplaced decorator
+        fails every request, naming the view) and warns of decorated routes that answer no write
+        method; a warning is logged at once when ``MAX_CONTENT_LENGTH`` is not set.
 
         :raises ConfigurationError: when the configuration is invalid, or when ``app`` was already
             initialised by an :class:`Idempotency` instance.
@@ -153,14 +142,9 @@ class Idempotency:
         return settings, sessions
 
     def _placement_check(self, app: Flask) -> Callable[[], None]:
-        """A ``before_request`` hook that refuses to serve while a decorated view is not its route's view.
-
-        ``@idem.idempotent()`` placed above ``@app.post(...)`` lets Flask register the undecorated view
-        and returns a wrapper that nothing calls: the route would run with no idempotency at all. The
-        views are compared once, at the first request, when every blueprint is registered. Then too, a
-        decorated endpoint whose routes answer no write method is named in a warning: the decorator
-        runs before the route decorator, so the methods are known only now.
-        """
+        """A ``before_request`` hook that refuses to serve while a decorated view is not its route's view
+        (the decorator placed above ``@app.post``). It compares them at the first request, once every
+        blueprint is registered; the routes' methods are known only then too."""
         misplaced: list[str] | None = None
 
         def check() -> None:
@@ -272,9 +256,7 @@ class Idempotency:
         if flow is not None:
             if required is False:
                 raise ConfigurationError("A multi-step route always requires an Idempotency-Key.")
-            known = self._flows.setdefault(flow.name, flow)
-            if known is not flow:
-                raise ConfigurationError(f"Two flows are named {flow.name!r}; flow names must be unique.")
+            self.add_flow(flow)
         if fingerprint is not None and not isinstance(fingerprint, Fingerprint):
             raise ConfigurationError(f"fingerprint= takes a flask_idem.Fingerprint, not {fingerprint!r}.")
         store = parse_store_response("store_response", store_response)
@@ -306,8 +288,7 @@ class Idempotency:
         options: OptionsT,
         attr: str,
     ) -> F:
-        """The wrapper of ``view`` that hands each request to a door's ``handle`` with the route's
-        ``options`` (set on the wrapper as ``attr``), known to the placement check."""
+        """``view`` wrapped to hand each request to a door's ``handle`` with ``options`` (set as ``attr``)."""
         run = synchronous(view, "view")
 
         @functools.wraps(view)
@@ -370,8 +351,7 @@ class Idempotency:
     def add_flow(self, flow: Flow) -> None:
         """Make ``flow`` known to the recovery job (``flask idem recover``) of this extension's applications.
 
-        :meth:`idempotent` does it for a route's flow, and a task decorator
-        (:meth:`flask_idem.celery.CeleryJobs.task`) for a task's.
+        :meth:`idempotent` and :meth:`flask_idem.jobs.Jobs.task` do it for their flows.
 
         :raises ConfigurationError: when another flow has the same name.
         """
@@ -401,10 +381,9 @@ class Idempotency:
     def check_layout(self) -> None:
         """Check now that the current application's key table exists in a layout this flask-idem runs on.
 
-        The extension checks it by itself at the first use of the database in each application (the
-        first write request, or a ``flask idem`` command), since ``init_app`` must not touch the
-        database. Call this where a deployment should fail early instead: a readiness probe, gunicorn's
-        ``post_worker_init``, a start-up script. Once it passed, it costs nothing.
+        The extension checks it by itself at the first use of the database; call this where a deployment
+        should fail early instead (a readiness probe, gunicorn's ``post_worker_init``). Once passed, it
+        costs nothing.
 
         :raises ConfigurationError: when the table is missing, older than this code runs on, or newer
             than it knows; the message names the command to run.
@@ -415,14 +394,10 @@ class Idempotency:
         """A sentence when the current application's key table runs out of partitions soon, else
         ``None``.
 
-        ``flask idem purge`` makes the partitions a key's expiry needs ahead of time, and a key that
-        expires after the newest partition cannot be written. The sentence comes when the newest ends
-        less than half of :data:`IDEM_PARTITION_AHEAD` past the longest retention: purge has not run
-        for days. It says when the newest ends and names the command to run. Catalog queries only, on a
-        connection of the application's: cheap enough for a readiness probe, which should report it,
-        not fail on it (every process would fail alike, and more partitions are what is missing, not
-        fewer servers); the shop's ``GET /health/ready`` answers it in ``warnings``. ``flask idem
-        stats`` and the metrics warn the same way (:doc:`/retention`).
+        The sentence comes when the newest ends less than half of :data:`IDEM_PARTITION_AHEAD` past the
+        longest retention (``flask idem purge`` has not run for days); it names the command to run.
+        Catalog queries only: cheap enough for a readiness probe, which should report it, not fail on it
+        (:doc:`/retention`).
         """
         state = get_state()
         with state.source.connection() as conn:
@@ -432,9 +407,7 @@ class Idempotency:
     def close(self) -> None:
         """Close the current application's connection pool in this process.
 
-        Call it when an application is done with (at the end of a test, or before a process exits
-        without ``atexit``); a later use opens a new pool. With ``sqlalchemy=`` there is no pool of the
-        extension's own, and this does nothing: the engine is the application's.
+        A later use opens a new pool. With ``sqlalchemy=`` it does nothing: the engine is the application's.
         """
         get_state().source.close()
 
@@ -454,8 +427,7 @@ class Idempotency:
     def key(self) -> uuid.UUID | None:
         """The ``Idempotency-Key`` of the running idempotent view's request.
 
-        ``None`` when the route does not require a key and the request came without one. Use it to
-        derive keys for calls the view makes elsewhere, or as a unique column of the rows it creates.
+        ``None`` when the route does not require a key and the request came without one.
 
         :raises RuntimeError: outside an idempotent view handling a write request.
         """
@@ -468,12 +440,10 @@ class Idempotency:
             with idem.deadline(1.0), idem.pool.connection() as conn:
                 conn.execute("SELECT 1")  # a readiness check: answered within a second, or 503
 
-        Connections borrowed in the block (from :attr:`pool`, or by an idempotent view) are cut when
-        the time is spent, and a borrow after that raises :class:`DeadlineExceeded` at once. Inside a
-        request the block gets at most what is left of the request's deadline, and what it spends counts
-        there too. ``None``:
-        no deadline at all, for a long maintenance query; the server's own ``statement_timeout`` still
-        applies (``SET LOCAL statement_timeout = 0`` in a transaction lifts it).
+        Connections borrowed in the block are cut when the time is spent, and a borrow after that raises
+        :class:`DeadlineExceeded` at once. Inside a request the block gets at most what is left of the
+        request's deadline. ``None``: no deadline at all, for a long maintenance query (the server's
+        ``statement_timeout`` still applies).
         """
         return _deadline.budget(seconds if seconds is not None else math.inf)
 
@@ -481,8 +451,7 @@ class Idempotency:
     def settings(self) -> Settings:
         """The current application's configuration, as ``init_app`` read and checked it (read-only).
 
-        For code of the application that needs what flask-idem was told, such as the key table's name
-        (``idem.settings.table``), whether it is distributed on Citus, or the ``Retry-After`` it sends.
+        For code that needs what flask-idem was told, such as the key table's name (``idem.settings.table``).
 
         :raises RuntimeError: when flask-idem was not initialised on the current application.
         """
@@ -509,8 +478,7 @@ class Idempotency:
 
 
 def _warn_read_only(app: Flask) -> None:
-    """Log a warning for each decorated endpoint of ``app`` whose routes answer only methods that pass
-    through the decorator untouched (``GET``, ``HEAD``, ``OPTIONS``, ``TRACE``)."""
+    """Warn of each decorated endpoint of ``app`` whose routes answer only methods passed through."""
     methods: dict[str, set[str]] = {}
     for rule in app.url_map.iter_rules():
         view = app.view_functions.get(rule.endpoint)

@@ -1,14 +1,6 @@
-"""Stored responses: what is kept of a view's answer, and how a retry gets it back.
-
-Shared by the request and webhook doors (:mod:`._view`, :mod:`._webhook`), the multi-step engine
-(:mod:`._steps`) and the recovery door (:mod:`.recovery`).
-
-What a stored response may hold is the route's choice (``store_response``):
-
-- ``"full"``: status, the allow-listed headers and the body, byte for byte;
-- ``"location"``: for a 2xx, its status and ``Location`` only, replayed as ``303 See Other`` there: for
-  answers that carry a secret the retry must not get again (other statuses are kept in full);
-- ``"encrypted"``: as ``"full"``, with the body encrypted at rest (:mod:`._cipher`).
+"""Stored responses: what is kept of a view's answer (the route's ``store_response``: ``"full"``,
+``"location"`` or ``"encrypted"``, :doc:`/responses`), and how a retry gets it back; shared by every door
+that answers HTTP, the multi-step engine and recovery.
 
 A body larger than ``IDEM_MAX_RESPONSE_BYTES`` is never stored cut short, nor left unstored while the
 request's writes commit: the request is refused with :class:`.ResponseNotStored` (500) and rolled back.

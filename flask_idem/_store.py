@@ -53,10 +53,8 @@ __all__ = ["Store"]
 
 
 def _cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[DictRow]:
-    """The cursor the store's statements run on: the connection's own when it comes from a pool here.
-
-    Rows come back as dictionaries, so they are bound to the dataclasses above by column name.
-    """
+    """The cursor (of dictionaries) the store's statements run on: the connection's own when it comes
+    from a pool here."""
     if not isinstance(conn, PooledConnection):
         return conn.cursor(row_factory=dict_row)
     cursor = conn._idem_store_cursor
@@ -163,18 +161,18 @@ class Store:
                 return _RESERVED
             if row["request_sha"] is None:  # no committed row for the key in this statement's snapshot
                 if not row["taken"]:  # and another transaction holds the key: it is in flight
-                    return Reservation(reserved=False)
+                    return _IN_FLIGHT
                 # The INSERT met a row committed after the snapshot was taken; a new statement sees it.
                 row = cursor.execute(q.lookup, params).fetchone()
                 if row is None:
-                    return Reservation(reserved=False)
+                    return _IN_FLIGHT
             record = KeyRecord(**{name: row[name] for name in RECORD_FIELDS})
             if not record.expired:
                 return Reservation(reserved=False, record=record)
             if not row["taken"]:  # another request is renewing the expired key right now
-                return Reservation(reserved=False)
+                return _IN_FLIGHT
             cursor.execute(q.delete_expired, params)
-        return Reservation(reserved=False)
+        return _IN_FLIGHT
 
     def lost_race(self, error: psycopg.Error) -> bool:
         """Whether ``error``, raised by a transaction that reserved a key, is the key table's unique
@@ -202,9 +200,8 @@ class Store:
         params: dict[str, Any],
         q: _Statements,
     ) -> dict[str, Any] | None:
-        """The key's lock in a statement of its own, then ``statement``,
-        whose snapshot is taken once the lock is held (sent with BEGIN, in one round trip, when the
-        transaction is not begun yet)."""
+        """The key's lock in a statement of its own, then ``statement``, whose snapshot is taken once the
+        lock is held (sent with BEGIN, in one round trip, when the transaction is not begun yet)."""
         if opening is not None and not opening.begun:
             batches = q.batches
             lock, found = opening.begin_all([(batches[q.lock], params), (batches[statement], params)])
@@ -469,8 +466,6 @@ class _Statements:
 
         self.reserve = q("reserve", lease=names["atomic"])
         self.reserve_leased = q("reserve", lease=names["leased"])
-        #: The columns of a key's row as a later request reads them.
-        self.record = names["record"].as_bytes(None)
         #: The key's row in any partition, else its live compact tombstone (the reserve function of the
         #: layout's distributed_sql looks the same way; a test compares them).
         self.found = names["found"].as_bytes(None)
@@ -480,17 +475,8 @@ class _Statements:
         self.delete_expired = q("delete_expired")
         self.complete = q("complete")
         # The statements a batched transaction sends with BEGIN or COMMIT (flask_idem._pool.Batched).
-        self.batches = {
-            text: _wire.Statement.from_query(text)
-            for text in (
-                self.reserve,
-                self.reserve_leased,
-                self.complete,
-                self.lock,
-                self.lookup,
-                self.insert_completed,
-            )
-        }
+        batched = (self.reserve, self.reserve_leased, self.complete, self.lock, self.lookup)
+        self.batches = {text: _wire.Statement.from_query(text) for text in (*batched, self.insert_completed)}
         self.take_over = q("take_over")
         self.hold = q("hold")
         self.record_step = q("record_step")

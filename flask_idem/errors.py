@@ -68,10 +68,8 @@ PROBLEM_JSON = "application/problem+json"
 
 _TYPE_PREFIX = "urn:flask-idem:problem:"
 
-# Problems of other kinds (rendered by problem() as about:blank) are retryable by their status: a timeout,
-# too many requests, and the gateway and availability errors. 409 is not among them: a conflict with the
-# state of a resource is resolved by changing the request; flask-idem's own 409 is KeyInUse, which says
-# it is retryable itself. 500 is final: an unexpected error is a defect that a retry meets again.
+# Problems of other kinds (rendered by problem() as about:blank) are retryable by their status. Not 409
+# (a conflict is resolved by changing the request; KeyInUse says it is retryable itself), nor 500.
 _RETRYABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
 
 
@@ -290,13 +288,9 @@ class ResponseNotStored(IdempotencyError, InternalServerError):
     """500, not stored: the view's answer cannot be kept for retries, so the request was rolled back.
 
     Its body is over ``IDEM_MAX_RESPONSE_BYTES``, or a route that keeps only the ``Location`` of its
-    answers gave none. Nothing the view wrote was committed and the key stays free, so no retry can
-    find the operation half done; but a retry meets the same limit: the route or the limit must change.
-
-    A multi-step route's answer over the limit is different, and its detail says so: only the step that
-    answered is rolled back, the steps before it stand (an outside call may have been made), and the
-    request stays in progress under its key, to be finished by a retry with that key or the recovery job
-    once the limit or the answer changes.
+    answers gave none. Nothing was committed and the key stays free; a retry meets the same limit. For a
+    multi-step route only the answering step is rolled back: the request stays in progress under its
+    key, finished by a retry or the recovery job once the limit or the answer changes.
     """
 
     problem_type = _TYPE_PREFIX + "response-not-stored"
@@ -372,38 +366,22 @@ _REFUSED = re.compile(r"Explicit (commit|rollback)\(\) forbidden within a Transa
 def database_error(
     error: psycopg.Error, *, retry_after: int = 1, key_table: str | None = None
 ) -> IdempotencyError:
-    """The HTTP error for a driver error: 503 when retrying may help, 500 otherwise.
+    """The HTTP error for a driver error: 503 when retrying may help (:func:`store_unreachable`), 500
+    otherwise.
 
-    The error is logged by class and SQLSTATE only. Its message is never logged or sent, because
-    PostgreSQL quotes row values in it (``DETAIL: Key (...)=(...) already exists``) and libpq quotes
-    connection settings. The 500 case logs the stack frames, which hold code, not values. Two
-    exceptions: a missing table, whose message names the table only, is logged with that message (and
-    the fix when the table is ``key_table``, the extension's); and a ``commit()`` or ``rollback()``
-    refused inside the extension's transaction (psycopg's ``ProgrammingError``, no SQLSTATE) is logged
-    as such, with why it is refused. A row of the partitioned key table (layout 4) whose expiry no
-    partition covers is answered 503, like an unreachable store, and logged as an error naming
-    ``flask idem purge``, which makes partitions ahead. So is a privilege the application's role lacks
-    (``InsufficientPrivilege``, SQLSTATE 42501: a grant lost or never given), logged once per cause with
-    the missing grant (the object named by the message, which holds no value) and the command that
-    gives it, ``flask idem migrate --grant ROLE``. Applications can route their own database
-    errors through it::
+    The error is logged by class and SQLSTATE only: PostgreSQL quotes row values in its message and
+    libpq connection settings. Logged with more: a missing table (its message names the table only,
+    with the fix when it is ``key_table``), a ``commit()`` or ``rollback()`` refused inside the
+    extension's transaction, a key's expiry that no partition covers (naming ``flask idem purge``) and
+    a missing grant (naming the grant and ``flask idem migrate --grant ROLE``). Applications can route
+    their own database errors through it::
 
         @app.errorhandler(psycopg.Error)
         def db_error(e):
             return flask_idem.errors.problem(flask_idem.errors.database_error(e))
     """
     where = (request.endpoint or request.path) if has_request_context() else "a command"
-    refused = _REFUSED.match(str(error)) if type(error) is psycopg.ProgrammingError else None
-    if refused is not None:
-        _logger.error(
-            "Database error in %s: the view's own %s() on idem.connection was refused: the key record"
-            " and the view's writes commit together, when the view returns, or not at all. Remove the"
-            " call; raise an exception or abort() to fail the request, and use a nested"
-            " 'with conn.transaction():' for a savepoint. Rolled back and answered 500.\n%s",
-            where,
-            refused.group(1),
-            "".join(traceback.format_tb(error.__traceback__)),
-        )
+    if _refused(error, where):
         return DatabaseFailed()
     if isinstance(error, psycopg.errors.UndefinedTable):
         _logger.error(
@@ -442,12 +420,28 @@ def database_error(
     return DatabaseUnavailable(retry_after=retry_after)
 
 
+def _refused(error: psycopg.Error, where: str) -> bool:
+    """Whether ``error`` is a ``commit()`` or ``rollback()`` refused inside the extension's transaction
+    (psycopg's ``ProgrammingError``, no SQLSTATE); logged as such, with why."""
+    refused = _REFUSED.match(str(error)) if type(error) is psycopg.ProgrammingError else None
+    if refused is not None:
+        _logger.error(
+            "Database error in %s: the view's own %s() on idem.connection was refused: the key record"
+            " and the view's writes commit together, when the view returns, or not at all. Remove the"
+            " call; raise an exception or abort() to fail the request, and use a nested"
+            " 'with conn.transaction():' for a savepoint. Rolled back and answered 500.\n%s",
+            where,
+            refused.group(1),
+            "".join(traceback.format_tb(error.__traceback__)),
+        )
+    return refused is not None
+
+
 def store_unreachable(error: psycopg.Error, key_table: str | None = None) -> bool:
     """Whether ``error`` means that the database is out of reach for now, so that the same work may
-    succeed later: a lost or refused connection, a pool timeout, a row of the partitioned key table
-    ``key_table`` whose expiry no partition covers yet, or a privilege the role lacks (a grant to give).
-    The one answer of every door: a request's or a webhook's ``503`` (:func:`database_error`), a task's
-    retry, the recovery job's next pass."""
+    succeed later: a lost or refused connection, a pool timeout, a key's expiry that no partition of
+    ``key_table`` covers yet, or a privilege the role lacks. Every door answers it alike: a ``503``, a
+    task's retry, the recovery job's next pass."""
     return (
         isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError))
         or _no_partition(error, key_table)
@@ -456,9 +450,8 @@ def store_unreachable(error: psycopg.Error, key_table: str | None = None) -> boo
 
 
 def _no_partition(error: psycopg.Error, key_table: str | None) -> bool:
-    """Whether ``error`` is PostgreSQL's refusal of a row of the partitioned key table ``key_table``
-    (layout 4) whose ``expires_at`` no partition covers: the deployment's problem, which ends once
-    partitions are made, not the client's; nothing was recorded."""
+    """Whether ``error`` refused a row of the key table ``key_table`` whose ``expires_at`` no partition
+    covers: the deployment's problem, over once partitions are made; nothing was recorded."""
     return (
         key_table is not None
         and isinstance(error, psycopg.errors.CheckViolation)

@@ -1,12 +1,9 @@
 """The outbox relay: publish the messages views wrote into the outbox, and mark each sent.
 
-``flask idem relay`` runs one pass, ``flask idem relay --loop`` (or :func:`relay_forever` in a thread
-or a process of its own) keeps running, like the recovery job. Each pass claims unsent messages under a
-lease (``IDEM_OUTBOX_LEASE``), publishes each through the application's publisher (set up by a runner's
-``init_app``, such as :meth:`flask_idem.celery.CeleryJobs.init_app`), and marks it sent once the broker
-confirmed it. A relay that dies between a publish and its mark leaves the message to be published
-again when the claim lapses: delivery is at least once, and the task's key makes it exactly once in
-effect. Several relays may run at once. See :doc:`/jobs`.
+Each pass claims unsent messages under a lease (``IDEM_OUTBOX_LEASE``), publishes each through the
+application's publisher, and marks it sent once the broker confirmed it. A relay that dies in between
+leaves the message to be published again: at least once, and the task's key makes it exactly once in
+effect. Several relays may run at once (:doc:`/jobs`).
 """
 
 from __future__ import annotations
