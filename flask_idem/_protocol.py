@@ -3,16 +3,10 @@
 
 It reserves a key (atomically, in the transaction of the work's writes, or under a lease for a
 multi-step run), sorts what is already there into an outcome (:class:`InFlight`, :class:`Mismatch`,
-:class:`Tombstone`, :class:`Replay`), completes the key, takes a stranded run over and gives one up.
-It speaks in records and outcomes and knows nothing of HTTP: a door hands it a :class:`Claim` and a
-callable doing its own work, which answers a :class:`._records.Final` (the door's own value and what the
-key table keeps of it), and maps the outcomes to its world (a response, a sender's 2xx, a delivery's
-result). The multi-step engine that advances a run after its intent is :mod:`._steps`.
-
-Every outcome is announced here, once, with its signal (:mod:`.signals`); what a signal reports of the
-door's answer (a status) is the door's word, handed over in the claim (:attr:`Claim.reported`). The rules
-every door shares live here too: how long a lease lasts (:func:`lease_seconds`), and when a database error
-means the key table is out of reach (:func:`unavailable`).
+:class:`Tombstone`, :class:`Replay`), completes the key, takes a stranded run over and gives one up. It
+knows nothing of HTTP: a door hands it a :class:`Claim` and a callable doing its own work, which answers
+a :class:`._records.Final`, and maps the outcomes to its world. Every outcome is announced here, once,
+with its signal; the rules every door shares live here too (:func:`lease_seconds`, :func:`unavailable`).
 """
 
 from __future__ import annotations

@@ -24,24 +24,6 @@ from ._settings import SETTINGS, parse_seconds
 from .errors import ConfigurationError
 from .flow import Run
 
-__all__ = [
-    "Envelope",
-    "Job",
-    "JobError",
-    "JobGivenUp",
-    "JobMismatch",
-    "JobPolicy",
-    "Message",
-    "Publisher",
-    "TaskDoor",
-    "task_failure",
-    "task_final",
-    "task_fingerprint",
-    "task_key",
-    "task_request",
-    "task_result",
-]
-
 _HEADERS = ("idem_org", "idem_key", "idem_enqueued_at")
 _COUNTS = ("idem_failures", "idem_deferrals")
 

@@ -366,15 +366,10 @@ _REFUSED = re.compile(r"Explicit (commit|rollback)\(\) forbidden within a Transa
 def database_error(
     error: psycopg.Error, *, retry_after: int = 1, key_table: str | None = None
 ) -> IdempotencyError:
-    """The HTTP error for a driver error: 503 when retrying may help (:func:`store_unreachable`), 500
-    otherwise.
+    """The HTTP error for a driver error: 503 when retrying may help (:func:`store_unreachable`), else 500.
 
-    The error is logged by class and SQLSTATE only: PostgreSQL quotes row values in its message and
-    libpq connection settings. Logged with more: a missing table (its message names the table only,
-    with the fix when it is ``key_table``), a ``commit()`` or ``rollback()`` refused inside the
-    extension's transaction, a key's expiry that no partition covers (naming ``flask idem purge``) and
-    a missing grant (naming the grant and ``flask idem migrate --grant ROLE``). Applications can route
-    their own database errors through it::
+    Logged by class and SQLSTATE only (PostgreSQL quotes row values in its message), or with the fix
+    where one is known (:doc:`/errors`). Applications can route their own database errors through it::
 
         @app.errorhandler(psycopg.Error)
         def db_error(e):

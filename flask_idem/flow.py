@@ -1,45 +1,12 @@
-"""Multi-step routes: requests that call something outside the database.
+"""Multi-step routes: requests that call something outside the database (:doc:`/flows`).
 
-A payment cannot be charged inside a database transaction: holding the transaction (and its pooled
-connection) open while a gateway answers blocks locks and starves the pool, and a crash between the charge
-and the COMMIT forgets a charge that happened. So such a route works in steps, each recorded in the key
-row as it finishes:
-
-1. the view itself, in a short transaction that reserves the key under a lease and records the *intent*
-   (what the later steps need) together with the view's own writes;
-2. zero or more steps: :meth:`Flow.call` steps run with no transaction open and no connection held (the
-   outside call), :meth:`Flow.step` steps run in a short transaction of their own;
-3. the :meth:`Flow.finish` step, in a short transaction that writes the outcome and stores the response.
-
-Every step after the first checks the lease first, so a worker that lost its lease (it took too long and
-another attempt or the recovery job took the request over) changes nothing. A finished step is never run
-again: a resumed request continues after the last recorded step. An outside call is made with a key
-derived from the organisation and the idempotency key (:meth:`Run.derived_key`), so that the outside party
-deduplicates our own retries of it::
-
-    pay = Flow("payments.create")
-
-    @pay.call(resolve=lambda run: gateway.find(run.derived_key()))
-    def charge(run):
-        return gateway.charge(run.derived_key(), run.intent["amount"])
-
-    @pay.finish
-    def record(run):
-        run.connection.execute("UPDATE payments SET charge = %s ...", (run.results["charge"]["id"],))
-        return {"id": run.intent["payment_id"]}, 201
-
-    @app.post("/payments")
-    @idem.idempotent(flow=pay)
-    def create_payment():
-        ...  # validate, insert a pending payment with idem.connection
-        return {"payment_id": payment_id, "amount": amount}  # the intent
-
-Steps after the first see no request: a request may be finished by the recovery job, long after its
-client left. They get everything from the :class:`Run`.
-
-The view and any step may be ``async def``: each is run to completion through Flask's ``ensure_sync``
-before the next begins (:mod:`._async`), in the same transaction (or, for a call step, with none) as a
-synchronous one, so an outside call can use an async HTTP client created inside the step.
+A payment cannot be charged inside a database transaction: holding it (and its pooled connection) open
+while a gateway answers blocks locks and starves the pool, and a crash between the charge and the COMMIT
+forgets a charge that happened. So such a route works in steps, each recorded in the key row as it
+finishes: the view records the *intent* under a lease, :meth:`Flow.call` steps run with no transaction
+open and no connection held, :meth:`Flow.step` steps in a short transaction each, and :meth:`Flow.finish`
+stores the response. Every step after the first checks the lease first, a finished step is never run
+again, and steps after the first see no request: they get everything from the :class:`Run`.
 """
 
 from __future__ import annotations

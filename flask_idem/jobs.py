@@ -1,19 +1,7 @@
 """Idempotent background jobs, whatever runs them: the tasks, the outbox, and one delivery at a time.
 
-A message broker retries like an HTTP client: a worker killed mid-task, a lost acknowledgement, a
-message published twice, and the task runs again. An idempotent task reserves its key in the key table,
-in the same transaction as its own writes, exactly as an idempotent route does (:doc:`/jobs`):
-
-- the key is the request's own key, derived for the task (:func:`task_key`), or one the caller names;
-  it belongs to the organisation, like a request's;
-- a delivery whose work committed does nothing again and returns the stored result;
-- a duplicate delivered while the first runs is deferred (the runner retries it later, each time after
-  a longer backoff), never run at the same time;
-- the same key with other arguments is refused (:class:`JobMismatch`), as a route answers 422;
-- failures are retried with capped, jittered backoff until :class:`JobPolicy` says stop: then the task
-  is flagged for a person (``flask idem stuck``) and :class:`JobGivenUp` ends it.
-
-This module has no runner in it. :class:`Jobs` keeps the tasks and writes their messages into the
+An idempotent task reserves its key in the key table, in the same transaction as its own writes, as an
+idempotent route does (:doc:`/jobs`). :class:`Jobs` keeps the tasks and writes their messages into the
 outbox; a runner builds on it (:class:`flask_idem.celery.CeleryJobs` for Celery): it gives the relay a
 :class:`Publisher`, carries each message's :class:`Envelope`, hands every delivery to
 :meth:`Jobs.deliver`, and acts on the outcome (:class:`Done`, :class:`Defer`, :class:`Dropped`).
@@ -183,18 +171,13 @@ class Jobs:
     ) -> uuid.UUID:
         """Write a message for ``task`` into the outbox, in the current transaction; return the task's key.
 
-        Inside an idempotent view, the defaults are the view's own: its connection (the message commits
-        with the key and the view's writes), its organisation, and a key derived from the request's key
-        and the task's name (:func:`task_key`). Elsewhere, such as in a flow's step, pass them:
-        ``conn=run.connection, org_id=run.org_id, key=run.derived_key("fulfil")``.
-        The relay (``flask idem relay``) publishes the message once the transaction has committed.
+        In an idempotent view the defaults are its connection, its organisation and the key
+        :func:`task_key` derives; elsewhere pass them (``conn=run.connection``, ...).
 
         :param task: the task (or its name); its arguments follow, as JSON values.
         :raises ConfigurationError: outside an idempotent view without ``conn``, ``org_id`` and ``key``;
-            and outside a request, when the key table and its outbox do not exist yet (or are in a layout
-            this code cannot run on), naming the command that creates or upgrades them.
-        :raises DatabaseUnavailable: in a request, when the outbox does not exist yet: the request is
-            answered 503 with ``Retry-After`` until the migration has run (the command is in the log).
+            and outside a request when the outbox does not exist yet, naming the command that makes it.
+        :raises DatabaseUnavailable: in a request, when the outbox does not exist yet (503).
         """
         name = task if isinstance(task, str) else task.name
         if conn is None or org_id is None or key is None:

@@ -1,19 +1,13 @@
-"""Finishing multi-step requests that were stranded by a crash, and giving up on them in time.
+"""Finishing multi-step requests that were stranded by a crash, and giving up on them in time
+(:doc:`/recovery`).
 
-A worker that dies between two steps of a multi-step request leaves its key row ``processing`` under a
-lease that nobody renews. Once the lease has expired, :func:`recover` claims such rows
-(``FOR UPDATE SKIP LOCKED``, a new lease, COMMIT: no row lock is held while it works), resumes each one
-after its last finished step, and for a call step asks the outside party first through the step's
-resolver. A request whose outcome stays unknown is tried again later, after a capped exponential backoff
-with full jitter; one older than ``IDEM_RECOVERY_DEADLINE`` is marked ``failed`` and flagged for a person
-(``flask idem stuck``) instead of being retried forever.
-
-Recovery is a door of the key protocol of its own, beside a request's, a webhook's and a job's: it opens
-no request context. A request's run is finished in the application context with what its row recorded
-(its flow's intent and step results, :class:`~flask_idem.flow.Run`); its answer is made a stored response
-as a request's is (:class:`._http.ResponseDoor`), a client error its finish step raises rendered by the
-application's own error handlers (a request's blueprint is not known here, and there is no request for a
-handler to read). Signals name the route the row's method and path match.
+:func:`recover` claims the rows whose lease expired (``FOR UPDATE SKIP LOCKED``, a new lease, COMMIT: no
+row lock is held while it works) and resumes each after its last finished step; one older than
+``IDEM_RECOVERY_DEADLINE`` is given up and flagged for a person. Recovery is a door of its own and opens
+no request context: a run is finished in the application context with what its row recorded, its answer
+made a stored response as a request's is (:class:`._http.ResponseDoor`), a client error its finish step
+raises rendered by the application's own error handlers. Signals name the route the row's method and
+path match.
 """
 
 from __future__ import annotations
