@@ -64,13 +64,12 @@ class Idempotency:
 
     :param app: initialise this application at once.
     :param scope: a function called during a request that returns the authenticated organisation's id
-        (an ``int`` that fits a ``bigint``; see :func:`flask_idem.scope_id` for UUID and text ids), or
-        ``None`` when the request is not authenticated (answered 401). Keys belong to that organisation:
-        the same key from two organisations names two operations. It must derive the organisation from
-        the credentials, never from the request body.
-    :param sqlalchemy: the Flask-SQLAlchemy extension (or a SQLAlchemy ``scoped_session`` bound to an
-        engine) whose session idempotent views write through. The key store then runs in the session's
-        transaction, on the engine's psycopg 3 connections; ``IDEM_DATABASE_URL`` must not be set.
+        (an ``int`` that fits a ``bigint``; :func:`flask_idem.scope_id` maps others), or ``None`` when
+        the request is not authenticated (401). Keys belong to that organisation; derive it from the
+        credentials, never from the request body.
+    :param sqlalchemy: the Flask-SQLAlchemy extension (or a ``scoped_session``) whose session idempotent
+        views write through: the key store runs in the session's transaction; ``IDEM_DATABASE_URL``
+        must not be set.
     """
 
     def __init__(
@@ -186,35 +185,25 @@ class Idempotency:
 
         The view runs in one transaction on :attr:`connection`; its writes, the key record and the stored
         response are committed together. GET, HEAD, OPTIONS and TRACE requests pass through untouched.
-        Options left as ``None`` take the application's configuration.
+        Options left as ``None`` take the application's configuration. The view may be ``async def``
+        (with ``flask[async]``), run to completion inside the key's transaction.
 
         :param scope: overrides the extension's scope function for this route.
-        :param required: whether a request without ``Idempotency-Key`` is refused (400). When not
-            required, such a request runs the view once in a transaction, without a key. Default:
-            ``IDEM_REQUIRE_KEY``.
+        :param required: whether a request without ``Idempotency-Key`` is refused (400); if not, it runs
+            the view once in a transaction, without a key. Default: ``IDEM_REQUIRE_KEY``.
         :param on_mismatch: ``"reject"`` (422) or ``"replay"`` (the original response) for a reused key
             whose request differs. Default: ``IDEM_ON_MISMATCH``.
-        :param ttl: how long the key is kept, in seconds or as a ``timedelta``. Default:
-            ``IDEM_KEY_TTL``.
-        :param flow: makes the route multi-step (:mod:`flask_idem.flow`): the view records the intent in
-            a short transaction and returns it as a ``dict``, and the flow's steps do the rest, each in
-            its own short transaction or, for calls outside, with no transaction at all. A key is
-            always required.
-        :param key_from: where the key comes from, for a request that cannot send the header: a function
-            returning the key's values in the request, validated like the header's (one UUID; none means
-            no key), e.g. ``lambda: request.form.getlist("idempotency_key")`` for a plain HTML form.
-            The body is read for the fingerprint before it is called. Default: the
-            ``Idempotency-Key`` header.
-        :param fingerprint: what counts as the same request (:class:`~flask_idem.Fingerprint`): parts of
-            the body left out or picked by JSON Pointer, headers, a function. Default: the method, path,
-            query, media type and the whole body (:doc:`/fingerprints`).
-        :param store_response: what is kept of the route's answers for retries: ``"full"``; ``"location"``,
-            a 2xx kept as its status and ``Location`` only and replayed as ``303 See Other`` there, for
-            answers that hold a secret; or ``"encrypted"``, the body encrypted with
-            ``IDEM_RESPONSE_KEYS``. Atomic routes only.
-
-        The view may be ``async def`` (with ``flask[async]`` installed): Flask runs it to completion, with
-        its awaitables, inside the key's transaction, and ``idem.connection`` works in it.
+        :param ttl: how long the key is kept, in seconds or as a ``timedelta``. Default: ``IDEM_KEY_TTL``.
+        :param flow: makes the route multi-step (:doc:`/flows`): the view returns the intent as a
+            ``dict`` and the flow's steps do the rest. A key is always required.
+        :param key_from: a function returning the key's values in the request, for a request that cannot
+            send the header (``lambda: request.form.getlist("idempotency_key")`` for an HTML form),
+            validated like the header's.
+        :param fingerprint: what counts as the same request (:doc:`/fingerprints`). Default: the method,
+            path, query, media type and the whole body.
+        :param store_response: what is kept of the route's answers (:doc:`/responses`): ``"full"``,
+            ``"location"`` (a 2xx replayed as ``303 See Other`` to its ``Location``) or ``"encrypted"``
+            (with ``IDEM_RESPONSE_KEYS``). Atomic routes only.
 
         :raises ConfigurationError: at decoration time, when there is no scope, an option is invalid, or the
             view is ``async def`` and asgiref (``flask-idem[async]``) is not installed.
@@ -312,19 +301,14 @@ class Idempotency:
                 ...
                 return "", 204
 
-        A delivery is verified first, on its raw body, before any database work: one that fails is
-        answered ``400`` (problem+json naming the check) and writes nothing. The event id is recorded
-        scoped to the source, in the view's transaction on :attr:`connection`: the view's writes and
-        "handled" commit together. A view that raises (or answers a ``5xx``) rolls both back and is
-        answered ``500``, so the provider delivers the event again. A redelivery of a handled event is
-        answered with the first delivery's answer and the view does not run; one that arrives while the
-        first is running is answered ``409`` with ``Retry-After``; one older than the source's window
-        ``200``.
+        A delivery is verified on its raw body before any database work (``400`` and nothing written
+        when it fails). The event id is recorded in the view's transaction on :attr:`connection`, so the
+        view's writes and "handled" commit together; a redelivery is answered with the first answer and
+        the view does not run.
 
         :param source: how to verify a delivery and read its event id (:mod:`flask_idem.webhooks`).
-        :param scope: for one source serving several of the application's tenants (accounts,
-            endpoints) whose event ids are unique only per tenant: a function returning the tenant of
-            the delivery being handled (e.g. from the URL). Default: the source's event ids are unique.
+        :param scope: for a source whose event ids are unique only per tenant: a function returning the
+            tenant of the delivery being handled. Default: the source's event ids are unique.
         :raises ConfigurationError: at decoration time, when ``source`` is not a webhook source.
         """
         if not isinstance(source, Source):
@@ -363,8 +347,7 @@ class Idempotency:
         """Create the current application's key table in the latest layout, or upgrade it
         (``flask idem init-db``), on a connection of its own; safe to run twice, and at once.
 
-        :raises ConfigurationError: when this code cannot run on the table then (a newer flask-idem's
-            layout, left as it is); the message says what to deploy.
+        :raises ConfigurationError: when this code cannot run on the table then (a newer layout).
         """
         state = get_state()
         settings = state.settings
@@ -415,9 +398,8 @@ class Idempotency:
     def connection(self) -> psycopg.Connection[TupleRow]:
         """The psycopg connection of the running idempotent view, inside its transaction.
 
-        Use it for every write the view makes, so that those writes commit together with the key
-        record. Do not commit or roll back yourself; nested ``with conn.transaction():`` blocks
-        (savepoints) are fine. With ``sqlalchemy=`` it is the connection under ``db.session``.
+        Use it for every write the view makes, so that they commit with the key record. Do not commit or
+        roll back yourself; savepoints are fine. With ``sqlalchemy=``, the connection under ``db.session``.
 
         :raises RuntimeError: outside an idempotent view handling a write request.
         """
@@ -463,8 +445,6 @@ class Idempotency:
 
             with idem.pool.connection() as conn:
                 rows = conn.execute("SELECT ...").fetchall()
-
-        It is opened on first use in each process, so it is safe in a pre-fork server's master.
 
         :raises ConfigurationError: with ``sqlalchemy=``, where the application's engine is the pool.
         """
