@@ -116,14 +116,9 @@ def run_delivery(app: Flask, spec: TaskSpec, delivery: Delivery, *, rng: random.
     """
     with app.app_context(), signals.running_task(spec.name):
         state = get_state(app)
-        policy = spec.policy or get_jobs(app).policy
+        run = _Delivery(state, spec, delivery, spec.policy or get_jobs(app).policy, rng)
         try:
-            # Once per process: the key table exists in a layout this code runs on.
-            state.check_layout()
-        except psycopg.Error as e:
-            return _Delivery(app, state, spec, delivery, policy, rng).unreachable(e)
-        run = _Delivery(app, state, spec, delivery, policy, rng)
-        try:
+            state.check_layout()  # once per process: the key table exists in a layout this code runs on
             return run.once()
         except psycopg.Error as e:
             return run.unreachable(e)
@@ -131,16 +126,9 @@ def run_delivery(app: Flask, spec: TaskSpec, delivery: Delivery, *, rng: random.
 
 class _Delivery:
     def __init__(
-        self,
-        app: Flask,
-        state: IdemState,
-        spec: TaskSpec,
-        delivery: Delivery,
-        policy: JobPolicy,
-        rng: random.Random,
+        self, state: IdemState, spec: TaskSpec, delivery: Delivery, policy: JobPolicy, rng: random.Random
     ) -> None:
-        self.app, self.state, self.spec = app, state, spec
-        self.delivery, self.policy, self.rng = delivery, policy, rng
+        self.state, self.spec, self.delivery, self.policy, self.rng = state, spec, delivery, policy, rng
         sha = task_fingerprint(spec.name, delivery.args, delivery.kwargs)
         self.keyed = task_request(delivery.org_id, delivery.key, spec.name, sha)
         self.claim = _protocol.Claim(
@@ -173,29 +161,23 @@ class _Delivery:
         failures = self.delivery.failures + 1
         if failures >= self.policy.attempts or self.overdue:
             return self.give_up(f"{reason}; gave up after {failures} failed attempt(s)")
-        countdown = backoff(failures, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng)
-        envelope = replace(self.delivery.envelope, failures=failures)
-        return self._deferred(Defer(countdown, reason, failed=True, envelope=envelope))
+        return self._deferred(reason, failures, replace(self.delivery.envelope, failures=failures))
 
     def busy(self, reason: str) -> Outcome:
         """Another delivery holds the key: try again later, each time after a longer backoff (with full
         jitter, up to the cap), until the deadline (a delivery past it is given up before it tries,
         :meth:`once`)."""
         deferrals = self.delivery.deferrals + 1
-        countdown = backoff(deferrals, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng)
-        envelope = replace(self.delivery.envelope, deferrals=deferrals)
-        return self._deferred(Defer(countdown, reason, failed=False, envelope=envelope))
+        return self._deferred(reason, deferrals, replace(self.delivery.envelope, deferrals=deferrals))
 
-    def _deferred(self, defer: Defer) -> Defer:
-        signals.send(
-            signals.job_deferred,
-            org_id=self.keyed.org_id,
-            key=self.keyed.key,
-            reason=defer.reason,
-            countdown=round(defer.countdown, 3),
-            failures=self.delivery.failures + defer.failed,
+    def _deferred(self, reason: str, count: int, envelope: Envelope) -> Defer:
+        """Deliver again after the backoff of the ``count``-th failure or deferral, carrying ``envelope``."""
+        countdown = backoff(count, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng)
+        keyed, failures = self.keyed, envelope.failures
+        signals.send_for(
+            signals.job_deferred, keyed, reason=reason, countdown=round(countdown, 3), failures=failures
         )
-        return defer
+        return Defer(countdown, reason, failures > self.delivery.failures, envelope)
 
     def give_up(self, reason: str) -> Outcome:
         """Mark the key failed and flagged for a person, and raise :class:`JobGivenUp`.
@@ -223,10 +205,9 @@ class _Delivery:
         if not isinstance(marked, bool):
             return self._existing(marked)
         if marked:
-            signals.send(
+            signals.send_for(
                 signals.given_up,
-                org_id=self.keyed.org_id,
-                key=self.keyed.key,
+                self.keyed,
                 flow=flow.name if flow else None,
                 reason=reason,
                 attempts=self.delivery.failures + 1,

@@ -154,16 +154,15 @@ def classify(record: KeyRecord | None, claim: Claim) -> Existing:
 def announce(outcome: Existing, claim: Claim) -> None:
     """Send the signal of ``outcome`` for ``claim``."""
     keyed = claim.request
-    org_id, key = keyed.org_id, keyed.key
     if isinstance(outcome, InFlight):
-        signals.send(signals.key_in_flight, org_id=org_id, key=key)
+        signals.send_for(signals.key_in_flight, keyed)
     elif isinstance(outcome, Mismatch):
-        signals.send(signals.mismatch_rejected, org_id=org_id, key=key)
+        signals.send_for(signals.mismatch_rejected, keyed)
     elif isinstance(outcome, Tombstone):
-        signals.send(signals.tombstone_hit, org_id=org_id, key=key, status=_reported(outcome, claim))
+        signals.send_for(signals.tombstone_hit, keyed, status=_reported(outcome, claim))
     else:
         replayed = signals.mismatch_replayed if outcome.mismatched else signals.response_replayed
-        signals.send(replayed, org_id=org_id, key=key, status=_reported(outcome, claim))
+        signals.send_for(replayed, keyed, status=_reported(outcome, claim))
 
 
 def _reported(outcome: Replay | Tombstone, claim: Claim) -> int | None:
@@ -180,9 +179,7 @@ def _reported(outcome: Replay | Tombstone, claim: Claim) -> int | None:
 def stored(keyed: KeyedRequest, flow: str | None, final: Final[Any]) -> None:
     """Announce a final answer committed just now (:data:`.signals.response_stored`)."""
     if final.document is not None and not final.failed:
-        signals.send(
-            signals.response_stored, org_id=keyed.org_id, key=keyed.key, flow=flow, status=final.status
-        )
+        signals.send_for(signals.response_stored, keyed, flow=flow, status=final.status)
 
 
 # -- atomic: the key and the work's writes commit together --------------------------------------------
@@ -206,7 +203,7 @@ def atomic(
             # Returned, not raised: the transaction ends with a COMMIT (a ROLLBACK would make psycopg
             # forget the connection's prepared statements), and nothing was written.
             return classify(found.record, claim)
-        signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=None)
+        signals.send_for(signals.key_reserved, keyed, flow=None)
         final = work(conn)
         if final.document is not None and not final.failed:
             state.store.complete(conn, keyed, final.document)
@@ -264,7 +261,7 @@ def begin(
     def body(conn: psycopg.Connection[TupleRow]) -> Run | Final[T] | Existing:
         found = state.store.reserve(conn, keyed, ttl=claim.ttl, flow=flow.name, lease=lease)
         if found.reserved:
-            signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=flow.name)
+            signals.send_for(signals.key_reserved, keyed, flow=flow.name)
             intent = start(conn)
             if isinstance(intent, Final):
                 if intent.document is not None and not intent.failed:
@@ -292,13 +289,7 @@ def begin(
     started = in_transaction(state.source, body, batched=True)
     if isinstance(started, Run):
         if started.resumed:
-            signals.send(
-                signals.lease_taken_over,
-                org_id=keyed.org_id,
-                key=keyed.key,
-                flow=flow.name,
-                step=started.last_step,
-            )
+            signals.send_for(signals.lease_taken_over, keyed, flow=flow.name, step=started.last_step)
     elif isinstance(started, Final):
         stored(keyed, flow.name, started)
     else:

@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeAlias
 from flask import Response
 
 from ._cipher import ResponseCipher
+from ._settings import parse_choice
 from .errors import OperationFailed, ResponseNotStored, StoredResponseUnreadable
 
 __all__ = [
@@ -46,12 +47,7 @@ NEVER_REPLAYED = frozenset({"set-cookie", "authorization", "proxy-authorization"
 
 def parse_store_response(name: str, value: Any) -> StoreResponse:
     """``value`` as a :data:`StoreResponse` choice; ``name`` is the option it came from."""
-    from .errors import ConfigurationError
-
-    for choice in STORE_CHOICES:
-        if value == choice:
-            return choice
-    raise ConfigurationError(f"{name} must be 'full', 'location' or 'encrypted', not {value!r}.")
+    return parse_choice(name, value, STORE_CHOICES)
 
 
 def record_response(
@@ -65,14 +61,10 @@ def record_response(
 ) -> dict[str, Any]:
     """The JSON document stored for a response: status, the headers worth replaying, and the body.
 
-    ``replay_headers`` are the lower-case names of the headers to keep (``IDEM_REPLAY_HEADERS``; never
-    :data:`NEVER_REPLAYED`).
+    ``replay_headers`` are the lower-case names of the headers to keep (never :data:`NEVER_REPLAYED`).
+    The body is kept as text when it is UTF-8 without NUL characters (which ``jsonb`` cannot hold), as
+    base64 otherwise, so a replay is byte for byte the original.
 
-    The body is kept as text when it is UTF-8 without NUL characters (which ``jsonb`` cannot hold), and
-    as base64 otherwise, so a replay is byte for byte the original. Streamed and file responses are read
-    into memory first, at most ``max_bytes`` of them: the client is then sent what was read.
-
-    :param store: what to keep (see the module's documentation).
     :param codec: encrypts the body when ``store`` is ``"encrypted"``.
     :param request: what the route's fingerprint policy keeps of the request (:mod:`._policy`).
     :raises ResponseNotStored: the body is over ``max_bytes``, or a 2xx under ``"location"`` has no

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -34,10 +34,13 @@ __all__ = [
     "Settings",
     "check_database_url",
     "parse_connect_options",
+    "parse_choice",
     "parse_on_mismatch",
     "parse_seconds",
     "table_parts",
 ]
+
+T = TypeVar("T")
 
 #: The scope callable: returns the authenticated organisation's id, or ``None`` when the request is not
 #: authenticated (answered 401).
@@ -92,12 +95,18 @@ def _positive_int(name: str, value: Any) -> int:
     raise ConfigurationError(f"{name} must be a non-negative integer, not {value!r}.")
 
 
-def parse_on_mismatch(name: str, value: Any) -> OnMismatch:
-    """``value`` as an :data:`OnMismatch` policy; ``name`` is the setting it came from."""
-    for choice in _MISMATCH_CHOICES:
+def parse_choice(name: str, value: Any, choices: tuple[T, ...]) -> T:
+    """``value`` as one of ``choices``; ``name`` is the setting or option it came from."""
+    for choice in choices:
         if value == choice:
             return choice
-    raise ConfigurationError(f"{name} must be 'reject' or 'replay', not {value!r}.")
+    listed = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
+    raise ConfigurationError(f"{name} must be {listed}, not {value!r}.")
+
+
+def parse_on_mismatch(name: str, value: Any) -> OnMismatch:
+    """``value`` as an :data:`OnMismatch` policy; ``name`` is the setting it came from."""
+    return parse_choice(name, value, _MISMATCH_CHOICES)
 
 
 def table_parts(table: object) -> list[str]:

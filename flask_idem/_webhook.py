@@ -82,7 +82,7 @@ def handle(
         req.path,
     )
     about = {"source": source.name, "event_id": event_id}
-    signals.send(signals.webhook_verified, org_id=keyed.org_id, key=keyed.key, **about)
+    signals.send_for(signals.webhook_verified, keyed, **about)
     event = Event(source.name, event_id, body)
     try:
         ready(state)
@@ -95,13 +95,11 @@ def handle(
         raise database_failure(state, e, keyed.org_id, keyed.key) from None
     if isinstance(outcome, Final):
         if not outcome.failed:
-            signals.send(
-                signals.webhook_handled, org_id=keyed.org_id, key=keyed.key, status=outcome.status, **about
-            )
+            signals.send_for(signals.webhook_handled, keyed, status=outcome.status, **about)
         return outcome.value
     answer = _answer_existing(state, outcome)
     status = answer.code if isinstance(answer, (KeyInUse, KeyMismatch)) else answer.status_code
-    signals.send(signals.webhook_duplicate, org_id=keyed.org_id, key=keyed.key, status=status, **about)
+    signals.send_for(signals.webhook_duplicate, keyed, status=status, **about)
     if isinstance(answer, (KeyInUse, KeyMismatch)):
         raise answer
     return answer

@@ -148,13 +148,8 @@ def _recover_one(
             report.pending.append((*entry, f"finish step answered {final.status}; will be retried"))
         else:
             report.completed.append((*entry, f"answered {final.status}"))
-            signals.send(
-                signals.recovered,
-                org_id=row.org_id,
-                key=row.key,
-                flow=row.flow,
-                status=final.status,
-                attempts=row.attempts,
+            signals.send_for(
+                signals.recovered, row, flow=row.flow, status=final.status, attempts=row.attempts
             )
 
 
@@ -193,9 +188,7 @@ def _give_up(state: IdemState, row: Stranded, lease: Lease, reason: str) -> None
     """Mark the request failed, store the answer a retry will get, and flag it for a person."""
     give_up_leased(state, lease, failure_document() if row.task is None else task_failure(reason), reason)
     # Sent (and logged at ERROR) once the row is marked: a person is needed.
-    signals.send(
-        signals.given_up, org_id=row.org_id, key=row.key, flow=row.flow, reason=reason, attempts=row.attempts
-    )
+    signals.send_for(signals.given_up, row, flow=row.flow, reason=reason, attempts=row.attempts)
 
 
 def run_forever(

@@ -96,12 +96,7 @@ def relay(
                 after_publish(message)
             if jobs.outbox.mark_sent(message, token=token):
                 report.published += 1
-                signals.send(
-                    signals.message_relayed,
-                    org_id=message.envelope.org_id,
-                    key=message.envelope.key,
-                    task=message.task,
-                )
+                signals.send_for(signals.message_relayed, message.envelope, task=message.task)
             else:
                 report.lost += 1
         report.purged = jobs.outbox.purge(older_than=jobs.retention)

@@ -307,6 +307,11 @@ def send(signal: NamedSignal, **data: Any) -> None:
         logger.log(level, "%s: %s.", text, fields, extra=extra)
 
 
+def send_for(signal: NamedSignal, ref: Any, **data: Any) -> None:
+    """:func:`send` ``signal`` about the key of ``ref`` (a record with ``org_id`` and ``key``)."""
+    send(signal, org_id=ref.org_id, key=ref.key, **data)
+
+
 def key_hash(key: uuid.UUID) -> str:
     """The 12 hex digits the logs show for an idempotency key: the same for every record of the key,
     and no use to anyone who reads them."""
