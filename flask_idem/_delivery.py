@@ -164,9 +164,8 @@ class _Delivery:
         return self._deferred(reason, failures, replace(self.delivery.envelope, failures=failures))
 
     def busy(self, reason: str) -> Outcome:
-        """Another delivery holds the key: try again later, each time after a longer backoff (with full
-        jitter, up to the cap), until the deadline (a delivery past it is given up before it tries,
-        :meth:`once`)."""
+        """Another delivery holds the key: try again later, after a longer backoff each time, until the
+        deadline (:meth:`once`)."""
         deferrals = self.delivery.deferrals + 1
         return self._deferred(reason, deferrals, replace(self.delivery.envelope, deferrals=deferrals))
 
@@ -183,9 +182,8 @@ class _Delivery:
         """Mark the key failed and flagged for a person, and raise :class:`JobGivenUp`.
 
         The key is reserved and marked in one transaction, or its stranded run taken over and marked
-        (:func:`._protocol.give_up`). When another delivery holds or finished the key meanwhile, nothing
-        is written and the outcome is that of any delivery finding the key taken; one that holds it
-        decides (this delivery is dropped, with a warning).
+        (:func:`._protocol.give_up`). When another delivery holds or finished the key, nothing is
+        written: one that holds it decides (this delivery is dropped, with a warning).
         """
         flow = self.spec.flow
         document = task_failure(reason)

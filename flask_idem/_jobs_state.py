@@ -42,8 +42,7 @@ class JobsState:
     outbox_found: threading.Event = field(default_factory=threading.Event)
 
     def check_outbox(self, conn: psycopg.Connection[Any], table: str) -> None:
-        """Make sure, once, that the key table and its outbox exist in a layout this code runs on, on
-        ``conn``.
+        """Make sure, once, that the key table and its outbox exist in a layout this code runs on.
 
         :raises ConfigurationError: naming the command that creates or upgrades them.
         """

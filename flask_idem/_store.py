@@ -78,9 +78,8 @@ class Store:
     :param table: the key table's name, optionally schema-qualified (``"idem.keys"``).
     :param tombstone_ttl: seconds a key is remembered, as a tombstone, after its stored response
         expired; 0 forgets it at once.
-    :param distributed: the table is a Citus distributed table (``flask idem migrate`` with
-        ``IDEM_DISTRIBUTED``), and reservations go through its delegated function (the layout's
-        ``distributed_sql``, :mod:`flask_idem.migrations`).
+    :param distributed: the table is a Citus distributed table, and reservations go through its
+        delegated function (:mod:`flask_idem.migrations`).
     """
 
     def __init__(
@@ -115,10 +114,8 @@ class Store:
     ) -> Reservation:
         """Reserve the key of ``request`` inside the transaction open on ``conn``, or report who has it.
 
-        An expired finished row is deleted and the key reserved anew: past its retention period a key
-        is treated as never seen. The caller must run this in a transaction; the reservation lasts until
-        that transaction ends. A multi-step request passes its ``flow`` name and its ``lease``, which
-        outlive the transaction.
+        An expired finished row is deleted and the key reserved anew. The reservation lasts until the
+        transaction ends; a multi-step request's ``flow`` name and ``lease`` outlive it.
         """
         params: dict[str, Any] = {
             "org_id": request.org_id,
@@ -180,8 +177,7 @@ class Store:
         an atomic row written once with ``COMMIT`` may meet under REPEATABLE READ): nothing of that
         transaction was kept, and the next attempt finds the other's row.
 
-        The index that refuses the row is the table's, or on the partitioned table one of its
-        partitions' (``<table>_p0``, ``<table>_p<stamp>``).
+        The index that refuses the row is the table's or a partition's (``<table>_p<stamp>``).
         """
         if not isinstance(error, psycopg.errors.UniqueViolation):
             return False
@@ -369,8 +365,8 @@ class Store:
     def state(self) -> TableState:
         """Processing, stranded and flagged rows and the oldest processing age: one cheap statement.
 
-        It reads only the partial indexes of leased and flagged rows (rows in flight or needing a
-        person), never the table's finished rows, so it stays cheap however many keys are kept.
+        It reads only the partial indexes of leased and flagged rows, so it stays cheap however many keys
+        are kept.
         """
         with self.source.connection() as conn, conn.cursor(row_factory=class_row(TableState)) as cursor:
             found = cursor.execute(self._sql.state).fetchone()

@@ -264,11 +264,8 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
 
 
 def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Attempt) -> Response:
-    """Reserve under a lease and record the intent in one short transaction, then advance step by step.
-
-    A retry finding the request processing under an expired lease takes it over (one winner) and
-    resumes it after its last finished step.
-    """
+    """Reserve under a lease (or take a stranded run over) and record the intent in one short
+    transaction, then advance step by step."""
     settings, keyed = state.settings, attempt.request
     seconds = _protocol.lease_seconds(settings, flow)
     lease = Lease(keyed.org_id, keyed.key, token=uuid.uuid4(), seconds=seconds)

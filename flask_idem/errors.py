@@ -1,16 +1,7 @@
-"""Errors of the extension, each a Werkzeug HTTP exception rendered as ``application/problem+json``.
-
-Every class here is both an :class:`IdempotencyError` and the matching Werkzeug exception, so Flask renders
-it without help and an application can override the rendering for one case or for all of them::
-
-    @app.errorhandler(flask_idem.errors.KeyInUse)
-    def key_in_use(e):
-        return {"message": "try again shortly"}, 409, {"Retry-After": str(e.retry_after)}
-
-The bodies follow RFC 9457 (Problem Details for HTTP APIs). Besides the standard members, every body
-carries ``retryable``: whether the same request with the same key may get another answer later, so that a
-client needs no table of statuses (``docs/errors.rst`` lists every problem type with it). The bodies never
-carry the raw header value, the request body, SQL text, SQL parameters or connection settings.
+"""Errors of the extension, each a Werkzeug HTTP exception rendered as ``application/problem+json``
+(RFC 9457), so Flask renders it without help and an application can override the rendering with
+``errorhandler``. Every body carries ``retryable`` (:doc:`/errors` lists every problem type), and never
+the raw header value, the request body, SQL text, SQL parameters or connection settings.
 """
 
 from __future__ import annotations

@@ -65,13 +65,10 @@ logger = logging.getLogger("flask_idem")
 class Jobs:
     """Idempotent tasks of the applications ``idem`` is initialised on, whatever runner carries them.
 
-    It keeps the tasks (:meth:`task`, :attr:`tasks`), writes their messages into the outbox
-    (:meth:`enqueue`) and runs one delivery at a time (:meth:`deliver`). A runner subclasses it:
-    its ``init_app`` calls this one's with the relay's :class:`Publisher`, it may override
-    :meth:`make_task` to turn each task into one of its own, and its workers call :meth:`deliver`.
+    A runner subclasses it: its ``init_app`` calls this one's with the relay's :class:`Publisher`, it
+    may override :meth:`make_task`, and its workers call :meth:`deliver` (:doc:`/jobs`).
 
-    :param idem: the extension whose key table the tasks reserve their keys in; flows of tasks are made
-        known to its recovery job.
+    :param idem: the extension whose key table the tasks reserve their keys in.
     :param policy: the retry policy of every task, unless a task names its own. Default: the
         application's ``IDEM_JOB_*`` configuration (:class:`JobPolicy`).
     """
@@ -112,13 +109,9 @@ class Jobs:
         answer (the runner's task).
 
         The function takes a :class:`Job` first, then the task's arguments (JSON values); what it
-        returns (JSON too) is stored with its key and returned again to every later delivery of the
-        key. It runs in one transaction on :attr:`Job.connection`, with the key's reservation.
-
-        With ``flow``, the function is the flow's first step: it records the intent (and returns it, a
-        ``dict``), and the flow's steps do the rest, as for a multi-step route (:doc:`/flows`); a
-        worker killed between steps leaves the task to its redelivery or ``flask idem recover``,
-        which continue after the last finished step.
+        returns (JSON too) is stored with its key for every later delivery. It runs in one transaction
+        on :attr:`Job.connection`, with the key's reservation. With ``flow``, it records the intent (a
+        ``dict``) and the flow's steps do the rest, as for a multi-step route (:doc:`/flows`).
 
         :param name: the task's name; stable, since messages and key rows carry it. Default: the
             function's module and name.
@@ -221,10 +214,8 @@ class Jobs:
     ) -> Done | Defer | Dropped:
         """Run one delivery of ``spec`` in ``app``: the message's ``envelope`` and arguments.
 
-        The runner acts on the outcome: :class:`Done`, the task's result; :class:`Defer`, deliver the
-        message again in ``countdown`` seconds carrying the outcome's ``envelope``; :class:`Dropped`,
-        end quietly. Any other failure of the delivery (the key table away while giving up, say) is
-        a :class:`Defer` too, counted as a failure.
+        The runner acts on the outcome: :class:`Done`, :class:`Defer` (any other failure of the
+        delivery too, counted as a failure) or :class:`Dropped`.
 
         :raises JobError: the task must not run, and will not run again: :class:`JobMismatch`,
             :class:`JobGivenUp`.

@@ -62,10 +62,8 @@ class RecoveryReport:
 def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -> RecoveryReport:
     """Claim and finish up to ``limit`` stranded multi-step requests of ``app``, one at a time.
 
-    Each request is claimed just before it is worked on (a short transaction of its own), so no lease
-    runs out while earlier requests are being finished. Only requests of flows this application knows
-    are claimed: running the job with the wrong application leaves them alone. Safe to run in several
-    processes at once: each row is claimed by one of them under a fresh lease.
+    Each request is claimed just before it is worked on, so no lease runs out while earlier ones are
+    finished, and only if this application knows its flow. Safe to run in several processes at once.
 
     :raises ConfigurationError: when the key table is missing or in a layout this code cannot run on.
     """
@@ -202,9 +200,7 @@ def run_forever(
     """Run :func:`recover` until ``stop`` is set (a worker process): a pass every ``interval`` seconds, or
     at once after a pass that claimed ``limit`` requests (more are waiting).
 
-    A pass that fails on a database error or a configuration error (the key table is not ready yet), or
-    on any other exception, is logged and the loop goes on; ``KeyboardInterrupt`` ends it. The relay's
-    loop (:func:`flask_idem.relay.relay_forever`) is the same one.
+    A pass that fails is logged and the loop goes on; ``KeyboardInterrupt`` ends it.
 
     :param on_pass: called with the report of every pass that claimed something.
     """

@@ -111,11 +111,8 @@ def relay_forever(
     stop: threading.Event | None = None,
     on_pass: Callable[[RelayReport], None] | None = None,
 ) -> None:
-    """Run :func:`relay` until ``stop`` is set: a pass every ``interval`` seconds, or at once after a
-    pass that found ``limit`` messages (more are waiting).
-
-    Errors are handled as :func:`flask_idem.recovery.run_forever` handles them (the same loop): a pass
-    that fails is logged and the loop goes on; ``KeyboardInterrupt`` ends it.
+    """Run :func:`relay` until ``stop`` is set, in the loop of :func:`flask_idem.recovery.run_forever`: a
+    pass every ``interval`` seconds, or at once after one that found ``limit`` messages.
 
     :param on_pass: called with the report of every pass that published or failed something.
     """
