@@ -55,12 +55,8 @@ class Idempotency:
             idem.init_app(app)
             return app
 
-    and opt routes in with :meth:`idempotent`. An application that writes through Flask-SQLAlchemy names
-    its extension instead of a database URL, and its views keep using ``db.session``
-    (:doc:`/sqlalchemy`)::
-
-        db = SQLAlchemy(model_class=Base)
-        idem = Idempotency(scope=current_org_id, sqlalchemy=db)
+    and opt routes in with :meth:`idempotent`. An application that writes through Flask-SQLAlchemy passes
+    ``sqlalchemy=db`` instead of a database URL, and its views keep using ``db.session`` (:doc:`/sqlalchemy`).
 
     :param app: initialise this application at once.
     :param scope: a function called during a request that returns the authenticated organisation's id

@@ -77,8 +77,7 @@ class Claim:
     #: ``None``: only the same fingerprint is the same work.
     earlier: Callable[[bytes], bool] | None = None
     #: The status the signals report for a :class:`Replay` or a :class:`Tombstone`, in the door's words
-    #: (a request's ``303`` or ``410`` for a tombstone, a webhook sender's ``200``); the protocol passes
-    #: it on and reads nothing in it. ``None``: the stored answer's own ``status``, if it has one.
+    #: (a request's ``303`` or ``410`` for a tombstone); ``None``: the stored answer's own ``status``.
     reported: Callable[[Replay | Tombstone], int | None] | None = None
 
     def same(self, request_sha: bytes) -> bool:
@@ -190,10 +189,9 @@ def atomic(
 ) -> Final[T] | Existing:
     """Reserve ``claim``'s key and run ``work`` in one transaction, storing its final answer with it.
 
-    ``work`` runs only when this transaction reserved the key, on its connection; what it answers is
-    stored with ``COMMIT`` (a failed answer rolls everything back, the reservation too). When the key is
-    taken, nothing is written and what it holds is returned. An exception ``work`` raises rolls the
-    transaction back and propagates.
+    ``work`` runs only when this transaction reserved the key; what it answers is stored with ``COMMIT``
+    (a failed answer, or an exception, rolls everything back, the reservation too). When the key is
+    taken, nothing is written and what it holds is returned.
     """
     keyed = claim.request
 
@@ -247,10 +245,9 @@ def begin(
     """Reserve ``claim``'s key under ``lease`` and record the intent ``start`` makes, in one short
     transaction; or take a stranded run of the key over (one winner among concurrent attempts).
 
-    ``start`` runs on the transaction's connection when the key was reserved; it answers the intent (a
-    JSON object) or, when the work ended at once, its :class:`Final` answer, stored and returned. The
-    :class:`.flow.Run` returned is advanced by :func:`._steps.advance`; a taken-over one resumes after
-    its last finished step.
+    ``start`` runs when the key was reserved; it answers the intent (a JSON object) or, when the work
+    ended at once, its :class:`Final` answer. The :class:`.flow.Run` returned is advanced by
+    :func:`._steps.advance`.
 
     :raises LeaseLost: the row reserved could not be written to again in the same transaction (as when
         its partition's detach began meanwhile): nothing was committed, and the key may be tried again.
@@ -325,9 +322,8 @@ def give_up(
 ) -> bool | Existing:
     """Mark ``claim``'s key failed with ``document`` as its answer, flagged for a person.
 
-    The row is reserved anew under ``lease`` (an atomic run's attempts left none) or taken over (a run
-    whose lease lapsed). When another attempt holds or finished the key meanwhile, nothing is written
-    and what it holds is returned.
+    The row is reserved anew under ``lease`` or taken over (a run whose lease lapsed). When another
+    attempt holds or finished the key meanwhile, nothing is written and what it holds is returned.
     """
 
     def mark(conn: psycopg.Connection[TupleRow]) -> bool | Existing:

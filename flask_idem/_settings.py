@@ -316,23 +316,15 @@ class Settings:
     recovery_deadline: float = _default("IDEM_RECOVERY_DEADLINE")
     recovery_backoff: float = _default("IDEM_RECOVERY_BACKOFF")
     recovery_backoff_cap: float = _default("IDEM_RECOVERY_BACKOFF_CAP")
-    #: How long a key is remembered after its stored response expired (``IDEM_TOMBSTONE_TTL``).
     tombstone_ttl: float = _default("IDEM_TOMBSTONE_TTL")
-    #: The time range of one partition of the key table (``IDEM_PARTITION_INTERVAL``), layout 4 on.
     partition_interval: float = _default("IDEM_PARTITION_INTERVAL")
-    #: How far past the longest retention ``flask idem purge`` makes partitions (``IDEM_PARTITION_AHEAD``).
     partition_ahead: float = _default("IDEM_PARTITION_AHEAD")
-    #: libpq parameters over the pool's defaults (``IDEM_CONNECT_OPTIONS``); ``None`` removes a default.
     connect_options: Mapping[str, str | int | None] = field(
         default_factory=lambda: _default("IDEM_CONNECT_OPTIONS"), repr=False
     )
-    #: A request's database time in all, kept by the client (``IDEM_DATABASE_DEADLINE``); ``None``: none.
     database_deadline: float | None = _default("IDEM_DATABASE_DEADLINE")
-    #: The largest response body kept for retries (``IDEM_MAX_RESPONSE_BYTES``).
     max_response_bytes: int = _default("IDEM_MAX_RESPONSE_BYTES")
-    #: Keys of ``store_response="encrypted"`` routes (``IDEM_RESPONSE_KEYS``), the first encrypting.
     response_keys: tuple[str, ...] = field(default=_default("IDEM_RESPONSE_KEYS"), repr=False)
-    #: How long a migration's statement waits for a lock before its transaction is tried again.
     migration_lock_timeout: float = _default("IDEM_MIGRATION_LOCK_TIMEOUT")
 
     def __repr__(self) -> str:

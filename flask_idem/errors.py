@@ -197,11 +197,8 @@ class KeyMismatch(IdempotencyError, UnprocessableEntity):
 
 
 class KeyExpired(IdempotencyError, Gone):
-    """410: the key's stored answer is past its retention period; only a tombstone of it is left.
-
-    The first request was carried out and will not be repeated. Its answer had no ``Location`` to send
-    the client to (otherwise the answer is ``303 See Other`` there). A new operation needs a new key.
-    """
+    """410: the key's stored answer is past its retention period, and had no ``Location`` to send the
+    client to (else the answer is ``303 See Other`` there). The operation will not be repeated."""
 
     problem_type = _TYPE_PREFIX + "key-expired"
     title = "The stored answer for this Idempotency-Key has expired"
@@ -214,9 +211,8 @@ class KeyExpired(IdempotencyError, Gone):
 
 class WebhookRejected(IdempotencyError, BadRequest):
     """400: a webhook delivery failed verification (signature, timestamp, or event id), before any
-    database work; nothing was recorded. Raised by :meth:`flask_idem.webhooks.Event.json` inside the
-    handler (a verified body that is not JSON), it is the handler's answer, kept like any other: every
-    redelivery of that body is answered the same.
+    database work; nothing was recorded. Raised by :meth:`flask_idem.webhooks.Event.json` in the handler,
+    it is the handler's answer, kept like any other.
 
     :param check: which check failed (``signature``, ``timestamp``, ``event-id``, ``body``...), also in
         the problem body as ``check``. The detail never holds a secret or an expected signature.
@@ -245,11 +241,8 @@ class DatabaseUnavailable(IdempotencyError, ServiceUnavailable):
 
 
 class OutcomePending(IdempotencyError, ServiceUnavailable):
-    """503: a call to an outside party ended without a known outcome. Retry with the same key.
-
-    Nothing will be done twice: the request stays recorded as in progress, and a retry with the same
-    key, or the recovery job, finds out what happened and finishes it.
-    """
+    """503: a call to an outside party ended without a known outcome. Retry with the same key: the
+    request stays in progress, and a retry or the recovery job finds out what happened and finishes it."""
 
     problem_type = _TYPE_PREFIX + "outcome-pending"
     retryable = True
@@ -261,11 +254,8 @@ class OutcomePending(IdempotencyError, ServiceUnavailable):
 
 
 class OperationFailed(IdempotencyError, InternalServerError):
-    """500, stored: the request could not be completed within the recovery deadline.
-
-    A person has been asked to look at it (``flask idem stuck``). Retrying with the same key replays
-    this answer; it does not start the operation again.
-    """
+    """500, stored: the request could not be completed within the recovery deadline and is flagged for a
+    person (``flask idem stuck``). Retrying with the same key replays this answer."""
 
     problem_type = _TYPE_PREFIX + "operation-failed"
     title = "Operation failed"
@@ -292,11 +282,8 @@ class ResponseNotStored(IdempotencyError, InternalServerError):
 
 
 class StoredResponseUnreadable(IdempotencyError, InternalServerError):
-    """500: the stored answer of this key is encrypted with a key the server no longer has.
-
-    The operation was carried out and is not carried out again; the server's ``IDEM_RESPONSE_KEYS`` lost
-    the key that encrypted its answer before the answer expired.
-    """
+    """500: the stored answer of this key is encrypted with a key that ``IDEM_RESPONSE_KEYS`` no longer
+    holds. The operation was carried out and is not carried out again."""
 
     problem_type = _TYPE_PREFIX + "stored-response-unreadable"
     title = "The stored answer cannot be read"
@@ -317,10 +304,9 @@ class DatabaseFailed(IdempotencyError, InternalServerError):
 def problem(error: HTTPException) -> Response:
     """Render any Werkzeug HTTP exception as an ``application/problem+json`` response.
 
-    :class:`IdempotencyError` instances keep their own type, detail, ``retryable`` and headers; other
-    exceptions get ``"type": "about:blank"``, the standard reason phrase as title, and ``retryable`` from
-    their own ``retryable`` attribute when they have one, else from the status (``true`` for 408, 429,
-    502, 503 and 504). Register it to make every error of an application a problem document::
+    Other exceptions than :class:`IdempotencyError` get ``"type": "about:blank"``, the reason phrase as
+    title, and ``retryable`` from their own attribute, else from the status (408, 429, 502, 503, 504).
+    Register it to make every error of an application a problem document::
 
         app.register_error_handler(HTTPException, flask_idem.errors.problem)
     """
