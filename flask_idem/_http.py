@@ -1,10 +1,8 @@
-"""What the HTTP doors of the key protocol share: the request door (:mod:`._view`) and the webhook door
+"""What the HTTP doors of the key protocol share: the request door (:mod:`._view`), the webhook door
 (:mod:`._webhook`), and the recovery door (:mod:`.recovery`) where it finishes a request's run.
 
-Calling a view with its connection on :data:`flask.g` (:func:`call_view`), rendering the 4xx a view
-raises (:func:`render`), a response as the protocol's final answer (:func:`final_response`,
-:class:`ResponseDoor`), the key table's readiness at the first write (:func:`ready`), and the one
-boundary where a driver error leaving an HTTP door becomes an HTTP error (:func:`database_failure`).
+Among them the one boundary where a driver error leaving an HTTP door becomes an HTTP error
+(:func:`database_failure`).
 """
 
 from __future__ import annotations

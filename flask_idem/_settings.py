@@ -1,12 +1,8 @@
 """The ``IDEM_*`` settings of one application, read and checked once by ``init_app``.
 
 :data:`SETTINGS` is the table of every key: its parser and check, its default and a line on what it is
-for. :class:`Settings` (``init_app``), :meth:`JobPolicy.from_config <flask_idem.jobs.JobPolicy.from_config>`
-and the background jobs' state read their keys through it, and ``docs/config.rst`` mirrors it (a test
-holds them together).
-
-Also the types of the options a route can override (:data:`ScopeFunc`, :data:`OnMismatch`) and their
-validators, shared by the configuration and by :meth:`.Idempotency.idempotent`.
+for; every reader goes through it, and ``docs/config.rst`` mirrors it (a test holds them together). Also
+the types and validators of the options a route can override.
 """
 
 from __future__ import annotations

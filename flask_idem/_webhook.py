@@ -1,10 +1,9 @@
 """The webhook door of the key protocol: verify a delivery, then handle its event once.
 
-A delivery is verified first, on its raw body, before any database work (:class:`.webhooks.Source`).
-Its event id is the key, scoped to the source (not to an organisation), and the handler runs in the
-key's transaction through :func:`._protocol.atomic`: "handled" and "recorded" commit together, and a
-handler that raises rolls both back and answers ``500``, so that the provider delivers it again. What the
-protocol says of a taken key becomes an answer the provider understands (see :func:`_answer_existing`).
+A delivery is verified on its raw body before any database work. Its event id is the key, scoped to the
+source, and the handler runs in the key's transaction (:func:`._protocol.atomic`): "handled" and
+"recorded" commit together, and a handler that raises rolls both back and answers ``500``, so that the
+provider delivers it again.
 """
 
 from __future__ import annotations
