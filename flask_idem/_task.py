@@ -81,13 +81,10 @@ class JobGivenUp(JobError):
 class Envelope:
     """What every message of an idempotent task carries besides its arguments (as message headers).
 
-    :param org_id: the organisation the task works for; its key belongs to it.
-    :param key: the task's idempotency key.
-    :param enqueued_at: when the message was first written (epoch seconds, the database's clock); the
-        deadline of :class:`JobPolicy` counts from here, across retries and redeliveries.
-    :param failures: attempts that failed so far (deferrals of a duplicate are not failures).
-    :param deferrals: times this message was put off because another delivery held its key; its
-        backoff grows with them.
+    :param enqueued_at: when the message was first written (epoch seconds, the database's clock), which
+        the deadline of :class:`JobPolicy` counts from.
+    :param failures: attempts that failed so far.
+    :param deferrals: times it was put off because another delivery held its key.
     """
 
     org_id: int
@@ -143,11 +140,8 @@ class Message:
 
 
 class Publisher(Protocol):
-    """What the relay publishes through: one runner's way of sending a message to its broker.
-
-    A publisher may also have a ``destination`` attribute, a string naming where it publishes (the
-    broker's ``host:port``) or ``None``, which the relay names when a publish fails.
-    """
+    """What the relay publishes through: one runner's way of sending a message to its broker. It may have
+    a ``destination`` attribute (the broker's ``host:port``), which the relay names when a publish fails."""
 
     def publish(self, message: Message) -> None:
         """Send ``message``; return only once the broker holds it (a publisher confirm), raise otherwise.

@@ -33,12 +33,9 @@ _DERIVED_NAMESPACE = uuid.UUID("6b0e6f4e-55a4-4a9c-9f34-1f0c2d6b5a10")
 
 
 class OutcomeUnknown(Exception):
-    """Raised by a :meth:`Flow.call` step that cannot tell whether the outside party acted.
-
-    A timeout, a cut connection or a 5xx answer from the outside party all mean "maybe". The request
-    answers 503 with ``Retry-After``; the key stays ``processing`` until a retry with the same key or
-    the recovery job resolves it. Any other exception from a call step is treated the same way.
-    """
+    """Raised by a :meth:`Flow.call` step that cannot tell whether the outside party acted (a timeout, a
+    cut connection, a 5xx). The request answers 503; a retry with the same key or the recovery job
+    resolves it. Any other exception from a call step is treated the same way."""
 
 
 @dataclass
@@ -76,9 +73,8 @@ class Run:
     def derived_key(self, step: str | None = None) -> str:
         """A key for the outside party, the same for every attempt of this request and step.
 
-        It is the text of a UUID (version 5, as ``str(uuid)`` writes it) derived from the organisation,
-        the idempotency key, the flow and the step name, so two organisations using the same key never
-        share one at the outside party.
+        It is the text of a UUID derived from the organisation, the idempotency key, the flow and the
+        step name, so two organisations using the same key never share one at the outside party.
         """
         name = f"{self.org_id}:{self.key}:{self.flow}:{step or ''}"
         return str(uuid.uuid5(_DERIVED_NAMESPACE, name))
@@ -126,10 +122,8 @@ class Flow:
         self.steps.append(step)
 
     def step(self, func: F) -> F:
-        """Declare a database step: it runs in a short transaction of its own (:attr:`Run.connection`).
-
-        Its return value (JSON-serialisable) is recorded in that transaction.
-        """
+        """Declare a database step: it runs in a short transaction of its own (:attr:`Run.connection`), in
+        which its return value (JSON) is recorded."""
         self._add(Step(func.__name__, synchronous(func, "step"), outside=False))
         return func
 
@@ -140,14 +134,11 @@ class Flow:
     def call(self, func: None = None, *, resolve: ResolveFunc | None = None) -> Callable[[F], F]: ...
 
     def call(self, func: F | None = None, *, resolve: ResolveFunc | None = None) -> F | Callable[[F], F]:
-        """Declare a step that calls outside: it runs with no transaction and no connection.
+        """Declare a step that calls outside: it runs with no transaction and no connection; its return
+        value (JSON) is recorded afterwards. Raise :class:`OutcomeUnknown` when the outcome is not known.
 
-        Its return value (JSON-serialisable) is recorded in a short transaction afterwards. Raise
-        :class:`OutcomeUnknown` when the outcome cannot be known.
-
-        :param resolve: asked first when the step is resumed (the call may have happened before a
-            crash): returns the outcome the outside party has on record, in the same form as the step,
-            or ``None`` when it has none, in which case the call is made again with the same key.
+        :param resolve: asked first when the step is resumed: the outcome the outside party has on
+            record, in the same form as the step's, or ``None`` (the call is made again, same key).
         """
 
         def add(f: F) -> F:
@@ -164,11 +155,8 @@ class Flow:
         return add if func is None else add(func)
 
     def finish(self, func: F) -> F:
-        """Declare the last step: a short transaction that writes the outcome and returns the response.
-
-        It returns what a Flask view returns. A response under 500 is stored and the key completed; a
-        5xx rolls the step back and leaves the request to be resumed.
-        """
+        """Declare the last step: a short transaction that writes the outcome and returns what a view
+        returns. A response under 500 is stored; a 5xx rolls the step back for the request to resume."""
         if self.finisher is not None:
             raise ConfigurationError(f"Flow {self.name!r} already has a finish step.")
         self.finisher = synchronous(func, "finish step")

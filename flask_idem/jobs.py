@@ -81,9 +81,7 @@ class Jobs:
         self._local = threading.local()
 
     def init_app(self, app: Flask, publisher: Publisher) -> None:
-        """Set up background jobs on ``app``: its policy and outbox, and ``publisher`` for its relay.
-
-        Call it after ``idem.init_app(app)``.
+        """Set up background jobs on ``app`` (after ``idem.init_app(app)``), with ``publisher`` for its relay.
 
         :raises ConfigurationError: when flask-idem is not initialised on ``app``, an ``IDEM_JOB_*`` or
             ``IDEM_OUTBOX_*`` value is invalid, or ``app`` already has background jobs.
@@ -115,7 +113,6 @@ class Jobs:
 
         :param name: the task's name; stable, since messages and key rows carry it. Default: the
             function's module and name.
-        :param flow: makes the task multi-step.
         :param ttl: how long the key is kept, in seconds. Default: ``IDEM_KEY_TTL``.
         :param policy: the task's retry policy. Default: the one of this object, or the application's.
         :param options: the runner's own options for the task, passed to :meth:`make_task`.

@@ -56,101 +56,79 @@ logger = logging.getLogger("flask_idem")
 
 _signals = Namespace()
 
-# Every outcome signal has the arguments ``org_id``, ``key`` and ``endpoint``; each comment names the others.
+# docs/observing.rst has the table of every signal, when it is sent and its arguments beyond ``org_id``,
+# ``key`` and ``endpoint``.
 
 # -- a request's key -------------------------------------------------------------------------------------
 
-#: A first attempt reserved its key; the view runs next. Also: ``flow`` (``None`` for an atomic route). In
-#: an atomic route the reservation commits with the view's writes: when the view then fails, it is
-#: rolled back with them and no :data:`response_stored` follows.
+#: A first attempt reserved its key; the view runs next. Also: ``flow``.
 key_reserved = _signals.signal("key-reserved")
 
-#: A final response was stored and committed: a retry will get it. Also: ``flow``, ``status`` (the
-#: stored status). Sent too when the recovery job finishes a request (before :data:`recovered`).
+#: A final response was stored and committed (by a request, or by the recovery job). Also: ``flow``,
+#: ``status``.
 response_stored = _signals.signal("response-stored")
 
-#: A retry was answered with the stored response. Also: ``status`` (the stored status).
+#: A retry was answered with the stored response. Also: ``status``.
 response_replayed = _signals.signal("response-replayed")
 
 #: A key was reused with a different request and refused (422).
 mismatch_rejected = _signals.signal("mismatch-rejected")
 
-#: A key was reused with a different request and answered with the original response
-#: (``on_mismatch="replay"``). Also: ``status``.
+#: A key was reused with a different request, answered with the original response. Also: ``status``.
 mismatch_replayed = _signals.signal("mismatch-replayed")
 
-#: A duplicate arrived while the first attempt was still running, and was answered 409.
+#: A duplicate arrived while the first attempt was still running (409).
 key_in_flight = _signals.signal("key-in-flight")
 
-#: A retry came after the stored response had passed its retention and found the key's tombstone; nothing
-#: ran. Also: ``status`` (what the door answered: a request's 303 to the first answer's ``Location`` or
-#: 410, a webhook sender's 200; ``None`` for a task, which is dropped).
+#: A retry after the stored response's retention found the key's tombstone. Also: ``status``.
 tombstone_hit = _signals.signal("tombstone-hit")
 
-#: The key table could not be reached (a lost connection, a pool timeout, no partition for a key's
-#: expiry yet, a missing grant): a request or a webhook delivery was answered 503, a task's delivery
-#: will be retried, a recovery pass stopped. Sent by every door; ``org_id`` and ``key`` are ``None``
-#: when not known yet, ``endpoint`` is ``None`` for a task or a recovery pass. Also: ``error`` (the driver
-#: exception's class name) and ``sqlstate`` (or ``None``).
+#: The key table could not be reached; sent by every door. Also: ``error``, ``sqlstate``.
 store_unavailable = _signals.signal("store-unavailable")
 
 # -- multi-step requests -------------------------------------------------------------------------------
 
-#: A step of a flow finished and its result was committed. Also: ``flow``, ``step``, ``outside``
-#: (``True`` for a :meth:`~flask_idem.Flow.call` step), ``duration`` (seconds of the step's function).
+#: A step of a flow finished and its result was committed. Also: ``flow``, ``step``, ``outside``,
+#: ``duration``.
 step_finished = _signals.signal("step-finished")
 
-#: A retry found its request stranded (its lease expired) and took it over; it resumes after the last
-#: finished step. Also: ``flow``, ``step`` (the last finished step).
+#: A retry found its request stranded and took it over. Also: ``flow``, ``step``.
 lease_taken_over = _signals.signal("lease-taken-over")
 
-#: A worker found that another attempt or the recovery job had taken its request over, and stopped
-#: (a request is answered 409). Also: ``flow``.
+#: A worker found its request taken over, and stopped. Also: ``flow``.
 lease_lost = _signals.signal("lease-lost")
 
-#: A call step raised :class:`~flask_idem.OutcomeUnknown`: the outside party may or may not have acted;
-#: answered 503 and left to a retry or the recovery job. Also: ``flow``, ``step``, ``exception``.
+#: A call step raised :class:`~flask_idem.OutcomeUnknown`. Also: ``flow``, ``step``, ``exception``.
 outcome_unknown = _signals.signal("outcome-unknown")
 
-#: A call step raised another exception, most likely a bug in the step or its resolver; handled as an
-#: unknown outcome, told apart by this signal. Also: ``flow``, ``step``, ``exception`` (the class name).
+#: A call step raised another exception, handled as an unknown outcome. Also: ``flow``, ``step``,
+#: ``exception``.
 call_failed = _signals.signal("call-failed")
 
-#: The recovery job finished a stranded request. Also: ``flow``, ``status`` (the stored status),
-#: ``attempts`` (resumptions so far).
+#: The recovery job finished a stranded request. Also: ``flow``, ``status``, ``attempts``.
 recovered = _signals.signal("recovered")
 
-#: A request past ``IDEM_RECOVERY_DEADLINE`` (or a task past its :class:`~flask_idem.jobs.JobPolicy`,
-#: with ``task``) was marked failed, answers 500 ``operation-failed`` to retries, and is flagged for a
-#: person (``flask idem stuck``). Also: ``flow``, ``reason``, ``attempts``.
+#: A request or a task was given up: failed, and flagged for a person. Also: ``flow``, ``reason``,
+#: ``attempts``.
 given_up = _signals.signal("given-up")
 
-# -- background jobs (flask_idem.jobs) -------------------------------------------------------------------
-#
-# A delivery of an idempotent task sends the outcome signals above as a request does, with ``endpoint``
-# ``None`` and one more argument, ``task`` (the task's name).
+# -- background jobs (flask_idem.jobs): a delivery sends the signals above too, with ``task`` -----------
 
-#: A delivery of an idempotent task was put off: another delivery holds its key, or this attempt failed
-#: and will be retried after a backoff. Also: ``task``, ``reason``, ``countdown`` (seconds until the
-#: runner delivers it again), ``failures`` (failed attempts so far).
+#: A delivery of an idempotent task was put off. Also: ``task``, ``reason``, ``countdown``, ``failures``.
 job_deferred = _signals.signal("job-deferred")
 
-#: The outbox relay published a message to the broker and marked it sent. Also: ``task``; ``key`` is the
-#: task's.
+#: The outbox relay published a message to the broker and marked it sent. Also: ``task``.
 message_relayed = _signals.signal("message-relayed")
 
 # -- inbound webhooks (flask_idem.webhooks) ------------------------------------------------------------
 
-#: A webhook delivery passed its source's verification (before any database work). Also: ``source``,
-#: ``event_id``; ``org_id`` is the source's, ``key`` the event's.
+#: A webhook delivery passed its source's verification. Also: ``source``, ``event_id``.
 webhook_verified = _signals.signal("webhook-verified")
 
-#: A webhook delivery failed verification and was answered 400; nothing was recorded (``org_id`` and
-#: ``key`` are ``None``). Also: ``source``, ``check`` (``signature``, ``timestamp``, ``event-id``...).
+#: A webhook delivery failed verification (400). Also: ``source``, ``check``.
 webhook_rejected = _signals.signal("webhook-rejected")
 
-#: A redelivered event was answered without running the handler: with the first delivery's answer,
-#: ``200`` past the source's window, or ``409`` while the first runs. Also: ``source``, ``event_id``,
+#: A redelivered event was answered without running its handler. Also: ``source``, ``event_id``,
 #: ``status``.
 webhook_duplicate = _signals.signal("webhook-duplicate")
 
@@ -160,10 +138,8 @@ webhook_handled = _signals.signal("webhook-handled")
 
 # -- the key table -------------------------------------------------------------------------------------
 
-#: A key-table operation of :class:`~flask_idem._store.Store` finished (a request makes two to five).
-#: Sent only to receivers (never logged), with the current application as sender (``None`` outside an
-#: application context). Arguments: ``operation`` (the method's name: ``reserve``, ``complete``,
-#: ``take_over``, ``hold``...), ``duration`` (seconds, including waiting for the database).
+#: A key-table operation of :class:`~flask_idem._store.Store` finished; sent only to receivers, never
+#: logged. Arguments: ``operation``, ``duration``.
 store_operation = _signals.signal("store-operation")
 
 #: The outcome signals, in the order above: each is logged when sent (:data:`store_operation` is not

@@ -131,10 +131,8 @@ def drop(run: Maintenance, parent: str, part: Partition) -> None:
     On Citus, ``DETACH PARTITION ... CONCURRENTLY`` is refused on a distributed table ("currently
     unsupported", Citus 13; citusdata/citus#5264), and so is ``FINALIZE``. The nearest safe thing is a
     plain ``DETACH PARTITION`` in a transaction of its own under the migration's short lock timeout,
-    which the nodes apply too (``citus.propagate_set_commands``), tried again after a pause when it runs
-    out: it changes the catalog only (no scan, no row), but takes the key table's ``ACCESS EXCLUSIVE``
-    lock on every shard for that moment, so it waits for the transactions using the key table and
-    holds up the requests behind it, for at most the lock timeout per try.
+    which the nodes apply too (``citus.propagate_set_commands``), tried again after a pause: it changes
+    the catalog only, but holds up the requests behind it for at most the lock timeout per try.
     """
     try:
         detach(run, parent, part)

@@ -52,11 +52,8 @@ def maintain(
     :param tombstone_ttl: seconds a key is remembered after its response expired (``IDEM_TOMBSTONE_TTL``);
         0 keeps no tombstone.
     :param ahead: of ``horizon``, the seconds made ahead only in case runs stop (``IDEM_PARTITION_AHEAD``):
-        partitions of ``interval`` are made until a day (or an interval, when longer) past the longest
-        retention, and one spare partition covers the rest, until it is needed (it is replaced while
-        empty, and kept as it is once a row is in it). Every lookup of a key reads every partition: a
-        spare instead of a week of empty ones keeps that cost down. 0 makes partitions of ``interval``
-        all the way.
+        partitions of ``interval`` are made until a day past the longest retention, and one spare
+        partition covers the rest (:doc:`/retention`). 0 makes partitions of ``interval`` all the way.
     :param now: the clock, the database's ``now()`` by default. Every comparison with the present is
         with its reading, the statements' included (they take it as a parameter), so that a fake clock
         ahead of the database's (a test's) retires partitions consistently.
