@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from flask import Flask, current_app
+from psycopg.rows import TupleRow
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import RoutingException
 
@@ -72,25 +73,18 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
     rng = rng or random.Random()
     # The longest lease of any flow: a claimed request must not lapse in the middle of a slow call.
     lease = max(_protocol.lease_seconds(settings, flow) for flow in (None, *state.flows.values()))
-    report = RecoveryReport()
+    report, flows, deadline = RecoveryReport(), list(state.flows), settings.recovery_deadline
     with app.app_context():
         _reachable(state, state.check_layout)
         for _ in range(limit):
             token = uuid.uuid4()
-            claimed = _reachable(
-                state,
-                lambda token=token: in_transaction(  # type: ignore[misc]
-                    state.source,
-                    lambda conn: state.store.claim_stranded(
-                        conn,
-                        token=token,
-                        lease=lease,
-                        limit=1,
-                        deadline=settings.recovery_deadline,
-                        flows=list(state.flows),
-                    ),
-                ),
-            )
+
+            def claim(conn: psycopg.Connection[TupleRow], token: uuid.UUID = token) -> list[Stranded]:
+                return state.store.claim_stranded(
+                    conn, token=token, lease=lease, limit=1, deadline=deadline, flows=flows
+                )
+
+            claimed = _reachable(state, lambda: in_transaction(state.source, claim))
             if not claimed:
                 break
             row = claimed[0]
