@@ -142,32 +142,6 @@ webhook_handled = _signals.signal("webhook-handled")
 #: logged. Arguments: ``operation``, ``duration``.
 store_operation = _signals.signal("store-operation")
 
-#: The outcome signals, in the order above: each is logged when sent (:data:`store_operation` is not
-#: an outcome).
-OUTCOMES: tuple[NamedSignal, ...] = (
-    key_reserved,
-    response_stored,
-    response_replayed,
-    mismatch_rejected,
-    mismatch_replayed,
-    key_in_flight,
-    tombstone_hit,
-    store_unavailable,
-    step_finished,
-    lease_taken_over,
-    lease_lost,
-    outcome_unknown,
-    call_failed,
-    recovered,
-    given_up,
-    job_deferred,
-    message_relayed,
-    webhook_verified,
-    webhook_rejected,
-    webhook_duplicate,
-    webhook_handled,
-)
-
 _DEBUG, _INFO, _ERROR = logging.DEBUG, logging.INFO, logging.ERROR
 
 #: The level and the sentence of each outcome's log record.
@@ -194,6 +168,10 @@ _LOG: dict[str, tuple[int, str]] = {
     "webhook-duplicate": (_INFO, "Webhook event delivered again; handler not run"),
     "webhook-handled": (_DEBUG, "Webhook event handled"),
 }
+
+#: The outcome signals, in the order above: each is logged when sent (:data:`store_operation` is not
+#: an outcome).
+OUTCOMES: tuple[NamedSignal, ...] = tuple(_signals[name] for name in _LOG)
 
 _task: ContextVar[str | None] = ContextVar("flask_idem_task", default=None)
 _endpoint: ContextVar[str | None] = ContextVar("flask_idem_endpoint", default=None)
