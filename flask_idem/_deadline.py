@@ -1,24 +1,13 @@
-"""Deadlines on the database, kept by the client's own clock: a connection lent too long is cut.
+"""Deadlines on the database, kept by the client's own clock: a connection lent too long is cut
+(:doc:`/timeouts`).
 
-A database can go silent without a word: a hung server process or pooler, a host that died, a NAT or
-load balancer that forgot the flow. TCP keepalives and ``tcp_user_timeout`` notice a peer that stops
-acknowledging (a dead host), but not one whose kernel acknowledges while nothing answers (a hung
-process), and no server setting helps when the server never received the statement. Only a deadline on
-the client's own waits notices that, as JDBC's socket timeout does.
-
-Every connection the extension lends out (from its pool, or under a SQLAlchemy session's transaction) is
-*armed* with a deadline for as long as it is lent (:func:`arm`, :func:`disarm`). One watchdog thread per
-process shuts down the socket of a connection whose deadline passed (``shutdown(2)`` on a duplicate of
-its descriptor, taken when it was armed, so a descriptor number reused by then is never touched):
-whatever it was waiting for ends at once with an error, psycopg marks the connection broken, and the
-pool discards it. Arming costs a ``dup(2)``, a ``close(2)`` and a lock, not a round trip.
-
-A request shares one deadline among all its waits: ``IDEM_DATABASE_DEADLINE`` seconds of database time
-in all, from the first connection it asks for (in a ``before_request`` function as well as in the
-view) to the last one it returns, however many transactions a multi-step route uses. Time spent holding
-no connection (a flow's call to a payment gateway) is not counted (:class:`RequestDeadline`).
-:func:`budget` gives a block of code another allowance; code outside a request (the recovery job, the
-CLI) gets the full deadline for each connection.
+Keepalives notice a dead host, not a hung server process or pooler whose kernel still acknowledges:
+only a deadline on the client's own waits does, as JDBC's socket timeout. Every connection the extension
+lends is *armed* while lent (:func:`arm`, :func:`disarm`); one watchdog thread per process shuts down
+the socket of one whose deadline passed (``shutdown(2)`` on a duplicate of its descriptor taken when it
+was armed, so a descriptor number reused by then is never touched), and the pool discards it. A request
+shares one deadline among all its waits, not counting time it holds no connection
+(:class:`RequestDeadline`); :func:`budget` gives a block another allowance.
 """
 
 from __future__ import annotations

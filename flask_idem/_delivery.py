@@ -1,35 +1,30 @@
 """Running one delivery of an idempotent task, whatever the runner: reserve, run, store, or put off.
 
-The runner (through :meth:`flask_idem.jobs.Jobs.deliver`) hands over a delivery (its envelope and
-arguments) and gets an outcome back: :class:`Done` (return the result), :class:`Defer` (deliver it again
-in ``countdown`` seconds, with the envelope it gives), :class:`Dropped` (end quietly: the key is another
-delivery's, or its result has expired), or a :class:`~flask_idem.jobs.JobError` that ends the task for
-good. The key table does what it does for a
-request: an atomic task's writes commit with its key; a task with a :class:`~flask_idem.Flow` records its
-intent under a lease, then the engine advances it step by step (:mod:`._steps`), and a redelivery (or
-``flask idem recover``) resumes it after its last finished step.
+The runner (through :meth:`flask_idem.jobs.Jobs.deliver`) hands over a delivery and gets an outcome
+back: :class:`Done` (return the result), :class:`Defer` (deliver it again in ``countdown`` seconds, with
+the envelope it gives), :class:`Dropped` (end quietly), or a :class:`~flask_idem.jobs.JobError` that
+ends the task for good. An atomic task's writes commit with its key; a task with a
+:class:`~flask_idem.Flow` is advanced step by step (:mod:`._steps`), as a request's is.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
 from flask import Flask
 from psycopg.rows import TupleRow
 
-from . import _grants, _layout, _protocol, _steps, signals
-from ._outbox import Outbox
+from . import _grants, _protocol, _steps, signals
+from ._jobs_state import TaskSpec, get_jobs
 from ._records import Final, Lease
 from ._retry import backoff
-from ._settings import SETTINGS
 from ._state import IdemState, get_state
 from ._task import (
     Envelope,
@@ -37,7 +32,6 @@ from ._task import (
     JobGivenUp,
     JobMismatch,
     JobPolicy,
-    Publisher,
     TaskDoor,
     task_failure,
     task_final,
@@ -46,91 +40,11 @@ from ._task import (
     task_result,
 )
 from ._transactions import entering_app_code
-from .errors import ConfigurationError
 from .flow import Flow, Run
 
-__all__ = [
-    "EXTENSION_NAME",
-    "Defer",
-    "Delivery",
-    "Done",
-    "Dropped",
-    "JobsState",
-    "Outcome",
-    "TaskSpec",
-    "get_jobs",
-    "run_delivery",
-]
+__all__ = ["Defer", "Delivery", "Done", "Dropped", "Outcome", "run_delivery"]
 
 logger = logging.getLogger("flask_idem")
-
-#: The key of the background jobs' state in ``app.extensions``.
-EXTENSION_NAME = "idem_jobs"
-
-
-@dataclass(frozen=True, slots=True)
-class JobsState:
-    """What :meth:`Jobs.init_app <flask_idem.jobs.Jobs.init_app>` keeps for one application
-    (``app.extensions["idem_jobs"]``): the policy, the outbox, the relay's publisher."""
-
-    policy: JobPolicy
-    outbox: Outbox
-    publisher: Publisher
-    #: Seconds a relay holds the messages it claimed (``IDEM_OUTBOX_LEASE``).
-    relay_lease: float
-    #: Seconds sent messages are kept before the relay deletes them (``IDEM_OUTBOX_RETENTION``).
-    retention: float
-    #: Set once the outbox was found there (:meth:`check_outbox`).
-    outbox_found: threading.Event = field(default_factory=threading.Event)
-
-    def check_outbox(self, conn: psycopg.Connection[Any], table: str) -> None:
-        """Make sure, once, that the key table and its outbox exist in a layout this code runs on, on
-        ``conn``.
-
-        :raises ConfigurationError: naming the command that creates or upgrades them.
-        """
-        if not self.outbox_found.is_set():
-            _layout.check(_layout.read(conn, table), table)
-            self.outbox_found.set()
-
-    @classmethod
-    def create(cls, app: Flask, publisher: Publisher, policy: JobPolicy | None = None) -> JobsState:
-        """The state of ``app`` (whose flask-idem is initialised), from its ``IDEM_JOB_*`` configuration."""
-        state = get_state(app)
-        config = app.config
-        return cls(
-            policy=policy or JobPolicy.from_config(config),
-            outbox=Outbox.of(state.source, state.settings),
-            publisher=publisher,
-            relay_lease=SETTINGS["IDEM_OUTBOX_LEASE"].read(config),
-            retention=SETTINGS["IDEM_OUTBOX_RETENTION"].read(config),
-        )
-
-
-def get_jobs(app: Flask) -> JobsState:
-    """The background jobs' state of ``app``.
-
-    :raises ConfigurationError: when no runner was set up on the application.
-    """
-    found: JobsState | None = app.extensions.get(EXTENSION_NAME)
-    if found is None:
-        raise ConfigurationError(
-            "Background jobs are not set up on this application: call jobs.init_app(app, celery_app)"
-            " (flask_idem.celery.CeleryJobs, or another runner's init_app) after idem.init_app(app)."
-        )
-    return found
-
-
-@dataclass(frozen=True, slots=True)
-class TaskSpec:
-    """One idempotent task as :meth:`Jobs.task <flask_idem.jobs.Jobs.task>` registered it: its name, its
-    function, and its options (``None``: the application's)."""
-
-    name: str
-    func: Callable[..., Any]
-    flow: Flow | None = None
-    ttl: float | None = None
-    policy: JobPolicy | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,14 +116,9 @@ def run_delivery(app: Flask, spec: TaskSpec, delivery: Delivery, *, rng: random.
     """
     with app.app_context(), signals.running_task(spec.name):
         state = get_state(app)
-        policy = spec.policy or get_jobs(app).policy
+        run = _Delivery(state, spec, delivery, spec.policy or get_jobs(app).policy, rng)
         try:
-            # Once per process: the key table exists in a layout this code runs on.
-            state.check_layout()
-        except psycopg.Error as e:
-            return _Delivery(app, state, spec, delivery, policy, rng).unreachable(e)
-        run = _Delivery(app, state, spec, delivery, policy, rng)
-        try:
+            state.check_layout()  # once per process: the key table exists in a layout this code runs on
             return run.once()
         except psycopg.Error as e:
             return run.unreachable(e)
@@ -217,16 +126,9 @@ def run_delivery(app: Flask, spec: TaskSpec, delivery: Delivery, *, rng: random.
 
 class _Delivery:
     def __init__(
-        self,
-        app: Flask,
-        state: IdemState,
-        spec: TaskSpec,
-        delivery: Delivery,
-        policy: JobPolicy,
-        rng: random.Random,
+        self, state: IdemState, spec: TaskSpec, delivery: Delivery, policy: JobPolicy, rng: random.Random
     ) -> None:
-        self.app, self.state, self.spec = app, state, spec
-        self.delivery, self.policy, self.rng = delivery, policy, rng
+        self.state, self.spec, self.delivery, self.policy, self.rng = state, spec, delivery, policy, rng
         sha = task_fingerprint(spec.name, delivery.args, delivery.kwargs)
         self.keyed = task_request(delivery.org_id, delivery.key, spec.name, sha)
         self.claim = _protocol.Claim(
@@ -259,37 +161,29 @@ class _Delivery:
         failures = self.delivery.failures + 1
         if failures >= self.policy.attempts or self.overdue:
             return self.give_up(f"{reason}; gave up after {failures} failed attempt(s)")
-        countdown = backoff(failures, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng)
-        envelope = replace(self.delivery.envelope, failures=failures)
-        return self._deferred(Defer(countdown, reason, failed=True, envelope=envelope))
+        return self._deferred(reason, failures, replace(self.delivery.envelope, failures=failures))
 
     def busy(self, reason: str) -> Outcome:
-        """Another delivery holds the key: try again later, each time after a longer backoff (with full
-        jitter, up to the cap), until the deadline (a delivery past it is given up before it tries,
-        :meth:`once`)."""
+        """Another delivery holds the key: try again later, after a longer backoff each time, until the
+        deadline (:meth:`once`)."""
         deferrals = self.delivery.deferrals + 1
-        countdown = backoff(deferrals, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng)
-        envelope = replace(self.delivery.envelope, deferrals=deferrals)
-        return self._deferred(Defer(countdown, reason, failed=False, envelope=envelope))
+        return self._deferred(reason, deferrals, replace(self.delivery.envelope, deferrals=deferrals))
 
-    def _deferred(self, defer: Defer) -> Defer:
-        signals.send(
-            signals.job_deferred,
-            org_id=self.keyed.org_id,
-            key=self.keyed.key,
-            reason=defer.reason,
-            countdown=round(defer.countdown, 3),
-            failures=self.delivery.failures + defer.failed,
+    def _deferred(self, reason: str, count: int, envelope: Envelope) -> Defer:
+        """Deliver again after the backoff of the ``count``-th failure or deferral, carrying ``envelope``."""
+        countdown = backoff(count, base=self.policy.backoff, cap=self.policy.backoff_cap, rng=self.rng)
+        keyed, failures = self.keyed, envelope.failures
+        signals.send_for(
+            signals.job_deferred, keyed, reason=reason, countdown=round(countdown, 3), failures=failures
         )
-        return defer
+        return Defer(countdown, reason, failures > self.delivery.failures, envelope)
 
     def give_up(self, reason: str) -> Outcome:
         """Mark the key failed and flagged for a person, and raise :class:`JobGivenUp`.
 
         The key is reserved and marked in one transaction, or its stranded run taken over and marked
-        (:func:`._protocol.give_up`). When another delivery holds or finished the key meanwhile, nothing
-        is written and the outcome is that of any delivery finding the key taken; one that holds it
-        decides (this delivery is dropped, with a warning).
+        (:func:`._protocol.give_up`). When another delivery holds or finished the key, nothing is
+        written: one that holds it decides (this delivery is dropped, with a warning).
         """
         flow = self.spec.flow
         document = task_failure(reason)
@@ -309,10 +203,9 @@ class _Delivery:
         if not isinstance(marked, bool):
             return self._existing(marked)
         if marked:
-            signals.send(
+            signals.send_for(
                 signals.given_up,
-                org_id=self.keyed.org_id,
-                key=self.keyed.key,
+                self.keyed,
                 flow=flow.name if flow else None,
                 reason=reason,
                 attempts=self.delivery.failures + 1,

@@ -1,8 +1,5 @@
-"""The :class:`Idempotency` extension: ``init_app``, the route decorator, and the view's connection.
-
-This is the top floor: it puts together the settings (:mod:`._settings`), the per-application state
-(:mod:`._state`), what runs around a view (:mod:`._view`) and the CLI (:mod:`.cli`). Nothing below imports it.
-"""
+"""The :class:`Idempotency` extension: ``init_app``, the route decorators, and the view's connection.
+The top floor: nothing below imports it."""
 
 from __future__ import annotations
 
@@ -58,22 +55,17 @@ class Idempotency:
             idem.init_app(app)
             return app
 
-    and opt routes in with :meth:`idempotent`. An application that writes through Flask-SQLAlchemy names
-    its extension instead of a database URL, and its views keep using ``db.session``
-    (:doc:`/sqlalchemy`)::
-
-        db = SQLAlchemy(model_class=Base)
-        idem = Idempotency(scope=current_org_id, sqlalchemy=db)
+    and opt routes in with :meth:`idempotent`. An application that writes through Flask-SQLAlchemy passes
+    ``sqlalchemy=db`` instead of a database URL, and its views keep using ``db.session`` (:doc:`/sqlalchemy`).
 
     :param app: initialise this application at once.
     :param scope: a function called during a request that returns the authenticated organisation's id
-        (an ``int`` that fits a ``bigint``; see :func:`flask_idem.scope_id` for UUID and text ids), or
-        ``None`` when the request is not authenticated (answered 401). Keys belong to that organisation:
-        the same key from two organisations names two operations. It must derive the organisation from
-        the credentials, never from the request body.
-    :param sqlalchemy: the Flask-SQLAlchemy extension (or a SQLAlchemy ``scoped_session`` bound to an
-        engine) whose session idempotent views write through. The key store then runs in the session's
-        transaction, on the engine's psycopg 3 connections; ``IDEM_DATABASE_URL`` must not be set.
+        (an ``int`` that fits a ``bigint``; :func:`flask_idem.scope_id` maps others), or ``None`` when
+        the request is not authenticated (401). Keys belong to that organisation; derive it from the
+        credentials, never from the request body.
+    :param sqlalchemy: the Flask-SQLAlchemy extension (or a ``scoped_session``) whose session idempotent
+        views write through: the key store runs in the session's transaction; ``IDEM_DATABASE_URL``
+        must not be set.
     """
 
     def __init__(
@@ -95,20 +87,12 @@ class Idempotency:
     def init_app(self, app: Flask) -> None:
         """Read the ``IDEM_*`` configuration of ``app``, set up its key store and add ``flask idem``.
 
-        The pool is not opened here but on first use in each process, so this is safe to call in the
-        master of a pre-fork server, and the database is not touched: the key table's layout is checked
-        at the first write request or ``flask idem`` command (:meth:`check_layout`), so that ``flask
-        idem init-db`` and ``flask db upgrade``, which load the application, can create it. With
-        ``sqlalchemy=``, call ``db.init_app(app)`` first.
-
-        The first request the application handles checks that every decorated view is the one its route
-        calls (:meth:`idempotent` placed below ``@app.post``); a misplaced decorator fails every request
-        with a :class:`ConfigurationError` that names the view, rather than leaving it unprotected. It
-        also logs a warning for each decorated endpoint whose routes answer only ``GET``, ``HEAD``,
-        ``OPTIONS`` or ``TRACE``, where the decorator does nothing.
-
-        When Flask's ``MAX_CONTENT_LENGTH`` is not set, a warning is logged on the ``flask_idem`` logger:
-        the whole body of every keyed request is then read into memory and fingerprinted, however large.
+        The database is not touched and the pool opens on first use in each process (safe in a
+        pre-fork server's master); the key table's layout is checked at the first write request or
+        ``flask idem`` command (:meth:`check_layout`). With ``sqlalchemy=``, call ``db.init_app(app)``
+        first. The first request checks that every decorated view is its route's (a misplaced decorator
+        fails every request, naming the view) and warns of decorated routes that answer no write
+        method; a warning is logged at once when ``MAX_CONTENT_LENGTH`` is not set.
 
         :raises ConfigurationError: when the configuration is invalid, or when ``app`` was already
             initialised by an :class:`Idempotency` instance.
@@ -153,14 +137,9 @@ class Idempotency:
         return settings, sessions
 
     def _placement_check(self, app: Flask) -> Callable[[], None]:
-        """A ``before_request`` hook that refuses to serve while a decorated view is not its route's view.
-
-        ``@idem.idempotent()`` placed above ``@app.post(...)`` lets Flask register the undecorated view
-        and returns a wrapper that nothing calls: the route would run with no idempotency at all. The
-        views are compared once, at the first request, when every blueprint is registered. Then too, a
-        decorated endpoint whose routes answer no write method is named in a warning: the decorator
-        runs before the route decorator, so the methods are known only now.
-        """
+        """A ``before_request`` hook that refuses to serve while a decorated view is not its route's view
+        (the decorator placed above ``@app.post``). It compares them at the first request, once every
+        blueprint is registered; the routes' methods are known only then too."""
         misplaced: list[str] | None = None
 
         def check() -> None:
@@ -202,35 +181,25 @@ class Idempotency:
 
         The view runs in one transaction on :attr:`connection`; its writes, the key record and the stored
         response are committed together. GET, HEAD, OPTIONS and TRACE requests pass through untouched.
-        Options left as ``None`` take the application's configuration.
+        Options left as ``None`` take the application's configuration. The view may be ``async def``
+        (with ``flask[async]``), run to completion inside the key's transaction.
 
         :param scope: overrides the extension's scope function for this route.
-        :param required: whether a request without ``Idempotency-Key`` is refused (400). When not
-            required, such a request runs the view once in a transaction, without a key. Default:
-            ``IDEM_REQUIRE_KEY``.
+        :param required: whether a request without ``Idempotency-Key`` is refused (400); if not, it runs
+            the view once in a transaction, without a key. Default: ``IDEM_REQUIRE_KEY``.
         :param on_mismatch: ``"reject"`` (422) or ``"replay"`` (the original response) for a reused key
             whose request differs. Default: ``IDEM_ON_MISMATCH``.
-        :param ttl: how long the key is kept, in seconds or as a ``timedelta``. Default:
-            ``IDEM_KEY_TTL``.
-        :param flow: makes the route multi-step (:mod:`flask_idem.flow`): the view records the intent in
-            a short transaction and returns it as a ``dict``, and the flow's steps do the rest, each in
-            its own short transaction or, for calls outside, with no transaction at all. A key is
-            always required.
-        :param key_from: where the key comes from, for a request that cannot send the header: a function
-            returning the key's values in the request, validated like the header's (one UUID; none means
-            no key), e.g. ``lambda: request.form.getlist("idempotency_key")`` for a plain HTML form.
-            The body is read for the fingerprint before it is called. Default: the
-            ``Idempotency-Key`` header.
-        :param fingerprint: what counts as the same request (:class:`~flask_idem.Fingerprint`): parts of
-            the body left out or picked by JSON Pointer, headers, a function. Default: the method, path,
-            query, media type and the whole body (:doc:`/fingerprints`).
-        :param store_response: what is kept of the route's answers for retries: ``"full"``; ``"location"``,
-            a 2xx kept as its status and ``Location`` only and replayed as ``303 See Other`` there, for
-            answers that hold a secret; or ``"encrypted"``, the body encrypted with
-            ``IDEM_RESPONSE_KEYS``. Atomic routes only.
-
-        The view may be ``async def`` (with ``flask[async]`` installed): Flask runs it to completion, with
-        its awaitables, inside the key's transaction, and ``idem.connection`` works in it.
+        :param ttl: how long the key is kept, in seconds or as a ``timedelta``. Default: ``IDEM_KEY_TTL``.
+        :param flow: makes the route multi-step (:doc:`/flows`): the view returns the intent as a
+            ``dict`` and the flow's steps do the rest. A key is always required.
+        :param key_from: a function returning the key's values in the request, for a request that cannot
+            send the header (``lambda: request.form.getlist("idempotency_key")`` for an HTML form),
+            validated like the header's.
+        :param fingerprint: what counts as the same request (:doc:`/fingerprints`). Default: the method,
+            path, query, media type and the whole body.
+        :param store_response: what is kept of the route's answers (:doc:`/responses`): ``"full"``,
+            ``"location"`` (a 2xx replayed as ``303 See Other`` to its ``Location``) or ``"encrypted"``
+            (with ``IDEM_RESPONSE_KEYS``). Atomic routes only.
 
         :raises ConfigurationError: at decoration time, when there is no scope, an option is invalid, or the
             view is ``async def`` and asgiref (``flask-idem[async]``) is not installed.
@@ -272,9 +241,7 @@ class Idempotency:
         if flow is not None:
             if required is False:
                 raise ConfigurationError("A multi-step route always requires an Idempotency-Key.")
-            known = self._flows.setdefault(flow.name, flow)
-            if known is not flow:
-                raise ConfigurationError(f"Two flows are named {flow.name!r}; flow names must be unique.")
+            self.add_flow(flow)
         if fingerprint is not None and not isinstance(fingerprint, Fingerprint):
             raise ConfigurationError(f"fingerprint= takes a flask_idem.Fingerprint, not {fingerprint!r}.")
         store = parse_store_response("store_response", store_response)
@@ -306,8 +273,7 @@ class Idempotency:
         options: OptionsT,
         attr: str,
     ) -> F:
-        """The wrapper of ``view`` that hands each request to a door's ``handle`` with the route's
-        ``options`` (set on the wrapper as ``attr``), known to the placement check."""
+        """``view`` wrapped to hand each request to a door's ``handle`` with ``options`` (set as ``attr``)."""
         run = synchronous(view, "view")
 
         @functools.wraps(view)
@@ -331,19 +297,14 @@ class Idempotency:
                 ...
                 return "", 204
 
-        A delivery is verified first, on its raw body, before any database work: one that fails is
-        answered ``400`` (problem+json naming the check) and writes nothing. The event id is recorded
-        scoped to the source, in the view's transaction on :attr:`connection`: the view's writes and
-        "handled" commit together. A view that raises (or answers a ``5xx``) rolls both back and is
-        answered ``500``, so the provider delivers the event again. A redelivery of a handled event is
-        answered with the first delivery's answer and the view does not run; one that arrives while the
-        first is running is answered ``409`` with ``Retry-After``; one older than the source's window
-        ``200``.
+        A delivery is verified on its raw body before any database work (``400`` and nothing written
+        when it fails). The event id is recorded in the view's transaction on :attr:`connection`, so the
+        view's writes and "handled" commit together; a redelivery is answered with the first answer and
+        the view does not run.
 
         :param source: how to verify a delivery and read its event id (:mod:`flask_idem.webhooks`).
-        :param scope: for one source serving several of the application's tenants (accounts,
-            endpoints) whose event ids are unique only per tenant: a function returning the tenant of
-            the delivery being handled (e.g. from the URL). Default: the source's event ids are unique.
+        :param scope: for a source whose event ids are unique only per tenant: a function returning the
+            tenant of the delivery being handled. Default: the source's event ids are unique.
         :raises ConfigurationError: at decoration time, when ``source`` is not a webhook source.
         """
         if not isinstance(source, Source):
@@ -370,8 +331,7 @@ class Idempotency:
     def add_flow(self, flow: Flow) -> None:
         """Make ``flow`` known to the recovery job (``flask idem recover``) of this extension's applications.
 
-        :meth:`idempotent` does it for a route's flow, and a task decorator
-        (:meth:`flask_idem.celery.CeleryJobs.task`) for a task's.
+        :meth:`idempotent` and :meth:`flask_idem.jobs.Jobs.task` do it for their flows.
 
         :raises ConfigurationError: when another flow has the same name.
         """
@@ -383,8 +343,7 @@ class Idempotency:
         """Create the current application's key table in the latest layout, or upgrade it
         (``flask idem init-db``), on a connection of its own; safe to run twice, and at once.
 
-        :raises ConfigurationError: when this code cannot run on the table then (a newer flask-idem's
-            layout, left as it is); the message says what to deploy.
+        :raises ConfigurationError: when this code cannot run on the table then (a newer layout).
         """
         state = get_state()
         settings = state.settings
@@ -401,10 +360,9 @@ class Idempotency:
     def check_layout(self) -> None:
         """Check now that the current application's key table exists in a layout this flask-idem runs on.
 
-        The extension checks it by itself at the first use of the database in each application (the
-        first write request, or a ``flask idem`` command), since ``init_app`` must not touch the
-        database. Call this where a deployment should fail early instead: a readiness probe, gunicorn's
-        ``post_worker_init``, a start-up script. Once it passed, it costs nothing.
+        The extension checks it by itself at the first use of the database; call this where a deployment
+        should fail early instead (a readiness probe, gunicorn's ``post_worker_init``). Once passed, it
+        costs nothing.
 
         :raises ConfigurationError: when the table is missing, older than this code runs on, or newer
             than it knows; the message names the command to run.
@@ -415,14 +373,10 @@ class Idempotency:
         """A sentence when the current application's key table runs out of partitions soon, else
         ``None``.
 
-        ``flask idem purge`` makes the partitions a key's expiry needs ahead of time, and a key that
-        expires after the newest partition cannot be written. The sentence comes when the newest ends
-        less than half of :data:`IDEM_PARTITION_AHEAD` past the longest retention: purge has not run
-        for days. It says when the newest ends and names the command to run. Catalog queries only, on a
-        connection of the application's: cheap enough for a readiness probe, which should report it,
-        not fail on it (every process would fail alike, and more partitions are what is missing, not
-        fewer servers); the shop's ``GET /health/ready`` answers it in ``warnings``. ``flask idem
-        stats`` and the metrics warn the same way (:doc:`/retention`).
+        The sentence comes when the newest ends less than half of :data:`IDEM_PARTITION_AHEAD` past the
+        longest retention (``flask idem purge`` has not run for days); it names the command to run.
+        Catalog queries only: cheap enough for a readiness probe, which should report it, not fail on it
+        (:doc:`/retention`).
         """
         state = get_state()
         with state.source.connection() as conn:
@@ -432,9 +386,7 @@ class Idempotency:
     def close(self) -> None:
         """Close the current application's connection pool in this process.
 
-        Call it when an application is done with (at the end of a test, or before a process exits
-        without ``atexit``); a later use opens a new pool. With ``sqlalchemy=`` there is no pool of the
-        extension's own, and this does nothing: the engine is the application's.
+        A later use opens a new pool. With ``sqlalchemy=`` it does nothing: the engine is the application's.
         """
         get_state().source.close()
 
@@ -442,9 +394,8 @@ class Idempotency:
     def connection(self) -> psycopg.Connection[TupleRow]:
         """The psycopg connection of the running idempotent view, inside its transaction.
 
-        Use it for every write the view makes, so that those writes commit together with the key
-        record. Do not commit or roll back yourself; nested ``with conn.transaction():`` blocks
-        (savepoints) are fine. With ``sqlalchemy=`` it is the connection under ``db.session``.
+        Use it for every write the view makes, so that they commit with the key record. Do not commit or
+        roll back yourself; savepoints are fine. With ``sqlalchemy=``, the connection under ``db.session``.
 
         :raises RuntimeError: outside an idempotent view handling a write request.
         """
@@ -454,8 +405,7 @@ class Idempotency:
     def key(self) -> uuid.UUID | None:
         """The ``Idempotency-Key`` of the running idempotent view's request.
 
-        ``None`` when the route does not require a key and the request came without one. Use it to
-        derive keys for calls the view makes elsewhere, or as a unique column of the rows it creates.
+        ``None`` when the route does not require a key and the request came without one.
 
         :raises RuntimeError: outside an idempotent view handling a write request.
         """
@@ -468,12 +418,10 @@ class Idempotency:
             with idem.deadline(1.0), idem.pool.connection() as conn:
                 conn.execute("SELECT 1")  # a readiness check: answered within a second, or 503
 
-        Connections borrowed in the block (from :attr:`pool`, or by an idempotent view) are cut when
-        the time is spent, and a borrow after that raises :class:`DeadlineExceeded` at once. Inside a
-        request the block gets at most what is left of the request's deadline, and what it spends counts
-        there too. ``None``:
-        no deadline at all, for a long maintenance query; the server's own ``statement_timeout`` still
-        applies (``SET LOCAL statement_timeout = 0`` in a transaction lifts it).
+        Connections borrowed in the block are cut when the time is spent, and a borrow after that raises
+        :class:`DeadlineExceeded` at once. Inside a request the block gets at most what is left of the
+        request's deadline. ``None``: no deadline at all, for a long maintenance query (the server's
+        ``statement_timeout`` still applies).
         """
         return _deadline.budget(seconds if seconds is not None else math.inf)
 
@@ -481,8 +429,7 @@ class Idempotency:
     def settings(self) -> Settings:
         """The current application's configuration, as ``init_app`` read and checked it (read-only).
 
-        For code of the application that needs what flask-idem was told, such as the key table's name
-        (``idem.settings.table``), whether it is distributed on Citus, or the ``Retry-After`` it sends.
+        For code that needs what flask-idem was told, such as the key table's name (``idem.settings.table``).
 
         :raises RuntimeError: when flask-idem was not initialised on the current application.
         """
@@ -494,8 +441,6 @@ class Idempotency:
 
             with idem.pool.connection() as conn:
                 rows = conn.execute("SELECT ...").fetchall()
-
-        It is opened on first use in each process, so it is safe in a pre-fork server's master.
 
         :raises ConfigurationError: with ``sqlalchemy=``, where the application's engine is the pool.
         """
@@ -509,8 +454,7 @@ class Idempotency:
 
 
 def _warn_read_only(app: Flask) -> None:
-    """Log a warning for each decorated endpoint of ``app`` whose routes answer only methods that pass
-    through the decorator untouched (``GET``, ``HEAD``, ``OPTIONS``, ``TRACE``)."""
+    """Warn of each decorated endpoint of ``app`` whose routes answer only methods passed through."""
     methods: dict[str, set[str]] = {}
     for rule in app.url_map.iter_rules():
         view = app.view_functions.get(rule.endpoint)

@@ -1,11 +1,8 @@
 """A privilege the application's role lacks: which grant is missing, and the command that gives it.
 
-PostgreSQL refuses a statement on an object the role may not use with ``InsufficientPrivilege``
-(SQLSTATE 42501) and a message that names the object's kind and name and nothing else ("permission denied
-for table idempotency_keys_tombstones"), so the message may be logged. Such an error is the deployment's
-problem, not the client's, and it is over once the grant is given: every door answers it as a store that
-is unavailable for now (a request or a webhook delivery: 503, ``Retry-After``, ``retryable: true``; a job
-or a recovery pass: tried again later), and :func:`report` says in the log what to grant and how, once
+PostgreSQL's ``InsufficientPrivilege`` (SQLSTATE 42501) names the object's kind and name and nothing
+else, so its message may be logged. It is the deployment's problem, over once the grant is given: every
+door answers it as a store unavailable for now, and :func:`report` says in the log what to grant, once
 per cause and route (or task) every :data:`REPEAT` seconds rather than once per request.
 """
 

@@ -1,10 +1,8 @@
-"""What the HTTP doors of the key protocol share: the request door (:mod:`._view`) and the webhook door
+"""What the HTTP doors of the key protocol share: the request door (:mod:`._view`), the webhook door
 (:mod:`._webhook`), and the recovery door (:mod:`.recovery`) where it finishes a request's run.
 
-Calling a view with its connection on :data:`flask.g` (:func:`call_view`), rendering the 4xx a view
-raises (:func:`render`), a response as the protocol's final answer (:func:`final_response`,
-:class:`ResponseDoor`), the key table's readiness at the first write (:func:`ready`), and the one
-boundary where a driver error leaving an HTTP door becomes an HTTP error (:func:`database_failure`).
+Among them the one boundary where a driver error leaving an HTTP door becomes an HTTP error
+(:func:`database_failure`).
 """
 
 from __future__ import annotations
@@ -191,12 +189,9 @@ class ResponseDoor:
 
 
 def ready(state: IdemState) -> None:
-    """Check the key table's layout at the first write request (:meth:`.IdemState.check_layout`).
-
-    A missing or unusable key table is the deployment's problem, not the client's, and it ends once the
-    migration has run: the request is answered 503 with ``Retry-After`` (nothing was recorded; a retry
-    with the same key is safe), and the error, with the command to run, goes to the log.
-    """
+    """Check the key table's layout at the first write request (:meth:`.IdemState.check_layout`): an
+    unusable one is the deployment's problem, over once the migration has run, so the request is
+    answered 503 (nothing was recorded) and the command to run goes to the log."""
     try:
         state.check_layout()
     except ConfigurationError as e:
@@ -207,10 +202,8 @@ def ready(state: IdemState) -> None:
 def database_failure(
     state: IdemState, error: psycopg.Error, org_id: int | None, key: uuid.UUID | None
 ) -> IdempotencyError:
-    """The HTTP error for a driver error leaving an HTTP door (:func:`.errors.database_error`): ``503``
-    when the key table is out of reach, with :data:`.signals.store_unavailable` sent
-    (:func:`._protocol.unavailable`), ``500`` otherwise. ``org_id`` and ``key`` are ``None`` when not
-    known yet."""
+    """The HTTP error for a driver error leaving an HTTP door (:func:`.errors.database_error`), with
+    :data:`.signals.store_unavailable` sent when the key table is out of reach."""
     settings = state.settings
     answer = database_error(error, retry_after=settings.retry_after, key_table=settings.table)
     _protocol.unavailable(state, error, org_id, key)

@@ -35,11 +35,9 @@ _MORE_THAN_ONE = (
 def parse_key(values: Sequence[str]) -> uuid.UUID | None:
     """Return the idempotency key carried by the header values of one request.
 
-    :param values: every value of the ``Idempotency-Key`` header, as
-        ``request.headers.getlist("Idempotency-Key")`` returns them.
+    :param values: every value of the ``Idempotency-Key`` header.
     :return: the key, or ``None`` when the header is absent.
-    :raises InvalidKey: when the header is present but is not exactly one UUID. The problem detail
-        says what is wrong without echoing the value back.
+    :raises InvalidKey: when it is not exactly one UUID (the detail never echoes the value).
     """
     if not values:
         return None

@@ -1,20 +1,12 @@
 """The loop of a worker that runs passes until told to stop: the recovery job's and the outbox relay's.
 
-One loop, so that both handle trouble the same way (``flask idem recover --loop``, ``flask idem relay
---loop``, :func:`flask_idem.recovery.run_forever`, :func:`flask_idem.relay.relay_forever`):
-
-- a pass that handled something is handed to ``on_pass`` and logged at ``INFO`` on the ``flask_idem``
-  logger; a pass that handled ``limit`` items (more may be waiting) is followed by the next one at once,
-  any other after ``interval`` seconds, or as soon as ``stop`` is set;
-- a database error (:class:`psycopg.Error`, a pool timeout included) is logged as a ``WARNING`` with its
-  class and SQLSTATE, never its message (which may quote values), and the loop goes on after the pause; a
-  privilege the role lacks is logged as an ``ERROR`` too, with the grant and the command that gives it;
-- a :class:`~flask_idem.errors.ConfigurationError` (the table is not there yet: a migration may come)
-  is logged as an ``ERROR`` with its message, and the loop goes on after the pause;
-- any other exception is logged as an ``ERROR`` with its class only, for the same reason, and the loop
-  goes on after the pause: a worker thread must not die silently while its application serves;
-- ``KeyboardInterrupt`` and ``SystemExit`` are not caught: they end the loop and propagate. The CLI turns
-  SIGINT and SIGTERM into ``stop`` instead, so that the pass under way finishes first.
+One loop, so that both handle trouble the same way: a pass that handled ``limit`` items is followed by
+the next at once, any other after ``interval`` seconds or when ``stop`` is set. A database error is
+logged with its class and SQLSTATE, never its message (which may quote values), a missing grant with
+the command that gives it, a :class:`~flask_idem.errors.ConfigurationError` with its message, any other
+exception with its class only; the loop goes on after the pause, since a worker thread must not die
+silently while its application serves. ``KeyboardInterrupt`` and ``SystemExit`` end it (the CLI turns
+SIGINT and SIGTERM into ``stop``, so that the pass under way finishes first).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""The outbox table of background jobs: every SQL statement about it (``_outbox.sql``; the key table's are
-in :mod:`._store`).
+"""The outbox table of background jobs: every SQL statement about it (``_outbox.sql``).
 
 A message is written in the caller's transaction (:meth:`Outbox.write`), so it exists exactly when the
-request's writes and key commit. The relay claims unsent messages under a short lease (``FOR UPDATE
-SKIP LOCKED``, a token, COMMIT: no lock is held while it publishes), publishes each, and marks it sent
-under its token. Several relays may run at once; a message whose relay died is claimed again when its
-lease lapses, and so published at least once.
+request's writes and key commit. The relay claims unsent messages under a short lease (``FOR UPDATE SKIP
+LOCKED``, a token, COMMIT: no lock is held while it publishes), publishes each, and marks it sent under
+its token; a message whose relay died is claimed again when its lease lapses.
 """
 
 from __future__ import annotations

@@ -3,16 +3,10 @@
 
 It reserves a key (atomically, in the transaction of the work's writes, or under a lease for a
 multi-step run), sorts what is already there into an outcome (:class:`InFlight`, :class:`Mismatch`,
-:class:`Tombstone`, :class:`Replay`), completes the key, takes a stranded run over and gives one up.
-It speaks in records and outcomes and knows nothing of HTTP: a door hands it a :class:`Claim` and a
-callable doing its own work, which answers a :class:`._records.Final` (the door's own value and what the
-key table keeps of it), and maps the outcomes to its world (a response, a sender's 2xx, a delivery's
-result). The multi-step engine that advances a run after its intent is :mod:`._steps`.
-
-Every outcome is announced here, once, with its signal (:mod:`.signals`); what a signal reports of the
-door's answer (a status) is the door's word, handed over in the claim (:attr:`Claim.reported`). The rules
-every door shares live here too: how long a lease lasts (:func:`lease_seconds`), and when a database error
-means the key table is out of reach (:func:`unavailable`).
+:class:`Tombstone`, :class:`Replay`), completes the key, takes a stranded run over and gives one up. It
+knows nothing of HTTP: a door hands it a :class:`Claim` and a callable doing its own work, which answers
+a :class:`._records.Final`, and maps the outcomes to its world. Every outcome is announced here, once,
+with its signal; the rules every door shares live here too (:func:`lease_seconds`, :func:`unavailable`).
 """
 
 from __future__ import annotations
@@ -83,8 +77,7 @@ class Claim:
     #: ``None``: only the same fingerprint is the same work.
     earlier: Callable[[bytes], bool] | None = None
     #: The status the signals report for a :class:`Replay` or a :class:`Tombstone`, in the door's words
-    #: (a request's ``303`` or ``410`` for a tombstone, a webhook sender's ``200``); the protocol passes
-    #: it on and reads nothing in it. ``None``: the stored answer's own ``status``, if it has one.
+    #: (a request's ``303`` or ``410`` for a tombstone); ``None``: the stored answer's own ``status``.
     reported: Callable[[Replay | Tombstone], int | None] | None = None
 
     def same(self, request_sha: bytes) -> bool:
@@ -160,16 +153,15 @@ def classify(record: KeyRecord | None, claim: Claim) -> Existing:
 def announce(outcome: Existing, claim: Claim) -> None:
     """Send the signal of ``outcome`` for ``claim``."""
     keyed = claim.request
-    org_id, key = keyed.org_id, keyed.key
     if isinstance(outcome, InFlight):
-        signals.send(signals.key_in_flight, org_id=org_id, key=key)
+        signals.send_for(signals.key_in_flight, keyed)
     elif isinstance(outcome, Mismatch):
-        signals.send(signals.mismatch_rejected, org_id=org_id, key=key)
+        signals.send_for(signals.mismatch_rejected, keyed)
     elif isinstance(outcome, Tombstone):
-        signals.send(signals.tombstone_hit, org_id=org_id, key=key, status=_reported(outcome, claim))
+        signals.send_for(signals.tombstone_hit, keyed, status=_reported(outcome, claim))
     else:
         replayed = signals.mismatch_replayed if outcome.mismatched else signals.response_replayed
-        signals.send(replayed, org_id=org_id, key=key, status=_reported(outcome, claim))
+        signals.send_for(replayed, keyed, status=_reported(outcome, claim))
 
 
 def _reported(outcome: Replay | Tombstone, claim: Claim) -> int | None:
@@ -186,9 +178,7 @@ def _reported(outcome: Replay | Tombstone, claim: Claim) -> int | None:
 def stored(keyed: KeyedRequest, flow: str | None, final: Final[Any]) -> None:
     """Announce a final answer committed just now (:data:`.signals.response_stored`)."""
     if final.document is not None and not final.failed:
-        signals.send(
-            signals.response_stored, org_id=keyed.org_id, key=keyed.key, flow=flow, status=final.status
-        )
+        signals.send_for(signals.response_stored, keyed, flow=flow, status=final.status)
 
 
 # -- atomic: the key and the work's writes commit together --------------------------------------------
@@ -199,10 +189,9 @@ def atomic(
 ) -> Final[T] | Existing:
     """Reserve ``claim``'s key and run ``work`` in one transaction, storing its final answer with it.
 
-    ``work`` runs only when this transaction reserved the key, on its connection; what it answers is
-    stored with ``COMMIT`` (a failed answer rolls everything back, the reservation too). When the key is
-    taken, nothing is written and what it holds is returned. An exception ``work`` raises rolls the
-    transaction back and propagates.
+    ``work`` runs only when this transaction reserved the key; what it answers is stored with ``COMMIT``
+    (a failed answer, or an exception, rolls everything back, the reservation too). When the key is
+    taken, nothing is written and what it holds is returned.
     """
     keyed = claim.request
 
@@ -212,7 +201,7 @@ def atomic(
             # Returned, not raised: the transaction ends with a COMMIT (a ROLLBACK would make psycopg
             # forget the connection's prepared statements), and nothing was written.
             return classify(found.record, claim)
-        signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=None)
+        signals.send_for(signals.key_reserved, keyed, flow=None)
         final = work(conn)
         if final.document is not None and not final.failed:
             state.store.complete(conn, keyed, final.document)
@@ -256,10 +245,9 @@ def begin(
     """Reserve ``claim``'s key under ``lease`` and record the intent ``start`` makes, in one short
     transaction; or take a stranded run of the key over (one winner among concurrent attempts).
 
-    ``start`` runs on the transaction's connection when the key was reserved; it answers the intent (a
-    JSON object) or, when the work ended at once, its :class:`Final` answer, stored and returned. The
-    :class:`.flow.Run` returned is advanced by :func:`._steps.advance`; a taken-over one resumes after
-    its last finished step.
+    ``start`` runs when the key was reserved; it answers the intent (a JSON object) or, when the work
+    ended at once, its :class:`Final` answer. The :class:`.flow.Run` returned is advanced by
+    :func:`._steps.advance`.
 
     :raises LeaseLost: the row reserved could not be written to again in the same transaction (as when
         its partition's detach began meanwhile): nothing was committed, and the key may be tried again.
@@ -270,7 +258,7 @@ def begin(
     def body(conn: psycopg.Connection[TupleRow]) -> Run | Final[T] | Existing:
         found = state.store.reserve(conn, keyed, ttl=claim.ttl, flow=flow.name, lease=lease)
         if found.reserved:
-            signals.send(signals.key_reserved, org_id=keyed.org_id, key=keyed.key, flow=flow.name)
+            signals.send_for(signals.key_reserved, keyed, flow=flow.name)
             intent = start(conn)
             if isinstance(intent, Final):
                 if intent.document is not None and not intent.failed:
@@ -298,13 +286,7 @@ def begin(
     started = in_transaction(state.source, body, batched=True)
     if isinstance(started, Run):
         if started.resumed:
-            signals.send(
-                signals.lease_taken_over,
-                org_id=keyed.org_id,
-                key=keyed.key,
-                flow=flow.name,
-                step=started.last_step,
-            )
+            signals.send_for(signals.lease_taken_over, keyed, flow=flow.name, step=started.last_step)
     elif isinstance(started, Final):
         stored(keyed, flow.name, started)
     else:
@@ -340,9 +322,8 @@ def give_up(
 ) -> bool | Existing:
     """Mark ``claim``'s key failed with ``document`` as its answer, flagged for a person.
 
-    The row is reserved anew under ``lease`` (an atomic run's attempts left none) or taken over (a run
-    whose lease lapsed). When another attempt holds or finished the key meanwhile, nothing is written
-    and what it holds is returned.
+    The row is reserved anew under ``lease`` or taken over (a run whose lease lapsed). When another
+    attempt holds or finished the key meanwhile, nothing is written and what it holds is returned.
     """
 
     def mark(conn: psycopg.Connection[TupleRow]) -> bool | Existing:

@@ -1,7 +1,5 @@
-"""The records of the key table: what the store takes (a key, a request, a lease) and what it answers.
-
-Rows come back from the store's statements as dictionaries and are bound to these by column name.
-"""
+"""The records of the key table: what the store takes (a key, a request, a lease) and what it answers,
+bound to the statements' rows by column name."""
 
 from __future__ import annotations
 
@@ -172,21 +170,16 @@ class TableStats:
     #: ``pg_total_relation_size`` of the table (with its indexes and TOAST), and the indexes alone.
     total_bytes: int
     index_bytes: int
-    #: When asked for: the rows of each range of ``expires_at``
-    #: the bounds given end (each partition's), and one more range past the last bound; counted, not
-    #: estimated. Likewise the compact tombstones by range (live or not).
+    #: When asked for: the rows of each partition's range of ``expires_at`` (and one past the last bound),
+    #: counted, not estimated; likewise the compact tombstones.
     keys_by_range: list[RangeRows] = field(default_factory=list)
     tombstones_by_range: list[RangeRows] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """What :meth:`Store.reserve` found.
-
-    ``reserved`` is true when this transaction inserted the row and now owns the key. Otherwise
-    ``record`` is the committed row, or ``None`` when another transaction holds the key and has not
-    committed yet (the request is in flight).
-    """
+    """What :meth:`Store.reserve` found: ``reserved`` when this transaction owns the key; else ``record``
+    is the committed row, or ``None`` while another transaction holds the key uncommitted (in flight)."""
 
     reserved: bool
     record: KeyRecord | None = None

@@ -1,14 +1,6 @@
-"""Stored responses: what is kept of a view's answer, and how a retry gets it back.
-
-Shared by the request and webhook doors (:mod:`._view`, :mod:`._webhook`), the multi-step engine
-(:mod:`._steps`) and the recovery door (:mod:`.recovery`).
-
-What a stored response may hold is the route's choice (``store_response``):
-
-- ``"full"``: status, the allow-listed headers and the body, byte for byte;
-- ``"location"``: for a 2xx, its status and ``Location`` only, replayed as ``303 See Other`` there: for
-  answers that carry a secret the retry must not get again (other statuses are kept in full);
-- ``"encrypted"``: as ``"full"``, with the body encrypted at rest (:mod:`._cipher`).
+"""Stored responses: what is kept of a view's answer (the route's ``store_response``: ``"full"``,
+``"location"`` or ``"encrypted"``, :doc:`/responses`), and how a retry gets it back; shared by every door
+that answers HTTP, the multi-step engine and recovery.
 
 A body larger than ``IDEM_MAX_RESPONSE_BYTES`` is never stored cut short, nor left unstored while the
 request's writes commit: the request is refused with :class:`.ResponseNotStored` (500) and rolled back.
@@ -24,6 +16,7 @@ from typing import Any, Literal, TypeAlias
 from flask import Response
 
 from ._cipher import ResponseCipher
+from ._settings import parse_choice
 from .errors import OperationFailed, ResponseNotStored, StoredResponseUnreadable
 
 __all__ = [
@@ -54,12 +47,7 @@ NEVER_REPLAYED = frozenset({"set-cookie", "authorization", "proxy-authorization"
 
 def parse_store_response(name: str, value: Any) -> StoreResponse:
     """``value`` as a :data:`StoreResponse` choice; ``name`` is the option it came from."""
-    from .errors import ConfigurationError
-
-    for choice in STORE_CHOICES:
-        if value == choice:
-            return choice
-    raise ConfigurationError(f"{name} must be 'full', 'location' or 'encrypted', not {value!r}.")
+    return parse_choice(name, value, STORE_CHOICES)
 
 
 def record_response(
@@ -73,14 +61,10 @@ def record_response(
 ) -> dict[str, Any]:
     """The JSON document stored for a response: status, the headers worth replaying, and the body.
 
-    ``replay_headers`` are the lower-case names of the headers to keep (``IDEM_REPLAY_HEADERS``; never
-    :data:`NEVER_REPLAYED`).
+    ``replay_headers`` are the lower-case names of the headers to keep (never :data:`NEVER_REPLAYED`).
+    The body is kept as text when it is UTF-8 without NUL characters (which ``jsonb`` cannot hold), as
+    base64 otherwise, so a replay is byte for byte the original.
 
-    The body is kept as text when it is UTF-8 without NUL characters (which ``jsonb`` cannot hold), and
-    as base64 otherwise, so a replay is byte for byte the original. Streamed and file responses are read
-    into memory first, at most ``max_bytes`` of them: the client is then sent what was read.
-
-    :param store: what to keep (see the module's documentation).
     :param codec: encrypts the body when ``store`` is ``"encrypted"``.
     :param request: what the route's fingerprint policy keeps of the request (:mod:`._policy`).
     :raises ResponseNotStored: the body is over ``max_bytes``, or a 2xx under ``"location"`` has no

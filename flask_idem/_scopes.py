@@ -1,19 +1,8 @@
 """Organisation ids that are not integers: UUID and text tenant ids mapped to the key table's ``bigint``.
 
-The key table keys rows by ``(org_id bigint, idem_key uuid)``, and the advisory lock of a key is derived
-from the same pair. Applications whose tenants are UUIDs or strings map them with :func:`scope_id`::
-
-    idem = Idempotency(scope=lambda: scope_id(current_user.tenant_id) if current_user else None)
-
-The mapping is a keyed BLAKE2b hash cut to 63 bits, so it is deterministic across processes, machines and
-releases (it must never change: stored keys are found by it) and non-negative.
-
-Collisions: with ``n`` tenants, the chance that any two share an id is about ``n**2 / 2**64`` (the birthday
-bound over 2**63 values): about one in 18 million for a million tenants, below one in a million up to four
-million. Two tenants that did share an id
-would share one key namespace; their keys, random UUIDs of 122 bits that each client generates, would
-still have to coincide for one to see the other's answer, so the scope stays a namespace and never an
-authorisation check (which the application makes before the view runs, as ever).
+The mapping is a keyed BLAKE2b hash cut to 63 bits: deterministic across processes and releases (it must
+never change: stored keys are found by it). What a collision would mean, and why the scope is a
+namespace and never an authorisation check, is in :doc:`/http`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The ``IDEM_*`` settings of one application, read and checked once by ``init_app``.
 
 :data:`SETTINGS` is the table of every key: its parser and check, its default and a line on what it is
-for. :class:`Settings` (``init_app``), :meth:`JobPolicy.from_config <flask_idem.jobs.JobPolicy.from_config>`
-and the background jobs' state read their keys through it, and ``docs/config.rst`` mirrors it (a test
-holds them together).
-
-Also the types of the options a route can override (:data:`ScopeFunc`, :data:`OnMismatch`) and their
-validators, shared by the configuration and by :meth:`.Idempotency.idempotent`.
+for; every reader goes through it, and ``docs/config.rst`` mirrors it (a test holds them together). Also
+the types and validators of the options a route can override.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -34,10 +30,13 @@ __all__ = [
     "Settings",
     "check_database_url",
     "parse_connect_options",
+    "parse_choice",
     "parse_on_mismatch",
     "parse_seconds",
     "table_parts",
 ]
+
+T = TypeVar("T")
 
 #: The scope callable: returns the authenticated organisation's id, or ``None`` when the request is not
 #: authenticated (answered 401).
@@ -92,12 +91,18 @@ def _positive_int(name: str, value: Any) -> int:
     raise ConfigurationError(f"{name} must be a non-negative integer, not {value!r}.")
 
 
-def parse_on_mismatch(name: str, value: Any) -> OnMismatch:
-    """``value`` as an :data:`OnMismatch` policy; ``name`` is the setting it came from."""
-    for choice in _MISMATCH_CHOICES:
+def parse_choice(name: str, value: Any, choices: tuple[T, ...]) -> T:
+    """``value`` as one of ``choices``; ``name`` is the setting or option it came from."""
+    for choice in choices:
         if value == choice:
             return choice
-    raise ConfigurationError(f"{name} must be 'reject' or 'replay', not {value!r}.")
+    listed = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
+    raise ConfigurationError(f"{name} must be {listed}, not {value!r}.")
+
+
+def parse_on_mismatch(name: str, value: Any) -> OnMismatch:
+    """``value`` as an :data:`OnMismatch` policy; ``name`` is the setting it came from."""
+    return parse_choice(name, value, _MISMATCH_CHOICES)
 
 
 def table_parts(table: object) -> list[str]:
@@ -307,23 +312,15 @@ class Settings:
     recovery_deadline: float = _default("IDEM_RECOVERY_DEADLINE")
     recovery_backoff: float = _default("IDEM_RECOVERY_BACKOFF")
     recovery_backoff_cap: float = _default("IDEM_RECOVERY_BACKOFF_CAP")
-    #: How long a key is remembered after its stored response expired (``IDEM_TOMBSTONE_TTL``).
     tombstone_ttl: float = _default("IDEM_TOMBSTONE_TTL")
-    #: The time range of one partition of the key table (``IDEM_PARTITION_INTERVAL``), layout 4 on.
     partition_interval: float = _default("IDEM_PARTITION_INTERVAL")
-    #: How far past the longest retention ``flask idem purge`` makes partitions (``IDEM_PARTITION_AHEAD``).
     partition_ahead: float = _default("IDEM_PARTITION_AHEAD")
-    #: libpq parameters over the pool's defaults (``IDEM_CONNECT_OPTIONS``); ``None`` removes a default.
     connect_options: Mapping[str, str | int | None] = field(
         default_factory=lambda: _default("IDEM_CONNECT_OPTIONS"), repr=False
     )
-    #: A request's database time in all, kept by the client (``IDEM_DATABASE_DEADLINE``); ``None``: none.
     database_deadline: float | None = _default("IDEM_DATABASE_DEADLINE")
-    #: The largest response body kept for retries (``IDEM_MAX_RESPONSE_BYTES``).
     max_response_bytes: int = _default("IDEM_MAX_RESPONSE_BYTES")
-    #: Keys of ``store_response="encrypted"`` routes (``IDEM_RESPONSE_KEYS``), the first encrypting.
     response_keys: tuple[str, ...] = field(default=_default("IDEM_RESPONSE_KEYS"), repr=False)
-    #: How long a migration's statement waits for a lock before its transaction is tried again.
     migration_lock_timeout: float = _default("IDEM_MIGRATION_LOCK_TIMEOUT")
 
     def __repr__(self) -> str:

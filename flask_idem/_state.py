@@ -1,9 +1,8 @@
 """What ``init_app`` keeps for one application, and the one way to reach it.
 
-Everything of the extension that belongs to an application (its settings, its pool, its key store and
-its flows) lives in ``app.extensions["idem"]`` as an :class:`IdemState`. Code reads it through
-:func:`get_state`, never by indexing ``app.extensions`` itself, so that a missing ``init_app`` always gives
-the same helpful error.
+Everything of the extension that belongs to an application lives in ``app.extensions["idem"]`` as an
+:class:`IdemState`, read through :func:`get_state`, so that a missing ``init_app`` always gives the same
+helpful error.
 """
 
 from __future__ import annotations
@@ -60,18 +59,13 @@ class IdemState:
         """Make sure the key table exists in a layout this code runs on: once, at the first use of the
         database, then never again (one flag to read).
 
-        One catalog query on a connection of :attr:`source`, which needs no privilege: the layout, and
-        the columns and indexes the table has, compared with those the code uses. An index of its layout
-        missing is logged, once, as a warning, naming the statement that restores it. Not done by
-        ``init_app``, which must not touch the database: ``flask idem init-db`` and ``flask db upgrade``,
-        which create the table, load the application first (``init_app`` included), and so does a
-        pre-fork server's master; and a database still starting when the application does is a matter
-        of 503s for a moment, not a crash.
+        One catalog query, which needs no privilege; a missing index is logged once, as a warning, with
+        the statement that restores it. Not done by ``init_app``, which must not touch the database
+        (``flask idem init-db`` and ``flask db upgrade`` load the application before the table exists).
 
         :raises ConfigurationError: when the table is missing, has a layout this code cannot run on, or
-            lacks a column or the unique key the code uses (dropped by hand), naming the command that
-            fixes it. Checked again at the next use, so that the application serves as soon as the
-            migration has run.
+            lacks a column or the unique key the code uses, naming the command that fixes it; checked
+            again at the next use.
         """
         if self.layout_checked.is_set():
             return
@@ -111,11 +105,7 @@ class IdemState:
     def create(
         cls, settings: Settings, flows: Mapping[str, Flow], source: ConnectionSource | None = None
     ) -> IdemState:
-        """The state of an application configured with ``settings``.
-
-        Its connections come from ``source`` when given, and otherwise from a pool of its own, opened on
-        first use.
-        """
+        """The state of an application configured with ``settings``, on ``source`` or a pool of its own."""
         source = source or ForkSafeConnectionPool(
             settings.database_url,
             min_size=settings.pool_min_size,

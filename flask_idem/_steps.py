@@ -1,10 +1,8 @@
 """Advancing a multi-step run: the steps after the intent, each guarded by the lease.
 
-Used by every door of the key protocol (:mod:`._protocol`) once a run began or was taken over: a request
-(:mod:`._view`), a background job (:mod:`._delivery`) and the recovery job (:mod:`.recovery`). Every
-transaction here is short and no connection is held during a call step. The engine knows nothing of
-HTTP: what the finish step answers is made into the door's :class:`._records.Final` by the door
-(:class:`Door`).
+Used by every door once a run began or was taken over. Every transaction here is short and no connection
+is held during a call step; what the finish step answers is made into a :class:`._records.Final` by the
+door (:class:`Door`).
 """
 
 from __future__ import annotations
@@ -89,10 +87,9 @@ def advance(
                     _stored(run, early)
                     return early
                 duration = time.perf_counter() - started
-            signals.send(
+            signals.send_for(
                 signals.step_finished,
-                org_id=run.org_id,
-                key=run.key,
+                run,
                 flow=run.flow,
                 step=step.name,
                 outside=step.outside,
@@ -101,7 +98,7 @@ def advance(
             run.last_step = step.name
         final = in_transaction(source, partial(_finish, state, flow, run, lease, door))
     except LeaseLost:
-        signals.send(signals.lease_lost, org_id=run.org_id, key=run.key, flow=run.flow)
+        signals.send_for(signals.lease_lost, run, flow=run.flow)
         raise
     except _Unknown as e:
         release(state, lease, str(e), retry_in)
@@ -117,20 +114,13 @@ def advance(
 
 
 def _stored(run: Run, final: Final[Any]) -> None:
-    signals.send(signals.response_stored, org_id=run.org_id, key=run.key, flow=run.flow, status=final.status)
+    signals.send_for(signals.response_stored, run, flow=run.flow, status=final.status)
 
 
 def _sent_unknown(run: Run, step: Step, cause: BaseException | None) -> None:
     """Signal an unknown outcome, telling :class:`.OutcomeUnknown` apart from any other exception."""
     signal = signals.outcome_unknown if isinstance(cause, OutcomeUnknown) else signals.call_failed
-    signals.send(
-        signal,
-        org_id=run.org_id,
-        key=run.key,
-        flow=run.flow,
-        step=step.name,
-        exception=type(cause).__name__,
-    )
+    signals.send_for(signal, run, flow=run.flow, step=step.name, exception=type(cause).__name__)
 
 
 def _record(
@@ -165,8 +155,7 @@ def _db_step(
         return final
     finally:
         run._connection = None
-    if not state.store.record_step(conn, lease, step.name, result):
-        raise LeaseLost()
+    _record(state, lease, step.name, result, conn)
     state.fire(step.name, conn)
     run.results[step.name] = result
     return None

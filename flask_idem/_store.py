@@ -53,10 +53,8 @@ __all__ = ["Store"]
 
 
 def _cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[DictRow]:
-    """The cursor the store's statements run on: the connection's own when it comes from a pool here.
-
-    Rows come back as dictionaries, so they are bound to the dataclasses above by column name.
-    """
+    """The cursor (of dictionaries) the store's statements run on: the connection's own when it comes
+    from a pool here."""
     if not isinstance(conn, PooledConnection):
         return conn.cursor(row_factory=dict_row)
     cursor = conn._idem_store_cursor
@@ -80,9 +78,8 @@ class Store:
     :param table: the key table's name, optionally schema-qualified (``"idem.keys"``).
     :param tombstone_ttl: seconds a key is remembered, as a tombstone, after its stored response
         expired; 0 forgets it at once.
-    :param distributed: the table is a Citus distributed table (``flask idem migrate`` with
-        ``IDEM_DISTRIBUTED``), and reservations go through its delegated function (the layout's
-        ``distributed_sql``, :mod:`flask_idem.migrations`).
+    :param distributed: the table is a Citus distributed table, and reservations go through its
+        delegated function (:mod:`flask_idem.migrations`).
     """
 
     def __init__(
@@ -117,10 +114,8 @@ class Store:
     ) -> Reservation:
         """Reserve the key of ``request`` inside the transaction open on ``conn``, or report who has it.
 
-        An expired finished row is deleted and the key reserved anew: past its retention period a key
-        is treated as never seen. The caller must run this in a transaction; the reservation lasts until
-        that transaction ends. A multi-step request passes its ``flow`` name and its ``lease``, which
-        outlive the transaction.
+        An expired finished row is deleted and the key reserved anew. The reservation lasts until the
+        transaction ends; a multi-step request's ``flow`` name and ``lease`` outlive it.
         """
         params: dict[str, Any] = {
             "org_id": request.org_id,
@@ -163,18 +158,18 @@ class Store:
                 return _RESERVED
             if row["request_sha"] is None:  # no committed row for the key in this statement's snapshot
                 if not row["taken"]:  # and another transaction holds the key: it is in flight
-                    return Reservation(reserved=False)
+                    return _IN_FLIGHT
                 # The INSERT met a row committed after the snapshot was taken; a new statement sees it.
                 row = cursor.execute(q.lookup, params).fetchone()
                 if row is None:
-                    return Reservation(reserved=False)
+                    return _IN_FLIGHT
             record = KeyRecord(**{name: row[name] for name in RECORD_FIELDS})
             if not record.expired:
                 return Reservation(reserved=False, record=record)
             if not row["taken"]:  # another request is renewing the expired key right now
-                return Reservation(reserved=False)
+                return _IN_FLIGHT
             cursor.execute(q.delete_expired, params)
-        return Reservation(reserved=False)
+        return _IN_FLIGHT
 
     def lost_race(self, error: psycopg.Error) -> bool:
         """Whether ``error``, raised by a transaction that reserved a key, is the key table's unique
@@ -182,8 +177,7 @@ class Store:
         an atomic row written once with ``COMMIT`` may meet under REPEATABLE READ): nothing of that
         transaction was kept, and the next attempt finds the other's row.
 
-        The index that refuses the row is the table's, or on the partitioned table one of its
-        partitions' (``<table>_p0``, ``<table>_p<stamp>``).
+        The index that refuses the row is the table's or a partition's (``<table>_p<stamp>``).
         """
         if not isinstance(error, psycopg.errors.UniqueViolation):
             return False
@@ -202,9 +196,8 @@ class Store:
         params: dict[str, Any],
         q: _Statements,
     ) -> dict[str, Any] | None:
-        """The key's lock in a statement of its own, then ``statement``,
-        whose snapshot is taken once the lock is held (sent with BEGIN, in one round trip, when the
-        transaction is not begun yet)."""
+        """The key's lock in a statement of its own, then ``statement``, whose snapshot is taken once the
+        lock is held (sent with BEGIN, in one round trip, when the transaction is not begun yet)."""
         if opening is not None and not opening.begun:
             batches = q.batches
             lock, found = opening.begin_all([(batches[q.lock], params), (batches[statement], params)])
@@ -372,8 +365,8 @@ class Store:
     def state(self) -> TableState:
         """Processing, stranded and flagged rows and the oldest processing age: one cheap statement.
 
-        It reads only the partial indexes of leased and flagged rows (rows in flight or needing a
-        person), never the table's finished rows, so it stays cheap however many keys are kept.
+        It reads only the partial indexes of leased and flagged rows, so it stays cheap however many keys
+        are kept.
         """
         with self.source.connection() as conn, conn.cursor(row_factory=class_row(TableState)) as cursor:
             found = cursor.execute(self._sql.state).fetchone()
@@ -469,8 +462,6 @@ class _Statements:
 
         self.reserve = q("reserve", lease=names["atomic"])
         self.reserve_leased = q("reserve", lease=names["leased"])
-        #: The columns of a key's row as a later request reads them.
-        self.record = names["record"].as_bytes(None)
         #: The key's row in any partition, else its live compact tombstone (the reserve function of the
         #: layout's distributed_sql looks the same way; a test compares them).
         self.found = names["found"].as_bytes(None)
@@ -480,17 +471,8 @@ class _Statements:
         self.delete_expired = q("delete_expired")
         self.complete = q("complete")
         # The statements a batched transaction sends with BEGIN or COMMIT (flask_idem._pool.Batched).
-        self.batches = {
-            text: _wire.Statement.from_query(text)
-            for text in (
-                self.reserve,
-                self.reserve_leased,
-                self.complete,
-                self.lock,
-                self.lookup,
-                self.insert_completed,
-            )
-        }
+        batched = (self.reserve, self.reserve_leased, self.complete, self.lock, self.lookup)
+        self.batches = {text: _wire.Statement.from_query(text) for text in (*batched, self.insert_completed)}
         self.take_over = q("take_over")
         self.hold = q("hold")
         self.record_step = q("record_step")

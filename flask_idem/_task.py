@@ -24,24 +24,6 @@ from ._settings import SETTINGS, parse_seconds
 from .errors import ConfigurationError
 from .flow import Run
 
-__all__ = [
-    "Envelope",
-    "Job",
-    "JobError",
-    "JobGivenUp",
-    "JobMismatch",
-    "JobPolicy",
-    "Message",
-    "Publisher",
-    "TaskDoor",
-    "task_failure",
-    "task_final",
-    "task_fingerprint",
-    "task_key",
-    "task_request",
-    "task_result",
-]
-
 _HEADERS = ("idem_org", "idem_key", "idem_enqueued_at")
 _COUNTS = ("idem_failures", "idem_deferrals")
 
@@ -75,8 +57,7 @@ def task_request(org_id: int, key: uuid.UUID, name: str, request_sha: bytes) -> 
 def task_key(org_id: int, key: uuid.UUID, task: str, *, flow: str | None = None) -> uuid.UUID:
     """The key of task ``task`` enqueued by the request of key ``key``: the same for every attempt of it.
 
-    It is :meth:`Run.derived_key <flask_idem.Run.derived_key>` with the task's name as the step, so a
-    flow step may equally pass ``run.derived_key("task name")``; two organisations never share one.
+    It is :meth:`Run.derived_key <flask_idem.Run.derived_key>` with the task's name as the step.
     """
     return uuid.UUID(Run(flow=flow or "", org_id=org_id, key=key).derived_key(task))
 
@@ -100,13 +81,10 @@ class JobGivenUp(JobError):
 class Envelope:
     """What every message of an idempotent task carries besides its arguments (as message headers).
 
-    :param org_id: the organisation the task works for; its key belongs to it.
-    :param key: the task's idempotency key.
-    :param enqueued_at: when the message was first written (epoch seconds, the database's clock); the
-        deadline of :class:`JobPolicy` counts from here, across retries and redeliveries.
-    :param failures: attempts that failed so far (deferrals of a duplicate are not failures).
-    :param deferrals: times this message was put off because another delivery held its key; its
-        backoff grows with them.
+    :param enqueued_at: when the message was first written (epoch seconds, the database's clock), which
+        the deadline of :class:`JobPolicy` counts from.
+    :param failures: attempts that failed so far.
+    :param deferrals: times it was put off because another delivery held its key.
     """
 
     org_id: int
@@ -162,17 +140,13 @@ class Message:
 
 
 class Publisher(Protocol):
-    """What the relay publishes through: one runner's way of sending a message to its broker.
-
-    A publisher may also have a ``destination`` attribute, a string naming where it publishes (the
-    broker's ``host:port``) or ``None``, which the relay names when a publish fails.
-    """
+    """What the relay publishes through: one runner's way of sending a message to its broker. It may have
+    a ``destination`` attribute (the broker's ``host:port``), which the relay names when a publish fails."""
 
     def publish(self, message: Message) -> None:
         """Send ``message``; return only once the broker holds it (a publisher confirm), raise otherwise.
 
-        The relay marks the message sent after this returns. A message published but not marked (the
-        relay died in between) is published again later; the task's key absorbs the duplicate.
+        The relay marks the message sent after this returns (a duplicate publish is absorbed by the key).
         """
         ...
 
@@ -204,8 +178,7 @@ class Job:
         every delivery of this task and ``name``.
 
         It is :meth:`Run.derived_key <flask_idem.Run.derived_key>` of the task's key with ``name`` as the
-        step, so a string, the text of a UUID (``uuid.UUID(key)`` turns it back), and :func:`task_key`'s
-        text when ``name`` is the enqueued task's.
+        step: the text of a UUID, :func:`task_key`'s when ``name`` is the enqueued task's.
         """
         return Run(flow=self.name, org_id=self.org_id, key=self.key).derived_key(name)
 
@@ -214,14 +187,10 @@ class Job:
 class JobPolicy:
     """How often and how long a failing task is retried before it is flagged for a person.
 
-    A failed attempt (the function raised, the database was unreachable, a flow's outside call ended
-    without a known outcome) is retried after ``uniform(0, min(backoff_cap, backoff * 2**failures))``
-    seconds (full jitter), until ``attempts`` attempts failed or ``deadline`` seconds passed since the
-    message was enqueued. A duplicate deferred while another delivery runs the task is not a failure,
-    but stops waiting at the deadline too. Nothing is retried forever.
-
-    Defaults: ``IDEM_JOB_ATTEMPTS``, ``IDEM_JOB_DEADLINE``, ``IDEM_JOB_BACKOFF`` and
-    ``IDEM_JOB_BACKOFF_CAP`` (:doc:`/config`), as the signature shows them.
+    A failed attempt is retried after ``uniform(0, min(backoff_cap, backoff * 2**failures))`` seconds,
+    until ``attempts`` attempts failed or ``deadline`` seconds passed since the message was enqueued (a
+    duplicate deferred meanwhile is not a failure, but stops at the deadline too). Defaults:
+    ``IDEM_JOB_ATTEMPTS``, ``IDEM_JOB_DEADLINE``, ``IDEM_JOB_BACKOFF``, ``IDEM_JOB_BACKOFF_CAP``.
     """
 
     attempts: int = SETTINGS["IDEM_JOB_ATTEMPTS"].default
@@ -249,9 +218,7 @@ _JOB_KEYS = ("attempts", "deadline", "backoff", "backoff_cap")
 
 class TaskDoor:
     """What a task's run makes of its end (:class:`flask_idem._steps.Door`): its finisher's value is the
-    task's result, stored as JSON (in the form of :func:`task_final`). Also the recovery job's, for the
-    tasks it finishes.
-    """
+    task's result (:func:`task_final`); the job door's and the recovery door's."""
 
     __slots__ = ()
 
@@ -276,9 +243,7 @@ def task_final(result: Any) -> Final[Any]:
     """A task's ``result`` as the key table stores it: ``{"result": <result>}``, read back by
     :func:`task_result`.
 
-    Stored as ``jsonb``, a result comes back as JSON does: tuples as lists, keys as strings, and
-    numbers as ``jsonb`` writes them (``1e20`` as ``100000000000000000000``), as a flow's step results
-    do.
+    Stored as ``jsonb``, a result comes back as JSON does (tuples as lists, keys as strings).
 
     :raises TypeError: the result is not JSON (also: a float that is not finite, or a string with a NUL
         character, which ``jsonb`` cannot hold).

@@ -61,20 +61,14 @@ def in_transaction(
 ) -> T:
     """Run ``body`` in one transaction of ``source`` and commit, unless it fails.
 
-    With ``batched``, ``body``'s first statement is sent with ``BEGIN`` (and what it defers with
-    ``COMMIT``) where the source can (:class:`._pool.Batched`): ``body`` must begin with a statement of
-    the key store.
+    With ``batched``, ``body``'s first statement (one of the key store's) is sent with ``BEGIN``, and
+    what it defers with ``COMMIT``, where the source can (:class:`._pool.Batched`).
 
-    The transaction is rolled back instead when ``body`` raises, when it returns a failed
-    :class:`._records.Final` (the door's word for failed work, such as a request's 5xx), and when
-    application code inside it swallowed a database error (the transaction is then unusable, so
-    whatever success it reports is false: :class:`.DatabaseFailed`). The result is returned only after
-    COMMIT succeeded, so a client never hears "created" for writes that were rolled back.
-
-    A connection found dead (the server restarted since it was opened) before any application code ran
-    in the transaction is replaced, and the transaction run once more at once: nothing it sent could
-    have taken effect. Once application code has run (:func:`entering_app_code`), or when COMMIT itself
-    fails, the outcome is unknown and the error propagates (a 503; the client retries with its key).
+    Rolled back instead when ``body`` raises, returns a failed :class:`._records.Final`, or swallowed a
+    database error (whatever success it reports is then false: :class:`.DatabaseFailed`). The result is
+    returned only after COMMIT succeeded. A connection found dead before any application code ran
+    (:func:`entering_app_code`) is replaced and the transaction run once more: nothing it sent could
+    have taken effect. After that, or when COMMIT itself fails, the error propagates.
     """
     for attempt in range(2):
         progress = _Progress()

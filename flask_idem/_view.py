@@ -86,30 +86,11 @@ def handle(
     kwargs: Mapping[str, Any],
     options: ViewOptions,
 ) -> Response:
-    """Answer one request to a decorated view, within its database time (``IDEM_DATABASE_DEADLINE``)."""
+    """Answer one request to a decorated view: a write with its key, or refused (400), or without one."""
     req = request._get_current_object()  # type: ignore[attr-defined]  # one proxy lookup, not one per use
     if req.method in SAFE_METHODS:
         return current_app.make_response(view(*args, **kwargs))
-    return _answer_write(state, req, view, args, kwargs, options)  # within the request's database time
-
-
-def _answer_write(
-    state: IdemState,
-    req: Request,
-    view: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    options: ViewOptions,
-) -> Response:
-    """Answer a write request to a decorated view: with its key, or refuse it (400), or without one."""
-    if options.key_from is None:
-        # The environ's one entry (a WSGI server joins a repeated header's values with commas, which
-        # parse_key refuses), not request.headers.getlist, which walks the whole environ.
-        value = req.environ.get(_HEADER_ENVIRON)
-        key = parse_key(() if value is None else (value,))
-    else:
-        _whole_body(req)  # cached first: a key read from a form must not consume the body fingerprinted
-        key = parse_key(options.key_from())
+    key = _request_key(req, options)
     keyed: KeyedRequest | None = None
     try:
         if key is None:
@@ -143,6 +124,17 @@ def _answer_write(
         return _multistep(state, options, options.flow, attempt)
     except psycopg.Error as e:
         raise database_failure(state, e, None if keyed is None else keyed.org_id, key) from None
+
+
+def _request_key(req: Request, options: ViewOptions) -> uuid.UUID | None:
+    """The request's key, from the header or the route's ``key_from``; :class:`InvalidKey` refused."""
+    if options.key_from is None:
+        # The environ's one entry (a WSGI server joins a repeated header's values with commas, which
+        # parse_key refuses), not request.headers.getlist, which walks the whole environ.
+        value = req.environ.get(_HEADER_ENVIRON)
+        return parse_key(() if value is None else (value,))
+    _whole_body(req)  # cached first: a key read from a form must not consume the body fingerprinted
+    return parse_key(options.key_from())
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,11 +264,8 @@ def _atomic(state: IdemState, options: ViewOptions, attempt: _Attempt) -> Respon
 
 
 def _multistep(state: IdemState, options: ViewOptions, flow: Flow, attempt: _Attempt) -> Response:
-    """Reserve under a lease and record the intent in one short transaction, then advance step by step.
-
-    A retry finding the request processing under an expired lease takes it over (one winner) and
-    resumes it after its last finished step.
-    """
+    """Reserve under a lease (or take a stranded run over) and record the intent in one short
+    transaction, then advance step by step."""
     settings, keyed = state.settings, attempt.request
     seconds = _protocol.lease_seconds(settings, flow)
     lease = Lease(keyed.org_id, keyed.key, token=uuid.uuid4(), seconds=seconds)

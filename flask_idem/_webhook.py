@@ -1,10 +1,9 @@
 """The webhook door of the key protocol: verify a delivery, then handle its event once.
 
-A delivery is verified first, on its raw body, before any database work (:class:`.webhooks.Source`).
-Its event id is the key, scoped to the source (not to an organisation), and the handler runs in the
-key's transaction through :func:`._protocol.atomic`: "handled" and "recorded" commit together, and a
-handler that raises rolls both back and answers ``500``, so that the provider delivers it again. What the
-protocol says of a taken key becomes an answer the provider understands (see :func:`_answer_existing`).
+A delivery is verified on its raw body before any database work. Its event id is the key, scoped to the
+source, and the handler runs in the key's transaction (:func:`._protocol.atomic`): "handled" and
+"recorded" commit together, and a handler that raises rolls both back and answers ``500``, so that the
+provider delivers it again.
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ def handle(
         req.path,
     )
     about = {"source": source.name, "event_id": event_id}
-    signals.send(signals.webhook_verified, org_id=keyed.org_id, key=keyed.key, **about)
+    signals.send_for(signals.webhook_verified, keyed, **about)
     event = Event(source.name, event_id, body)
     try:
         ready(state)
@@ -95,13 +94,11 @@ def handle(
         raise database_failure(state, e, keyed.org_id, keyed.key) from None
     if isinstance(outcome, Final):
         if not outcome.failed:
-            signals.send(
-                signals.webhook_handled, org_id=keyed.org_id, key=keyed.key, status=outcome.status, **about
-            )
+            signals.send_for(signals.webhook_handled, keyed, status=outcome.status, **about)
         return outcome.value
     answer = _answer_existing(state, outcome)
     status = answer.code if isinstance(answer, (KeyInUse, KeyMismatch)) else answer.status_code
-    signals.send(signals.webhook_duplicate, org_id=keyed.org_id, key=keyed.key, status=status, **about)
+    signals.send_for(signals.webhook_duplicate, keyed, status=status, **about)
     if isinstance(answer, (KeyInUse, KeyMismatch)):
         raise answer
     return answer

@@ -15,7 +15,7 @@ from flask import current_app
 from flask.cli import AppGroup
 from psycopg.conninfo import conninfo_to_dict
 
-from . import _delivery, _layout, _migrate, _partitions, relay
+from . import _jobs_state, _layout, _migrate, _partitions, relay
 from ._cipher import new_key
 from ._outbox import outbox_table
 from ._pool import ForkSafeConnectionPool
@@ -317,7 +317,7 @@ def relay_command(limit: int, loop: bool, interval: float) -> None:
     """
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     try:
-        _delivery.get_jobs(app)
+        _jobs_state.get_jobs(app)
     except Exception as e:
         raise click.ClickException(str(e)) from None
     if loop:

@@ -1,16 +1,7 @@
-"""Errors of the extension, each a Werkzeug HTTP exception rendered as ``application/problem+json``.
-
-Every class here is both an :class:`IdempotencyError` and the matching Werkzeug exception, so Flask renders
-it without help and an application can override the rendering for one case or for all of them::
-
-    @app.errorhandler(flask_idem.errors.KeyInUse)
-    def key_in_use(e):
-        return {"message": "try again shortly"}, 409, {"Retry-After": str(e.retry_after)}
-
-The bodies follow RFC 9457 (Problem Details for HTTP APIs). Besides the standard members, every body
-carries ``retryable``: whether the same request with the same key may get another answer later, so that a
-client needs no table of statuses (``docs/errors.rst`` lists every problem type with it). The bodies never
-carry the raw header value, the request body, SQL text, SQL parameters or connection settings.
+"""Errors of the extension, each a Werkzeug HTTP exception rendered as ``application/problem+json``
+(RFC 9457), so Flask renders it without help and an application can override the rendering with
+``errorhandler``. Every body carries ``retryable`` (:doc:`/errors` lists every problem type), and never
+the raw header value, the request body, SQL text, SQL parameters or connection settings.
 """
 
 from __future__ import annotations
@@ -68,10 +59,8 @@ PROBLEM_JSON = "application/problem+json"
 
 _TYPE_PREFIX = "urn:flask-idem:problem:"
 
-# Problems of other kinds (rendered by problem() as about:blank) are retryable by their status: a timeout,
-# too many requests, and the gateway and availability errors. 409 is not among them: a conflict with the
-# state of a resource is resolved by changing the request; flask-idem's own 409 is KeyInUse, which says
-# it is retryable itself. 500 is final: an unexpected error is a defect that a retry meets again.
+# Problems of other kinds (rendered by problem() as about:blank) are retryable by their status. Not 409
+# (a conflict is resolved by changing the request; KeyInUse says it is retryable itself), nor 500.
 _RETRYABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
 
 
@@ -208,11 +197,8 @@ class KeyMismatch(IdempotencyError, UnprocessableEntity):
 
 
 class KeyExpired(IdempotencyError, Gone):
-    """410: the key's stored answer is past its retention period; only a tombstone of it is left.
-
-    The first request was carried out and will not be repeated. Its answer had no ``Location`` to send
-    the client to (otherwise the answer is ``303 See Other`` there). A new operation needs a new key.
-    """
+    """410: the key's stored answer is past its retention period, and had no ``Location`` to send the
+    client to (else the answer is ``303 See Other`` there). The operation will not be repeated."""
 
     problem_type = _TYPE_PREFIX + "key-expired"
     title = "The stored answer for this Idempotency-Key has expired"
@@ -225,9 +211,8 @@ class KeyExpired(IdempotencyError, Gone):
 
 class WebhookRejected(IdempotencyError, BadRequest):
     """400: a webhook delivery failed verification (signature, timestamp, or event id), before any
-    database work; nothing was recorded. Raised by :meth:`flask_idem.webhooks.Event.json` inside the
-    handler (a verified body that is not JSON), it is the handler's answer, kept like any other: every
-    redelivery of that body is answered the same.
+    database work; nothing was recorded. Raised by :meth:`flask_idem.webhooks.Event.json` in the handler,
+    it is the handler's answer, kept like any other.
 
     :param check: which check failed (``signature``, ``timestamp``, ``event-id``, ``body``...), also in
         the problem body as ``check``. The detail never holds a secret or an expected signature.
@@ -256,11 +241,8 @@ class DatabaseUnavailable(IdempotencyError, ServiceUnavailable):
 
 
 class OutcomePending(IdempotencyError, ServiceUnavailable):
-    """503: a call to an outside party ended without a known outcome. Retry with the same key.
-
-    Nothing will be done twice: the request stays recorded as in progress, and a retry with the same
-    key, or the recovery job, finds out what happened and finishes it.
-    """
+    """503: a call to an outside party ended without a known outcome. Retry with the same key: the
+    request stays in progress, and a retry or the recovery job finds out what happened and finishes it."""
 
     problem_type = _TYPE_PREFIX + "outcome-pending"
     retryable = True
@@ -272,11 +254,8 @@ class OutcomePending(IdempotencyError, ServiceUnavailable):
 
 
 class OperationFailed(IdempotencyError, InternalServerError):
-    """500, stored: the request could not be completed within the recovery deadline.
-
-    A person has been asked to look at it (``flask idem stuck``). Retrying with the same key replays
-    this answer; it does not start the operation again.
-    """
+    """500, stored: the request could not be completed within the recovery deadline and is flagged for a
+    person (``flask idem stuck``). Retrying with the same key replays this answer."""
 
     problem_type = _TYPE_PREFIX + "operation-failed"
     title = "Operation failed"
@@ -290,13 +269,9 @@ class ResponseNotStored(IdempotencyError, InternalServerError):
     """500, not stored: the view's answer cannot be kept for retries, so the request was rolled back.
 
     Its body is over ``IDEM_MAX_RESPONSE_BYTES``, or a route that keeps only the ``Location`` of its
-    answers gave none. Nothing the view wrote was committed and the key stays free, so no retry can
-    find the operation half done; but a retry meets the same limit: the route or the limit must change.
-
-    A multi-step route's answer over the limit is different, and its detail says so: only the step that
-    answered is rolled back, the steps before it stand (an outside call may have been made), and the
-    request stays in progress under its key, to be finished by a retry with that key or the recovery job
-    once the limit or the answer changes.
+    answers gave none. Nothing was committed and the key stays free; a retry meets the same limit. For a
+    multi-step route only the answering step is rolled back: the request stays in progress under its
+    key, finished by a retry or the recovery job once the limit or the answer changes.
     """
 
     problem_type = _TYPE_PREFIX + "response-not-stored"
@@ -307,11 +282,8 @@ class ResponseNotStored(IdempotencyError, InternalServerError):
 
 
 class StoredResponseUnreadable(IdempotencyError, InternalServerError):
-    """500: the stored answer of this key is encrypted with a key the server no longer has.
-
-    The operation was carried out and is not carried out again; the server's ``IDEM_RESPONSE_KEYS`` lost
-    the key that encrypted its answer before the answer expired.
-    """
+    """500: the stored answer of this key is encrypted with a key that ``IDEM_RESPONSE_KEYS`` no longer
+    holds. The operation was carried out and is not carried out again."""
 
     problem_type = _TYPE_PREFIX + "stored-response-unreadable"
     title = "The stored answer cannot be read"
@@ -332,10 +304,9 @@ class DatabaseFailed(IdempotencyError, InternalServerError):
 def problem(error: HTTPException) -> Response:
     """Render any Werkzeug HTTP exception as an ``application/problem+json`` response.
 
-    :class:`IdempotencyError` instances keep their own type, detail, ``retryable`` and headers; other
-    exceptions get ``"type": "about:blank"``, the standard reason phrase as title, and ``retryable`` from
-    their own ``retryable`` attribute when they have one, else from the status (``true`` for 408, 429,
-    502, 503 and 504). Register it to make every error of an application a problem document::
+    Other exceptions than :class:`IdempotencyError` get ``"type": "about:blank"``, the reason phrase as
+    title, and ``retryable`` from their own attribute, else from the status (408, 429, 502, 503, 504).
+    Register it to make every error of an application a problem document::
 
         app.register_error_handler(HTTPException, flask_idem.errors.problem)
     """
@@ -372,38 +343,17 @@ _REFUSED = re.compile(r"Explicit (commit|rollback)\(\) forbidden within a Transa
 def database_error(
     error: psycopg.Error, *, retry_after: int = 1, key_table: str | None = None
 ) -> IdempotencyError:
-    """The HTTP error for a driver error: 503 when retrying may help, 500 otherwise.
+    """The HTTP error for a driver error: 503 when retrying may help (:func:`store_unreachable`), else 500.
 
-    The error is logged by class and SQLSTATE only. Its message is never logged or sent, because
-    PostgreSQL quotes row values in it (``DETAIL: Key (...)=(...) already exists``) and libpq quotes
-    connection settings. The 500 case logs the stack frames, which hold code, not values. Two
-    exceptions: a missing table, whose message names the table only, is logged with that message (and
-    the fix when the table is ``key_table``, the extension's); and a ``commit()`` or ``rollback()``
-    refused inside the extension's transaction (psycopg's ``ProgrammingError``, no SQLSTATE) is logged
-    as such, with why it is refused. A row of the partitioned key table (layout 4) whose expiry no
-    partition covers is answered 503, like an unreachable store, and logged as an error naming
-    ``flask idem purge``, which makes partitions ahead. So is a privilege the application's role lacks
-    (``InsufficientPrivilege``, SQLSTATE 42501: a grant lost or never given), logged once per cause with
-    the missing grant (the object named by the message, which holds no value) and the command that
-    gives it, ``flask idem migrate --grant ROLE``. Applications can route their own database
-    errors through it::
+    Logged by class and SQLSTATE only (PostgreSQL quotes row values in its message), or with the fix
+    where one is known (:doc:`/errors`). Applications can route their own database errors through it::
 
         @app.errorhandler(psycopg.Error)
         def db_error(e):
             return flask_idem.errors.problem(flask_idem.errors.database_error(e))
     """
     where = (request.endpoint or request.path) if has_request_context() else "a command"
-    refused = _REFUSED.match(str(error)) if type(error) is psycopg.ProgrammingError else None
-    if refused is not None:
-        _logger.error(
-            "Database error in %s: the view's own %s() on idem.connection was refused: the key record"
-            " and the view's writes commit together, when the view returns, or not at all. Remove the"
-            " call; raise an exception or abort() to fail the request, and use a nested"
-            " 'with conn.transaction():' for a savepoint. Rolled back and answered 500.\n%s",
-            where,
-            refused.group(1),
-            "".join(traceback.format_tb(error.__traceback__)),
-        )
+    if _refused(error, where):
         return DatabaseFailed()
     if isinstance(error, psycopg.errors.UndefinedTable):
         _logger.error(
@@ -442,12 +392,28 @@ def database_error(
     return DatabaseUnavailable(retry_after=retry_after)
 
 
+def _refused(error: psycopg.Error, where: str) -> bool:
+    """Whether ``error`` is a ``commit()`` or ``rollback()`` refused inside the extension's transaction
+    (psycopg's ``ProgrammingError``, no SQLSTATE); logged as such, with why."""
+    refused = _REFUSED.match(str(error)) if type(error) is psycopg.ProgrammingError else None
+    if refused is not None:
+        _logger.error(
+            "Database error in %s: the view's own %s() on idem.connection was refused: the key record"
+            " and the view's writes commit together, when the view returns, or not at all. Remove the"
+            " call; raise an exception or abort() to fail the request, and use a nested"
+            " 'with conn.transaction():' for a savepoint. Rolled back and answered 500.\n%s",
+            where,
+            refused.group(1),
+            "".join(traceback.format_tb(error.__traceback__)),
+        )
+    return refused is not None
+
+
 def store_unreachable(error: psycopg.Error, key_table: str | None = None) -> bool:
     """Whether ``error`` means that the database is out of reach for now, so that the same work may
-    succeed later: a lost or refused connection, a pool timeout, a row of the partitioned key table
-    ``key_table`` whose expiry no partition covers yet, or a privilege the role lacks (a grant to give).
-    The one answer of every door: a request's or a webhook's ``503`` (:func:`database_error`), a task's
-    retry, the recovery job's next pass."""
+    succeed later: a lost or refused connection, a pool timeout, a key's expiry that no partition of
+    ``key_table`` covers yet, or a privilege the role lacks. Every door answers it alike: a ``503``, a
+    task's retry, the recovery job's next pass."""
     return (
         isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError))
         or _no_partition(error, key_table)
@@ -456,9 +422,8 @@ def store_unreachable(error: psycopg.Error, key_table: str | None = None) -> boo
 
 
 def _no_partition(error: psycopg.Error, key_table: str | None) -> bool:
-    """Whether ``error`` is PostgreSQL's refusal of a row of the partitioned key table ``key_table``
-    (layout 4) whose ``expires_at`` no partition covers: the deployment's problem, which ends once
-    partitions are made, not the client's; nothing was recorded."""
+    """Whether ``error`` refused a row of the key table ``key_table`` whose ``expires_at`` no partition
+    covers: the deployment's problem, over once partitions are made; nothing was recorded."""
     return (
         key_table is not None
         and isinstance(error, psycopg.errors.CheckViolation)

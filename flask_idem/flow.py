@@ -1,45 +1,12 @@
-"""Multi-step routes: requests that call something outside the database.
+"""Multi-step routes: requests that call something outside the database (:doc:`/flows`).
 
-A payment cannot be charged inside a database transaction: holding the transaction (and its pooled
-connection) open while a gateway answers blocks locks and starves the pool, and a crash between the charge
-and the COMMIT forgets a charge that happened. So such a route works in steps, each recorded in the key
-row as it finishes:
-
-1. the view itself, in a short transaction that reserves the key under a lease and records the *intent*
-   (what the later steps need) together with the view's own writes;
-2. zero or more steps: :meth:`Flow.call` steps run with no transaction open and no connection held (the
-   outside call), :meth:`Flow.step` steps run in a short transaction of their own;
-3. the :meth:`Flow.finish` step, in a short transaction that writes the outcome and stores the response.
-
-Every step after the first checks the lease first, so a worker that lost its lease (it took too long and
-another attempt or the recovery job took the request over) changes nothing. A finished step is never run
-again: a resumed request continues after the last recorded step. An outside call is made with a key
-derived from the organisation and the idempotency key (:meth:`Run.derived_key`), so that the outside party
-deduplicates our own retries of it::
-
-    pay = Flow("payments.create")
-
-    @pay.call(resolve=lambda run: gateway.find(run.derived_key()))
-    def charge(run):
-        return gateway.charge(run.derived_key(), run.intent["amount"])
-
-    @pay.finish
-    def record(run):
-        run.connection.execute("UPDATE payments SET charge = %s ...", (run.results["charge"]["id"],))
-        return {"id": run.intent["payment_id"]}, 201
-
-    @app.post("/payments")
-    @idem.idempotent(flow=pay)
-    def create_payment():
-        ...  # validate, insert a pending payment with idem.connection
-        return {"payment_id": payment_id, "amount": amount}  # the intent
-
-Steps after the first see no request: a request may be finished by the recovery job, long after its
-client left. They get everything from the :class:`Run`.
-
-The view and any step may be ``async def``: each is run to completion through Flask's ``ensure_sync``
-before the next begins (:mod:`._async`), in the same transaction (or, for a call step, with none) as a
-synchronous one, so an outside call can use an async HTTP client created inside the step.
+A payment cannot be charged inside a database transaction: holding it (and its pooled connection) open
+while a gateway answers blocks locks and starves the pool, and a crash between the charge and the COMMIT
+forgets a charge that happened. So such a route works in steps, each recorded in the key row as it
+finishes: the view records the *intent* under a lease, :meth:`Flow.call` steps run with no transaction
+open and no connection held, :meth:`Flow.step` steps in a short transaction each, and :meth:`Flow.finish`
+stores the response. Every step after the first checks the lease first, a finished step is never run
+again, and steps after the first see no request: they get everything from the :class:`Run`.
 """
 
 from __future__ import annotations
@@ -66,12 +33,9 @@ _DERIVED_NAMESPACE = uuid.UUID("6b0e6f4e-55a4-4a9c-9f34-1f0c2d6b5a10")
 
 
 class OutcomeUnknown(Exception):
-    """Raised by a :meth:`Flow.call` step that cannot tell whether the outside party acted.
-
-    A timeout, a cut connection or a 5xx answer from the outside party all mean "maybe". The request
-    answers 503 with ``Retry-After``; the key stays ``processing`` until a retry with the same key or
-    the recovery job resolves it. Any other exception from a call step is treated the same way.
-    """
+    """Raised by a :meth:`Flow.call` step that cannot tell whether the outside party acted (a timeout, a
+    cut connection, a 5xx). The request answers 503; a retry with the same key or the recovery job
+    resolves it. Any other exception from a call step is treated the same way."""
 
 
 @dataclass
@@ -109,9 +73,8 @@ class Run:
     def derived_key(self, step: str | None = None) -> str:
         """A key for the outside party, the same for every attempt of this request and step.
 
-        It is the text of a UUID (version 5, as ``str(uuid)`` writes it) derived from the organisation,
-        the idempotency key, the flow and the step name, so two organisations using the same key never
-        share one at the outside party.
+        It is the text of a UUID derived from the organisation, the idempotency key, the flow and the
+        step name, so two organisations using the same key never share one at the outside party.
         """
         name = f"{self.org_id}:{self.key}:{self.flow}:{step or ''}"
         return str(uuid.uuid5(_DERIVED_NAMESPACE, name))
@@ -159,10 +122,8 @@ class Flow:
         self.steps.append(step)
 
     def step(self, func: F) -> F:
-        """Declare a database step: it runs in a short transaction of its own (:attr:`Run.connection`).
-
-        Its return value (JSON-serialisable) is recorded in that transaction.
-        """
+        """Declare a database step: it runs in a short transaction of its own (:attr:`Run.connection`), in
+        which its return value (JSON) is recorded."""
         self._add(Step(func.__name__, synchronous(func, "step"), outside=False))
         return func
 
@@ -173,14 +134,11 @@ class Flow:
     def call(self, func: None = None, *, resolve: ResolveFunc | None = None) -> Callable[[F], F]: ...
 
     def call(self, func: F | None = None, *, resolve: ResolveFunc | None = None) -> F | Callable[[F], F]:
-        """Declare a step that calls outside: it runs with no transaction and no connection.
+        """Declare a step that calls outside: it runs with no transaction and no connection; its return
+        value (JSON) is recorded afterwards. Raise :class:`OutcomeUnknown` when the outcome is not known.
 
-        Its return value (JSON-serialisable) is recorded in a short transaction afterwards. Raise
-        :class:`OutcomeUnknown` when the outcome cannot be known.
-
-        :param resolve: asked first when the step is resumed (the call may have happened before a
-            crash): returns the outcome the outside party has on record, in the same form as the step,
-            or ``None`` when it has none, in which case the call is made again with the same key.
+        :param resolve: asked first when the step is resumed: the outcome the outside party has on
+            record, in the same form as the step's, or ``None`` (the call is made again, same key).
         """
 
         def add(f: F) -> F:
@@ -197,11 +155,8 @@ class Flow:
         return add if func is None else add(func)
 
     def finish(self, func: F) -> F:
-        """Declare the last step: a short transaction that writes the outcome and returns the response.
-
-        It returns what a Flask view returns. A response under 500 is stored and the key completed; a
-        5xx rolls the step back and leaves the request to be resumed.
-        """
+        """Declare the last step: a short transaction that writes the outcome and returns what a view
+        returns. A response under 500 is stored; a 5xx rolls the step back for the request to resume."""
         if self.finisher is not None:
             raise ConfigurationError(f"Flow {self.name!r} already has a finish step.")
         self.finisher = synchronous(func, "finish step")

@@ -1,19 +1,7 @@
 """Idempotent background jobs, whatever runs them: the tasks, the outbox, and one delivery at a time.
 
-A message broker retries like an HTTP client: a worker killed mid-task, a lost acknowledgement, a
-message published twice, and the task runs again. An idempotent task reserves its key in the key table,
-in the same transaction as its own writes, exactly as an idempotent route does (:doc:`/jobs`):
-
-- the key is the request's own key, derived for the task (:func:`task_key`), or one the caller names;
-  it belongs to the organisation, like a request's;
-- a delivery whose work committed does nothing again and returns the stored result;
-- a duplicate delivered while the first runs is deferred (the runner retries it later, each time after
-  a longer backoff), never run at the same time;
-- the same key with other arguments is refused (:class:`JobMismatch`), as a route answers 422;
-- failures are retried with capped, jittered backoff until :class:`JobPolicy` says stop: then the task
-  is flagged for a person (``flask idem stuck``) and :class:`JobGivenUp` ends it.
-
-This module has no runner in it. :class:`Jobs` keeps the tasks and writes their messages into the
+An idempotent task reserves its key in the key table, in the same transaction as its own writes, as an
+idempotent route does (:doc:`/jobs`). :class:`Jobs` keeps the tasks and writes their messages into the
 outbox; a runner builds on it (:class:`flask_idem.celery.CeleryJobs` for Celery): it gives the relay a
 :class:`Publisher`, carries each message's :class:`Envelope`, hands every delivery to
 :meth:`Jobs.deliver`, and acts on the outcome (:class:`Done`, :class:`Defer`, :class:`Dropped`).
@@ -31,18 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Flask, current_app, has_request_context
 
-from ._delivery import (
-    EXTENSION_NAME,
-    Defer,
-    Delivery,
-    Done,
-    Dropped,
-    JobsState,
-    TaskSpec,
-    get_jobs,
-    run_delivery,
-)
+from ._delivery import Defer, Delivery, Done, Dropped, run_delivery
 from ._http import current
+from ._jobs_state import EXTENSION_NAME, JobsState, TaskSpec, get_jobs
 from ._retry import backoff
 from ._settings import parse_seconds
 from ._state import get_state
@@ -86,13 +65,10 @@ logger = logging.getLogger("flask_idem")
 class Jobs:
     """Idempotent tasks of the applications ``idem`` is initialised on, whatever runner carries them.
 
-    It keeps the tasks (:meth:`task`, :attr:`tasks`), writes their messages into the outbox
-    (:meth:`enqueue`) and runs one delivery at a time (:meth:`deliver`). A runner subclasses it:
-    its ``init_app`` calls this one's with the relay's :class:`Publisher`, it may override
-    :meth:`make_task` to turn each task into one of its own, and its workers call :meth:`deliver`.
+    A runner subclasses it: its ``init_app`` calls this one's with the relay's :class:`Publisher`, it
+    may override :meth:`make_task`, and its workers call :meth:`deliver` (:doc:`/jobs`).
 
-    :param idem: the extension whose key table the tasks reserve their keys in; flows of tasks are made
-        known to its recovery job.
+    :param idem: the extension whose key table the tasks reserve their keys in.
     :param policy: the retry policy of every task, unless a task names its own. Default: the
         application's ``IDEM_JOB_*`` configuration (:class:`JobPolicy`).
     """
@@ -105,9 +81,7 @@ class Jobs:
         self._local = threading.local()
 
     def init_app(self, app: Flask, publisher: Publisher) -> None:
-        """Set up background jobs on ``app``: its policy and outbox, and ``publisher`` for its relay.
-
-        Call it after ``idem.init_app(app)``.
+        """Set up background jobs on ``app`` (after ``idem.init_app(app)``), with ``publisher`` for its relay.
 
         :raises ConfigurationError: when flask-idem is not initialised on ``app``, an ``IDEM_JOB_*`` or
             ``IDEM_OUTBOX_*`` value is invalid, or ``app`` already has background jobs.
@@ -133,17 +107,12 @@ class Jobs:
         answer (the runner's task).
 
         The function takes a :class:`Job` first, then the task's arguments (JSON values); what it
-        returns (JSON too) is stored with its key and returned again to every later delivery of the
-        key. It runs in one transaction on :attr:`Job.connection`, with the key's reservation.
-
-        With ``flow``, the function is the flow's first step: it records the intent (and returns it, a
-        ``dict``), and the flow's steps do the rest, as for a multi-step route (:doc:`/flows`); a
-        worker killed between steps leaves the task to its redelivery or ``flask idem recover``,
-        which continue after the last finished step.
+        returns (JSON too) is stored with its key for every later delivery. It runs in one transaction
+        on :attr:`Job.connection`, with the key's reservation. With ``flow``, it records the intent (a
+        ``dict``) and the flow's steps do the rest, as for a multi-step route (:doc:`/flows`).
 
         :param name: the task's name; stable, since messages and key rows carry it. Default: the
             function's module and name.
-        :param flow: makes the task multi-step.
         :param ttl: how long the key is kept, in seconds. Default: ``IDEM_KEY_TTL``.
         :param policy: the task's retry policy. Default: the one of this object, or the application's.
         :param options: the runner's own options for the task, passed to :meth:`make_task`.
@@ -192,18 +161,13 @@ class Jobs:
     ) -> uuid.UUID:
         """Write a message for ``task`` into the outbox, in the current transaction; return the task's key.
 
-        Inside an idempotent view, the defaults are the view's own: its connection (the message commits
-        with the key and the view's writes), its organisation, and a key derived from the request's key
-        and the task's name (:func:`task_key`). Elsewhere, such as in a flow's step, pass them:
-        ``conn=run.connection, org_id=run.org_id, key=run.derived_key("fulfil")``.
-        The relay (``flask idem relay``) publishes the message once the transaction has committed.
+        In an idempotent view the defaults are its connection, its organisation and the key
+        :func:`task_key` derives; elsewhere pass them (``conn=run.connection``, ...).
 
         :param task: the task (or its name); its arguments follow, as JSON values.
         :raises ConfigurationError: outside an idempotent view without ``conn``, ``org_id`` and ``key``;
-            and outside a request, when the key table and its outbox do not exist yet (or are in a layout
-            this code cannot run on), naming the command that creates or upgrades them.
-        :raises DatabaseUnavailable: in a request, when the outbox does not exist yet: the request is
-            answered 503 with ``Retry-After`` until the migration has run (the command is in the log).
+            and outside a request when the outbox does not exist yet, naming the command that makes it.
+        :raises DatabaseUnavailable: in a request, when the outbox does not exist yet (503).
         """
         name = task if isinstance(task, str) else task.name
         if conn is None or org_id is None or key is None:
@@ -247,10 +211,8 @@ class Jobs:
     ) -> Done | Defer | Dropped:
         """Run one delivery of ``spec`` in ``app``: the message's ``envelope`` and arguments.
 
-        The runner acts on the outcome: :class:`Done`, the task's result; :class:`Defer`, deliver the
-        message again in ``countdown`` seconds carrying the outcome's ``envelope``; :class:`Dropped`,
-        end quietly. Any other failure of the delivery (the key table away while giving up, say) is
-        a :class:`Defer` too, counted as a failure.
+        The runner acts on the outcome: :class:`Done`, :class:`Defer` (any other failure of the
+        delivery too, counted as a failure) or :class:`Dropped`.
 
         :raises JobError: the task must not run, and will not run again: :class:`JobMismatch`,
             :class:`JobGivenUp`.

@@ -37,7 +37,7 @@ import psycopg
 from blinker import NamedSignal
 from flask import Flask, Response
 
-from . import _delivery, _partitions, signals
+from . import _jobs_state, _partitions, signals
 from ._state import get_state
 from .errors import ConfigurationError
 
@@ -288,7 +288,7 @@ class KeyTableCollector(Collector):
                 _add_partitions(
                     families, label, parts, horizon=state.horizon(), ahead=state.settings.partition_ahead
                 )
-            jobs: _delivery.JobsState | None = app.extensions.get(_delivery.EXTENSION_NAME)
+            jobs: _jobs_state.JobsState | None = app.extensions.get(_jobs_state.EXTENSION_NAME)
             if jobs is not None:
                 try:
                     outbox = jobs.outbox.state()

@@ -1,19 +1,13 @@
-"""Finishing multi-step requests that were stranded by a crash, and giving up on them in time.
+"""Finishing multi-step requests that were stranded by a crash, and giving up on them in time
+(:doc:`/recovery`).
 
-A worker that dies between two steps of a multi-step request leaves its key row ``processing`` under a
-lease that nobody renews. Once the lease has expired, :func:`recover` claims such rows
-(``FOR UPDATE SKIP LOCKED``, a new lease, COMMIT: no row lock is held while it works), resumes each one
-after its last finished step, and for a call step asks the outside party first through the step's
-resolver. A request whose outcome stays unknown is tried again later, after a capped exponential backoff
-with full jitter; one older than ``IDEM_RECOVERY_DEADLINE`` is marked ``failed`` and flagged for a person
-(``flask idem stuck``) instead of being retried forever.
-
-Recovery is a door of the key protocol of its own, beside a request's, a webhook's and a job's: it opens
-no request context. A request's run is finished in the application context with what its row recorded
-(its flow's intent and step results, :class:`~flask_idem.flow.Run`); its answer is made a stored response
-as a request's is (:class:`._http.ResponseDoor`), a client error its finish step raises rendered by the
-application's own error handlers (a request's blueprint is not known here, and there is no request for a
-handler to read). Signals name the route the row's method and path match.
+:func:`recover` claims the rows whose lease expired (``FOR UPDATE SKIP LOCKED``, a new lease, COMMIT: no
+row lock is held while it works) and resumes each after its last finished step; one older than
+``IDEM_RECOVERY_DEADLINE`` is given up and flagged for a person. Recovery is a door of its own and opens
+no request context: a run is finished in the application context with what its row recorded, its answer
+made a stored response as a request's is (:class:`._http.ResponseDoor`), a client error its finish step
+raises rendered by the application's own error handlers. Signals name the route the row's method and
+path match.
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from flask import Flask, current_app
+from psycopg.rows import TupleRow
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import RoutingException
 
@@ -68,10 +63,8 @@ class RecoveryReport:
 def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -> RecoveryReport:
     """Claim and finish up to ``limit`` stranded multi-step requests of ``app``, one at a time.
 
-    Each request is claimed just before it is worked on (a short transaction of its own), so no lease
-    runs out while earlier requests are being finished. Only requests of flows this application knows
-    are claimed: running the job with the wrong application leaves them alone. Safe to run in several
-    processes at once: each row is claimed by one of them under a fresh lease.
+    Each request is claimed just before it is worked on, so no lease runs out while earlier ones are
+    finished, and only if this application knows its flow. Safe to run in several processes at once.
 
     :raises ConfigurationError: when the key table is missing or in a layout this code cannot run on.
     """
@@ -80,25 +73,18 @@ def recover(app: Flask, *, limit: int = 100, rng: random.Random | None = None) -
     rng = rng or random.Random()
     # The longest lease of any flow: a claimed request must not lapse in the middle of a slow call.
     lease = max(_protocol.lease_seconds(settings, flow) for flow in (None, *state.flows.values()))
-    report = RecoveryReport()
+    report, flows, deadline = RecoveryReport(), list(state.flows), settings.recovery_deadline
     with app.app_context():
         _reachable(state, state.check_layout)
         for _ in range(limit):
             token = uuid.uuid4()
-            claimed = _reachable(
-                state,
-                lambda token=token: in_transaction(  # type: ignore[misc]
-                    state.source,
-                    lambda conn: state.store.claim_stranded(
-                        conn,
-                        token=token,
-                        lease=lease,
-                        limit=1,
-                        deadline=settings.recovery_deadline,
-                        flows=list(state.flows),
-                    ),
-                ),
-            )
+
+            def claim(conn: psycopg.Connection[TupleRow], token: uuid.UUID = token) -> list[Stranded]:
+                return state.store.claim_stranded(
+                    conn, token=token, lease=lease, limit=1, deadline=deadline, flows=flows
+                )
+
+            claimed = _reachable(state, lambda: in_transaction(state.source, claim))
             if not claimed:
                 break
             row = claimed[0]
@@ -154,13 +140,8 @@ def _recover_one(
             report.pending.append((*entry, f"finish step answered {final.status}; will be retried"))
         else:
             report.completed.append((*entry, f"answered {final.status}"))
-            signals.send(
-                signals.recovered,
-                org_id=row.org_id,
-                key=row.key,
-                flow=row.flow,
-                status=final.status,
-                attempts=row.attempts,
+            signals.send_for(
+                signals.recovered, row, flow=row.flow, status=final.status, attempts=row.attempts
             )
 
 
@@ -199,9 +180,7 @@ def _give_up(state: IdemState, row: Stranded, lease: Lease, reason: str) -> None
     """Mark the request failed, store the answer a retry will get, and flag it for a person."""
     give_up_leased(state, lease, failure_document() if row.task is None else task_failure(reason), reason)
     # Sent (and logged at ERROR) once the row is marked: a person is needed.
-    signals.send(
-        signals.given_up, org_id=row.org_id, key=row.key, flow=row.flow, reason=reason, attempts=row.attempts
-    )
+    signals.send_for(signals.given_up, row, flow=row.flow, reason=reason, attempts=row.attempts)
 
 
 def run_forever(
@@ -215,9 +194,7 @@ def run_forever(
     """Run :func:`recover` until ``stop`` is set (a worker process): a pass every ``interval`` seconds, or
     at once after a pass that claimed ``limit`` requests (more are waiting).
 
-    A pass that fails on a database error or a configuration error (the key table is not ready yet), or
-    on any other exception, is logged and the loop goes on; ``KeyboardInterrupt`` ends it. The relay's
-    loop (:func:`flask_idem.relay.relay_forever`) is the same one.
+    A pass that fails is logged and the loop goes on; ``KeyboardInterrupt`` ends it.
 
     :param on_pass: called with the report of every pass that claimed something.
     """

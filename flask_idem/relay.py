@@ -1,12 +1,9 @@
 """The outbox relay: publish the messages views wrote into the outbox, and mark each sent.
 
-``flask idem relay`` runs one pass, ``flask idem relay --loop`` (or :func:`relay_forever` in a thread
-or a process of its own) keeps running, like the recovery job. Each pass claims unsent messages under a
-lease (``IDEM_OUTBOX_LEASE``), publishes each through the application's publisher (set up by a runner's
-``init_app``, such as :meth:`flask_idem.celery.CeleryJobs.init_app`), and marks it sent once the broker
-confirmed it. A relay that dies between a publish and its mark leaves the message to be published
-again when the claim lapses: delivery is at least once, and the task's key makes it exactly once in
-effect. Several relays may run at once. See :doc:`/jobs`.
+Each pass claims unsent messages under a lease (``IDEM_OUTBOX_LEASE``), publishes each through the
+application's publisher, and marks it sent once the broker confirmed it. A relay that dies in between
+leaves the message to be published again: at least once, and the task's key makes it exactly once in
+effect. Several relays may run at once (:doc:`/jobs`).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from dataclasses import dataclass, field
 from flask import Flask
 
 from . import signals
-from ._delivery import get_jobs
+from ._jobs_state import get_jobs
 from ._loop import run_passes
 from ._retry import backoff
 from ._state import get_state
@@ -99,12 +96,7 @@ def relay(
                 after_publish(message)
             if jobs.outbox.mark_sent(message, token=token):
                 report.published += 1
-                signals.send(
-                    signals.message_relayed,
-                    org_id=message.envelope.org_id,
-                    key=message.envelope.key,
-                    task=message.task,
-                )
+                signals.send_for(signals.message_relayed, message.envelope, task=message.task)
             else:
                 report.lost += 1
         report.purged = jobs.outbox.purge(older_than=jobs.retention)
@@ -119,11 +111,8 @@ def relay_forever(
     stop: threading.Event | None = None,
     on_pass: Callable[[RelayReport], None] | None = None,
 ) -> None:
-    """Run :func:`relay` until ``stop`` is set: a pass every ``interval`` seconds, or at once after a
-    pass that found ``limit`` messages (more are waiting).
-
-    Errors are handled as :func:`flask_idem.recovery.run_forever` handles them (the same loop): a pass
-    that fails is logged and the loop goes on; ``KeyboardInterrupt`` ends it.
+    """Run :func:`relay` until ``stop`` is set, in the loop of :func:`flask_idem.recovery.run_forever`: a
+    pass every ``interval`` seconds, or at once after one that found ``limit`` messages.
 
     :param on_pass: called with the report of every pass that published or failed something.
     """

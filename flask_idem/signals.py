@@ -1,25 +1,11 @@
-"""Signals: one for each outcome flask-idem decides, sent with blinker as Flask sends its own.
+"""Signals: one for each outcome flask-idem decides, sent with blinker as Flask sends its own
+(:doc:`/observing`).
 
 Every signal is sent with the application as sender and keyword arguments only: the organisation
 (``org_id``), the idempotency key (``key``, a :class:`uuid.UUID`), the route (``endpoint``) and the
-figures of the outcome. Nothing of the request body is ever sent. Connect a receiver for one application
-or for all::
-
-    from flask_idem import signals
-
-    @signals.response_replayed.connect_via(app)
-    def count_replay(sender, *, org_id, key, endpoint, status, **extra):
-        statsd.incr(f"replays.{endpoint}")
-
-Receivers run synchronously in the thread that decided the outcome, some of them while a short
-transaction of the key table is open: keep them fast, and let them not raise. Receivers should accept
-``**extra``, so that a later release may add arguments.
-
-Each outcome is also logged, once, on the ``flask_idem`` logger with its arguments as ``extra`` fields
-(``idem_outcome``, ``idem_org_id``, ``idem_key_hash``...; the key itself is never logged, only a hash
-of it): at DEBUG for the normal outcomes, INFO for
-conflicts, retries taken over and requests finished by the recovery job, ERROR for a request given up.
-When nobody listens and the level is off, sending costs one check.
+figures of the outcome; never anything of the request body. Receivers run synchronously, some while a
+short transaction is open: keep them fast, let them not raise, and accept ``**extra``. Each outcome is
+also logged, once, on the ``flask_idem`` logger, with a hash of the key, never the key itself.
 """
 
 from __future__ import annotations
@@ -70,155 +56,91 @@ logger = logging.getLogger("flask_idem")
 
 _signals = Namespace()
 
+# docs/observing.rst has the table of every signal, when it is sent and its arguments beyond ``org_id``,
+# ``key`` and ``endpoint``.
+
 # -- a request's key -------------------------------------------------------------------------------------
 
-#: A first attempt reserved its key; the view runs next. Arguments: ``org_id``, ``key``, ``endpoint``,
-#: ``flow`` (``None`` for an atomic route). In an atomic route the reservation commits with the view's
-#: writes: when the view then fails, the reservation is rolled back with them and no
-#: :data:`response_stored` follows.
+#: A first attempt reserved its key; the view runs next. Also: ``flow``.
 key_reserved = _signals.signal("key-reserved")
 
-#: A final response was stored and committed: a retry will get it. Arguments: ``org_id``, ``key``,
-#: ``endpoint``, ``flow``, ``status`` (the stored status). Also sent when the recovery job finishes a
-#: request (before :data:`recovered`).
+#: A final response was stored and committed (by a request, or by the recovery job). Also: ``flow``,
+#: ``status``.
 response_stored = _signals.signal("response-stored")
 
-#: A retry was answered with the stored response. Arguments: ``org_id``, ``key``, ``endpoint``,
-#: ``status`` (the stored status).
+#: A retry was answered with the stored response. Also: ``status``.
 response_replayed = _signals.signal("response-replayed")
 
-#: A key was reused with a different request and refused (422). Arguments: ``org_id``, ``key``,
-#: ``endpoint``.
+#: A key was reused with a different request and refused (422).
 mismatch_rejected = _signals.signal("mismatch-rejected")
 
-#: A key was reused with a different request and answered with the original response
-#: (``on_mismatch="replay"``). Arguments: ``org_id``, ``key``, ``endpoint``, ``status``.
+#: A key was reused with a different request, answered with the original response. Also: ``status``.
 mismatch_replayed = _signals.signal("mismatch-replayed")
 
-#: A duplicate arrived while the first attempt was still running, and was answered 409. Arguments:
-#: ``org_id``, ``key``, ``endpoint``.
+#: A duplicate arrived while the first attempt was still running (409).
 key_in_flight = _signals.signal("key-in-flight")
 
-#: A retry came after the stored response had passed its retention, found the key's tombstone, and
-#: was answered 303 (to the first answer's ``Location``) or 410 without running anything. Arguments:
-#: ``org_id``, ``key``, ``endpoint``, ``status`` (what the door answered: a request's 303 or 410, a
-#: webhook sender's 200; ``None`` for a task, which is dropped).
+#: A retry after the stored response's retention found the key's tombstone. Also: ``status``.
 tombstone_hit = _signals.signal("tombstone-hit")
 
-#: The key table could not be reached (a lost connection, a pool timeout, no partition for a key's
-#: expiry yet): a request or a webhook delivery was answered 503, a task's delivery will be retried, a
-#: recovery pass stopped or left the request for the next one. Sent by every door. Arguments: ``org_id``
-#: and ``key`` (``None`` when not known yet), ``endpoint`` (``None`` for a task's and a recovery pass's),
-#: ``error`` (the driver exception's class name) and ``sqlstate`` (or ``None``).
+#: The key table could not be reached; sent by every door. Also: ``error``, ``sqlstate``.
 store_unavailable = _signals.signal("store-unavailable")
 
 # -- multi-step requests -------------------------------------------------------------------------------
 
-#: A step of a flow finished and its result was committed. Arguments: ``org_id``, ``key``,
-#: ``endpoint``, ``flow``, ``step``, ``outside`` (``True`` for a :meth:`~flask_idem.Flow.call` step),
-#: ``duration`` (seconds the step's own function took: for a call step, the outside call).
+#: A step of a flow finished and its result was committed. Also: ``flow``, ``step``, ``outside``,
+#: ``duration``.
 step_finished = _signals.signal("step-finished")
 
-#: A retry found its request stranded (its lease expired) and took it over; it resumes after the last
-#: finished step. Arguments: ``org_id``, ``key``, ``endpoint``, ``flow``, ``step`` (the last finished
-#: step).
+#: A retry found its request stranded and took it over. Also: ``flow``, ``step``.
 lease_taken_over = _signals.signal("lease-taken-over")
 
-#: A worker found that another attempt or the recovery job had taken its request over, and stopped
-#: (a request is answered 409). Arguments: ``org_id``, ``key``, ``endpoint``, ``flow``.
+#: A worker found its request taken over, and stopped. Also: ``flow``.
 lease_lost = _signals.signal("lease-lost")
 
-#: A call step raised :class:`~flask_idem.OutcomeUnknown`: the outside party may or may not have
-#: acted; the request is answered 503 and left to a retry or the recovery job. Arguments: ``org_id``,
-#: ``key``, ``endpoint``, ``flow``, ``step``, ``exception`` (the class name).
+#: A call step raised :class:`~flask_idem.OutcomeUnknown`. Also: ``flow``, ``step``, ``exception``.
 outcome_unknown = _signals.signal("outcome-unknown")
 
-#: A call step raised an exception other than :class:`~flask_idem.OutcomeUnknown`: most likely a bug
-#: in the step or its resolver. It is handled as an unknown outcome (503, left to a retry or the
-#: recovery job); this signal tells it apart. Arguments: ``org_id``, ``key``, ``endpoint``, ``flow``,
-#: ``step``, ``exception`` (the class name).
+#: A call step raised another exception, handled as an unknown outcome. Also: ``flow``, ``step``,
+#: ``exception``.
 call_failed = _signals.signal("call-failed")
 
-#: The recovery job finished a stranded request. Arguments: ``org_id``, ``key``, ``endpoint``,
-#: ``flow``, ``status`` (the stored status), ``attempts`` (resumptions so far).
+#: The recovery job finished a stranded request. Also: ``flow``, ``status``, ``attempts``.
 recovered = _signals.signal("recovered")
 
-#: The recovery job gave up on a request past ``IDEM_RECOVERY_DEADLINE`` (or a background task past its
-#: :class:`~flask_idem.jobs.JobPolicy`, with ``task``): it is marked failed, answers 500
-#: ``operation-failed`` to retries, and is flagged for a person (``flask idem stuck``). Arguments:
-#: ``org_id``, ``key``, ``endpoint``, ``flow``, ``reason``, ``attempts``.
+#: A request or a task was given up: failed, and flagged for a person. Also: ``flow``, ``reason``,
+#: ``attempts``.
 given_up = _signals.signal("given-up")
 
-# -- background jobs (flask_idem.jobs) -------------------------------------------------------------------
-#
-# A delivery of an idempotent task sends the outcome signals above as a request does (``key_reserved``,
-# ``response_stored``, ``response_replayed``, ``mismatch_rejected``, ``key_in_flight``, a flow's
-# ``step_finished``...), with ``endpoint`` ``None`` and one more argument, ``task`` (the task's name).
+# -- background jobs (flask_idem.jobs): a delivery sends the signals above too, with ``task`` -----------
 
-#: A delivery of an idempotent task was put off: another delivery holds its key (``failed`` false), or
-#: this attempt failed and will be retried after a backoff. Arguments: ``org_id``, ``key``, ``endpoint``
-#: (``None``), ``task``, ``reason``, ``countdown`` (seconds until the runner delivers it again),
-#: ``failures`` (failed attempts so far).
+#: A delivery of an idempotent task was put off. Also: ``task``, ``reason``, ``countdown``, ``failures``.
 job_deferred = _signals.signal("job-deferred")
 
-#: The outbox relay published a message to the broker and marked it sent. Arguments: ``org_id``,
-#: ``key`` (the task's key), ``endpoint`` (``None``), ``task``.
+#: The outbox relay published a message to the broker and marked it sent. Also: ``task``.
 message_relayed = _signals.signal("message-relayed")
 
 # -- inbound webhooks (flask_idem.webhooks) ------------------------------------------------------------
 
-#: A webhook delivery passed its source's verification (before any database work). Arguments:
-#: ``org_id`` (the source's), ``key`` (the event's), ``endpoint``, ``source``, ``event_id``.
+#: A webhook delivery passed its source's verification. Also: ``source``, ``event_id``.
 webhook_verified = _signals.signal("webhook-verified")
 
-#: A webhook delivery failed verification and was answered 400; nothing was recorded. Arguments:
-#: ``org_id`` (``None``), ``key`` (``None``), ``endpoint``, ``source``, ``check`` (which check failed:
-#: ``signature``, ``timestamp``, ``event-id``...).
+#: A webhook delivery failed verification (400). Also: ``source``, ``check``.
 webhook_rejected = _signals.signal("webhook-rejected")
 
-#: A redelivered event was answered without running the handler: with the first delivery's answer, with
-#: ``200`` when the event is older than the source's window, or ``409`` while the first is still
-#: running. Arguments: ``org_id``, ``key``, ``endpoint``, ``source``, ``event_id``, ``status``.
+#: A redelivered event was answered without running its handler. Also: ``source``, ``event_id``,
+#: ``status``.
 webhook_duplicate = _signals.signal("webhook-duplicate")
 
-#: An event's handler ran and its answer committed with its writes. Arguments: ``org_id``, ``key``,
-#: ``endpoint``, ``source``, ``event_id``, ``status``.
+#: An event's handler ran and its answer committed with its writes. Also: ``source``, ``event_id``,
+#: ``status``.
 webhook_handled = _signals.signal("webhook-handled")
 
 # -- the key table -------------------------------------------------------------------------------------
 
-#: A key-table operation of :class:`~flask_idem._store.Store` finished (its statements ran; a request
-#: makes two to five). Sent only to receivers (never logged), with the current application as sender
-#: (``None`` outside an application context). Arguments: ``operation`` (the method's name:
-#: ``reserve``, ``complete``, ``take_over``, ``hold``, ``record_step``, ``release``,
-#: ``claim_stranded``...), ``duration`` (seconds, including waiting for the database).
+#: A key-table operation of :class:`~flask_idem._store.Store` finished; sent only to receivers, never
+#: logged. Arguments: ``operation``, ``duration``.
 store_operation = _signals.signal("store-operation")
-
-#: The outcome signals, in the order above: each is logged when sent (:data:`store_operation` is not
-#: an outcome).
-OUTCOMES: tuple[NamedSignal, ...] = (
-    key_reserved,
-    response_stored,
-    response_replayed,
-    mismatch_rejected,
-    mismatch_replayed,
-    key_in_flight,
-    tombstone_hit,
-    store_unavailable,
-    step_finished,
-    lease_taken_over,
-    lease_lost,
-    outcome_unknown,
-    call_failed,
-    recovered,
-    given_up,
-    job_deferred,
-    message_relayed,
-    webhook_verified,
-    webhook_rejected,
-    webhook_duplicate,
-    webhook_handled,
-)
 
 _DEBUG, _INFO, _ERROR = logging.DEBUG, logging.INFO, logging.ERROR
 
@@ -246,6 +168,10 @@ _LOG: dict[str, tuple[int, str]] = {
     "webhook-duplicate": (_INFO, "Webhook event delivered again; handler not run"),
     "webhook-handled": (_DEBUG, "Webhook event handled"),
 }
+
+#: The outcome signals, in the order above: each is logged when sent (:data:`store_operation` is not
+#: an outcome).
+OUTCOMES: tuple[NamedSignal, ...] = tuple(_signals[name] for name in _LOG)
 
 _task: ContextVar[str | None] = ContextVar("flask_idem_task", default=None)
 _endpoint: ContextVar[str | None] = ContextVar("flask_idem_endpoint", default=None)
@@ -305,6 +231,11 @@ def send(signal: NamedSignal, **data: Any) -> None:
         extra = {"idem_outcome": signal.name.replace("-", "_")}
         extra.update(("idem_" + name, value) for name, value in logged.items())
         logger.log(level, "%s: %s.", text, fields, extra=extra)
+
+
+def send_for(signal: NamedSignal, ref: Any, **data: Any) -> None:
+    """:func:`send` ``signal`` about the key of ``ref`` (a record with ``org_id`` and ``key``)."""
+    send(signal, org_id=ref.org_id, key=ref.key, **data)
 
 
 def key_hash(key: uuid.UUID) -> str:

@@ -24,7 +24,7 @@ import psycopg
 import pytest
 from flask import Flask
 
-from flask_idem import _delivery
+from flask_idem import _delivery, _jobs_state
 from flask_idem.jobs import (
     Defer,
     Done,
@@ -216,7 +216,7 @@ def test_the_outbox_sends_what_commits_and_the_relay_publishes_at_least_once(
     from flask_idem._state import get_state
 
     recorder = Recorder()
-    jobs_app.extensions["idem_jobs"] = state = _delivery.JobsState.create(jobs_app, recorder)
+    jobs_app.extensions["idem_jobs"] = state = _jobs_state.JobsState.create(jobs_app, recorder)
     pool = get_state(jobs_app).source
     kept = uuid.uuid4()
     with jobs_app.app_context():
@@ -286,7 +286,7 @@ def test_task_outcomes_are_signalled_and_counted_by_task(
 
     registry = CollectorRegistry()
     Metrics(jobs_app, registry=registry)
-    jobs_app.extensions["idem_jobs"] = _delivery.JobsState.create(jobs_app, Recorder())
+    jobs_app.extensions["idem_jobs"] = _jobs_state.JobsState.create(jobs_app, Recorder())
     deferred: list[dict[str, Any]] = []
     signals.job_deferred.connect(lambda sender, **data: deferred.append(data), sender=jobs_app, weak=False)
     key = uuid.uuid4()
@@ -318,7 +318,7 @@ def test_the_relay_claims_messages_of_every_organisation_oldest_first(
     """Messages of several organisations (several shards on Citus) are claimed together, oldest first,
     ``limit`` per pass."""
     recorder = Recorder()
-    jobs_app.extensions["idem_jobs"] = _delivery.JobsState.create(jobs_app, recorder)
+    jobs_app.extensions["idem_jobs"] = _jobs_state.JobsState.create(jobs_app, recorder)
     with jobs_app.app_context():
         for n in range(6):
             with jobs.idem.pool.connection() as conn, conn.transaction():
@@ -387,7 +387,7 @@ def test_flask_idem_relay_publishes_and_says_so(jobs_app: Flask, make_app: Any) 
     """`flask idem relay` runs one pass and prints its counts; on an application without background
     jobs it says how to set them up."""
     recorder = Recorder()
-    jobs_app.extensions["idem_jobs"] = _delivery.JobsState.create(jobs_app, recorder)
+    jobs_app.extensions["idem_jobs"] = _jobs_state.JobsState.create(jobs_app, recorder)
     with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
         jobs.enqueue("jobs.add", 5, conn=conn, org_id=1, key=uuid.uuid4())
     result = jobs_app.test_cli_runner().invoke(args=["idem", "relay"])
@@ -421,7 +421,7 @@ def test_flask_idem_relay_says_why_a_publish_failed_and_exits_1(
     outputs = []
     for publisher in (CeleryPublisher(closed), Leaky()):
         db.execute("DELETE FROM idempotency_keys_outbox")  # one message per pass
-        jobs_app.extensions["idem_jobs"] = _delivery.JobsState.create(jobs_app, publisher)
+        jobs_app.extensions["idem_jobs"] = _jobs_state.JobsState.create(jobs_app, publisher)
         with jobs_app.app_context(), jobs.idem.pool.connection() as conn, conn.transaction():
             jobs.enqueue("jobs.add", 5, conn=conn, org_id=1, key=uuid.uuid4())
         caplog.clear()
@@ -451,7 +451,7 @@ def test_background_jobs_need_the_layout(
     from flask_idem import ConfigurationError, _layout
 
     recorder = Recorder()
-    jobs_app.extensions["idem_jobs"] = _delivery.JobsState.create(jobs_app, recorder)
+    jobs_app.extensions["idem_jobs"] = _jobs_state.JobsState.create(jobs_app, recorder)
     newer = _layout.latest() + 1
     with monkeypatch.context() as patch:
         patch.setattr(_layout, "latest", lambda: newer)  # code of a layout the table does not have yet

@@ -73,6 +73,7 @@ def test_the_protocol_knows_no_http(tmp_path: Path) -> None:
         ("_webhook.py", "from ._view import handle"),
         ("recovery.py", "from ._delivery import run_delivery"),
         ("_http.py", "from ._view import ViewOptions"),
+        ("_jobs_state.py", "from ._delivery import run_delivery"),
     ],
     ids=[
         "store-imports-extension",
@@ -82,6 +83,7 @@ def test_the_protocol_knows_no_http(tmp_path: Path) -> None:
         "webhook-door-imports-request-door",
         "recovery-door-imports-job-door",
         "shared-http-imports-a-door",
+        "jobs-state-imports-job-door",
     ],
 )
 def test_layers_contract_catches_an_upward_import(tmp_path: Path, module: str, line: str) -> None:

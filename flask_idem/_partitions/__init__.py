@@ -1,16 +1,9 @@
-"""Retention on the partitioned key table: partitions made ahead, and dropped whole.
+"""Retention on the partitioned key table: partitions made ahead, and dropped whole (:doc:`/retention`).
 
-The key table and its compact tombstones (``<table>_tombstones``) are partitioned by range of
-``expires_at`` (:mod:`flask_idem.migrations.v4_partitions`). One room a concept, each with its part of
-the guarantees, and their statements in ``partitions.sql``:
-
-- :mod:`.run`: :func:`maintain`, one run of ``flask idem purge``, and why two runs at once are safe;
-- :mod:`.ahead`: partitions made ahead, and the spare one;
-- :mod:`.retire`: a passed partition's tombstones written, then detached and dropped without blocking
-  anyone;
-- :mod:`.overview`: the catalog's view of them for ``flask idem stats``, the metrics and the health check;
-- :mod:`.tables`: the tables' names and statements, and their partitions as the catalog lists them;
-- :mod:`.clock`: the time arithmetic, and why nothing is written into a partition once its range passed.
+One room a concept, their statements in ``partitions.sql``: :mod:`.run` (one run of ``flask idem purge``),
+:mod:`.ahead` (partitions made ahead, and the spare one), :mod:`.retire` (passed ones dropped without
+blocking anyone), :mod:`.overview` (the catalog's view of them), :mod:`.tables` (their names and
+statements), :mod:`.clock` (the time arithmetic).
 """
 
 from .clock import MAX_GRACE as MAX_GRACE

@@ -27,14 +27,10 @@ def make_ahead(run: Maintenance, parent: str, interval: float, ranges: Ranges) -
     no row can expire in the past, and a run after a long pause makes no partition only to drop it.
 
     Partitions of ``interval`` are made until ``ranges.near``, and one spare partition from there to
-    ``ranges.until`` (none when ``near`` is ``until``). A spare that ``near`` has reached since, or that
-    ends before ``until`` (a partition after it would leave it wide, in the middle), is replaced while
-    it is empty (:func:`replace_spare`). One that holds a row, or that the present has come too near
-    (runs came late), stays as it is: a wider partition, retired once its range has passed.
-
-    Each is created on its own and then attached (:func:`attach`). The partitions are read in
-    the same transaction, under the migration's lock, so that two runs at once make each partition
-    once.
+    ``ranges.until``. A spare that ``near`` has reached since, or that ends before ``until``, is replaced
+    while it is empty (:func:`replace_spare`); one that holds a row, or that the present has come too
+    near, stays as it is. Each is created on its own and then attached (:func:`attach`), after reading
+    the partitions in the same transaction, under the migration's lock: two runs make each one once.
     """
     tables = run.tables
     prefix, fillfactor = ("_p", 80) if parent == tables.keys else ("_t", 100)
@@ -130,19 +126,14 @@ def attach(
 
 def replace_spare(run: Maintenance, parent: str, part: Partition) -> None:
     """Detach the spare partition ``part``, found empty, without blocking anyone; drop it if it is still
-    empty, or attach it again as it was. Meanwhile a row whose expiry falls in its range cannot be
-    written (the request is answered 503, to be retried): only a key kept longer than the longest
-    retention the application had when the last run made partitions. A row written into it as the
-    detach begins would be missed, until it is attached again, by every statement after (the same
-    transaction's as well): hence :func:`_spare`'s margin.
+    empty, or attach it again as it was (:doc:`/retention`). Meanwhile a row whose expiry falls in its
+    range cannot be written (503, retried). A row written into it as the detach begins would be missed
+    by every statement after until it is attached again: hence :func:`_spare`'s margin.
 
-    The detach waits for older transactions under the lock timeout (not for as long as they last, as a
-    retired partition's does): one left pending is finished by the next run, and must be before the
-    present reaches its range, where no row can be written until then; the range it leaves is filled.
-
-    On Citus the detach is a plain one (see :func:`.retire.drop`), and a plain detach is transactional:
-    the detach, the check and the drop are one transaction, so a spare found holding a row was never
-    detached for any statement to miss, however long the detach's tries took."""
+    The detach waits for older transactions under the lock timeout; one left pending is finished by the
+    next run, before the present reaches its range. On Citus the detach is a plain, transactional one
+    (:func:`.retire.drop`): the detach, the check and the drop are one transaction, so a spare found
+    holding a row was never detached for any statement to miss."""
     name = run.tables.qualified(part.name)
     assert part.lower is not None and part.upper is not None
     span = (part.lower, part.upper)

@@ -42,10 +42,8 @@ class Overview:
     def warning(self, *, horizon: float, ahead: float) -> str | None:
         """A sentence when the key table's partitions run out soon, else ``None``.
 
-        Keys expire up to the longest retention (``horizon - ahead``) after they are written, and
-        ``flask idem purge`` makes partitions ``ahead`` seconds further: the warning starts when the
-        newest partition ends less than half of ``ahead`` past that, that is, when purge has not run
-        for about half of ``IDEM_PARTITION_AHEAD``.
+        It starts when the newest partition ends less than half of ``ahead`` past the longest retention
+        (``horizon - ahead``): purge has not run for about half of ``IDEM_PARTITION_AHEAD``.
 
         :param horizon: the application's :meth:`~flask_idem._state.IdemState.horizon`.
         :param ahead: ``IDEM_PARTITION_AHEAD``.

@@ -1,28 +1,14 @@
 """Retiring the partitions whose range has passed: compact tombstones written, then detached and dropped.
 
-A partition of the key table whose range has passed holds only keys past their retention (see
-:mod:`.clock` for why none can enter it any more), and is retired in three steps:
-
-1. a moment's transaction locks it in ``SHARE`` mode, which waits for every transaction still writing
-   to it, and lets go at once (an ``UPDATE`` of the key table locks every partition: holding the lock
-   longer would hold up every multi-step request). A partition that holds a multi-step request still
-   in progress is kept, untouched, and retired by a later run once they finish (a worker holding a
-   lease keeps writing its row where it is). Otherwise no row can enter it any more, nor start
-   processing there, and a second transaction, which blocks no one:
-
-   - writes the compact tombstone of each finished key (its fingerprint, final status and
-     ``Location``, until the end of ``IDEM_TOMBSTONE_TTL``) into the tombstones' table, and marks the
-     partition done, so that a run stopped before the drop writes none twice;
-   - moves rows flagged for a person into a live partition (deleted here and inserted there in the
-     same transaction, so that no statement sees the key missing);
-
-2. ``ALTER TABLE ... DETACH PARTITION ... CONCURRENTLY``, which waits for the transactions that may still
-   read it, without blocking anyone (a plain ``DETACH`` or ``DROP`` would wait on every open
-   transaction on the key table, and hold up every request behind it);
-3. ``DROP TABLE``: the partition's files are unlinked; no row is deleted, no WAL is written per row.
-
-Tombstone partitions whose range has passed are detached and dropped the same way. The statements are
-``partitions.sql``'s.
+A passed partition holds only keys past their retention (:mod:`.clock`). A moment's ``SHARE`` lock waits
+for every transaction still writing to it and lets go at once (an ``UPDATE`` of the key table locks every
+partition: holding it longer would hold up every multi-step request); a partition that still holds a
+request in progress is kept for a later run. Then, in a transaction that blocks no one, the compact
+tombstones of its finished keys are written and the partition marked done (a run stopped before the drop
+writes none twice), and rows flagged for a person move to a live partition in the same transaction, so
+that no statement sees the key missing. Last, ``DETACH PARTITION ... CONCURRENTLY`` (a plain ``DETACH``
+or ``DROP`` would wait on every open transaction and hold up every request behind it) and ``DROP TABLE``.
+Tombstone partitions go the same way (:doc:`/retention`).
 """
 
 from __future__ import annotations
@@ -145,10 +131,8 @@ def drop(run: Maintenance, parent: str, part: Partition) -> None:
     On Citus, ``DETACH PARTITION ... CONCURRENTLY`` is refused on a distributed table ("currently
     unsupported", Citus 13; citusdata/citus#5264), and so is ``FINALIZE``. The nearest safe thing is a
     plain ``DETACH PARTITION`` in a transaction of its own under the migration's short lock timeout,
-    which the nodes apply too (``citus.propagate_set_commands``), tried again after a pause when it runs
-    out: it changes the catalog only (no scan, no row), but takes the key table's ``ACCESS EXCLUSIVE``
-    lock on every shard for that moment, so it waits for the transactions using the key table and
-    holds up the requests behind it, for at most the lock timeout per try.
+    which the nodes apply too (``citus.propagate_set_commands``), tried again after a pause: it changes
+    the catalog only, but holds up the requests behind it for at most the lock timeout per try.
     """
     try:
         detach(run, parent, part)

@@ -44,22 +44,15 @@ def maintain(
     """Retire the partitions whose range has passed and make partitions ahead, on a connection of its own
     to ``url`` (a role that owns the tables).
 
-    :param interval: seconds of ``expires_at`` one new partition of the key table covers
-        (``IDEM_PARTITION_INTERVAL``); tombstones' partitions cover more, a quarter of ``tombstone_ttl``
-        when that is longer, so that few are live at once.
-    :param horizon: seconds from now that partitions are made ahead of: the application's longest
-        retention and ``IDEM_PARTITION_AHEAD``.
-    :param tombstone_ttl: seconds a key is remembered after its response expired (``IDEM_TOMBSTONE_TTL``);
-        0 keeps no tombstone.
+    :param interval: ``IDEM_PARTITION_INTERVAL``; tombstones' partitions cover a quarter of
+        ``tombstone_ttl`` when that is longer, so that few are live at once.
+    :param horizon: seconds from now that partitions are made ahead of (:meth:`.IdemState.horizon`).
+    :param tombstone_ttl: ``IDEM_TOMBSTONE_TTL``; 0 keeps no tombstone.
     :param ahead: of ``horizon``, the seconds made ahead only in case runs stop (``IDEM_PARTITION_AHEAD``):
-        partitions of ``interval`` are made until a day (or an interval, when longer) past the longest
-        retention, and one spare partition covers the rest, until it is needed (it is replaced while
-        empty, and kept as it is once a row is in it). Every lookup of a key reads every partition: a
-        spare instead of a week of empty ones keeps that cost down. 0 makes partitions of ``interval``
-        all the way.
-    :param now: the clock, the database's ``now()`` by default. Every comparison with the present is
-        with its reading, the statements' included (they take it as a parameter), so that a fake clock
-        ahead of the database's (a test's) retires partitions consistently.
+        partitions of ``interval`` are made until a day past the longest retention, and one spare
+        partition covers the rest (:doc:`/retention`). 0 makes partitions of ``interval`` all the way.
+    :param now: the clock, the database's ``now()`` by default; every comparison with the present, the
+        statements' included, is with its reading, so that a test's fake clock works consistently.
     """
     with _migrate.connect(url, connect_options) as conn:
         run = Maintenance.on(conn, table, lock_timeout=lock_timeout, echo=echo, now=now)

@@ -31,7 +31,7 @@ class Partition:
 
     name: str
     #: Its range of ``expires_at``: ``[lower, upper)``; ``lower`` is ``None`` for the first partition
-    #: of an upgraded table (``MINVALUE``).
+    #: (``_p0``, from ``MINVALUE``).
     lower: datetime | None
     upper: datetime | None
     #: Whether a ``DETACH ... CONCURRENTLY`` of it was interrupted (it is finished by the next run).
