@@ -1,21 +1,8 @@
 """Inbound webhooks: a redelivered event is not a new event.
 
-Providers deliver each event **at least once**: they retry on any answer but a 2xx and on timeouts, and
-sometimes deliver one event twice at once. A view decorated with :meth:`Idempotency.webhook
-<flask_idem.Idempotency.webhook>` handles each event once, in the transaction of its own writes::
-
-    from flask_idem import webhooks
-
-    gateway = webhooks.standard(os.environ["GATEWAY_WEBHOOK_SECRET"], name="gateway")
-
-    @app.post("/webhooks/gateway")
-    @idem.webhook(gateway)
-    def gateway_event():
-        event = idem.event.json()
-        idem.connection.execute("UPDATE orders SET paid = true WHERE id = %s", (event["order"],))
-        return "", 204
-
-A :class:`Source` says how to verify a delivery and which id it carries: the presets :func:`stripe`,
+Providers deliver each event at least once. A view decorated with :meth:`Idempotency.webhook
+<flask_idem.Idempotency.webhook>` handles each event once, in the transaction of its own writes. A
+:class:`Source` says how to verify a delivery and which id it carries: the presets :func:`stripe`,
 :func:`github`, :func:`shopify` and :func:`standard` (Standard Webhooks), or :func:`generic` with
 callables of your own. See :doc:`/webhooks`.
 """
@@ -77,10 +64,7 @@ class Event:
 
         :raises WebhookRejected: the body is not JSON.
         """
-        try:
-            return json.loads(self.body)
-        except ValueError:
-            raise WebhookRejected("The delivery's body is not JSON.", check="body") from None
+        return _json(self.body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +311,7 @@ def _standard_verify(secrets: tuple[str, ...], tolerance: float) -> Callable[[He
             try:
                 verifier.verify(payload, wanted)
             except json.JSONDecodeError:
-                raise WebhookRejected("The delivery's body is not JSON.", check="body") from None
+                raise WebhookRejected(_NOT_JSON, check="body") from None
             except WebhookVerificationError as exc:
                 if "timestamp" in str(exc).lower():  # the library's own check, at the edge of ours
                     raise WebhookRejected(_STALE, check="timestamp") from None
@@ -342,6 +326,7 @@ def _standard_verify(secrets: tuple[str, ...], tolerance: float) -> Callable[[He
 
 # The details of a rejection name the check and the header, never a secret or the signature expected.
 _NO_MATCH = "The {header} header holds no signature of this body under the source's secret."
+_NOT_JSON = "The delivery's body is not JSON."
 _STALE = "The delivery's timestamp is outside the source's tolerance (a replayed or delayed delivery)."
 
 
@@ -390,11 +375,11 @@ def _text(body: bytes) -> str:
         raise WebhookRejected("The delivery's body is not UTF-8 text.", check="body") from None
 
 
-def _json(payload: str) -> Any:
+def _json(payload: str | bytes) -> Any:
     try:
         return json.loads(payload)
     except ValueError:
-        raise WebhookRejected("The delivery's body is not JSON.", check="body") from None
+        raise WebhookRejected(_NOT_JSON, check="body") from None
 
 
 def _check_timestamp(value: str | None, tolerance: float) -> None:

@@ -99,6 +99,19 @@ def client_of(target: Flask | FlaskClient) -> FlaskClient:
     return target.test_client() if isinstance(target, Flask) else target
 
 
+def start(
+    target: Flask | FlaskClient,
+    method: str,
+    path: str,
+    json: Any,
+    headers: Mapping[str, str] | None,
+    data: bytes | str | None = None,
+) -> tuple[FlaskClient, Call, uuid.UUID, Any]:
+    """How a check starts: a test client of ``target``, the request, a new key and the body for it."""
+    call = Call(method, path, json, data, headers or {})
+    return client_of(target), call, uuid.uuid4(), call.body()
+
+
 @dataclass(frozen=True)
 class Call:
     """One request, sent again with a key of the kit's choosing.

@@ -13,7 +13,7 @@ from werkzeug.test import TestResponse
 
 from .._state import get_state
 from ..recovery import recover
-from ._core import Call, Effect, Killer, client_of, describe, fail, hooked, replayed, send_and_kill, show
+from ._core import Call, Effect, Killer, describe, fail, hooked, replayed, send_and_kill, show, start
 
 __all__ = ["crash_between_steps"]
 
@@ -47,11 +47,8 @@ def crash_between_steps(
     :param effect: counts what the request does in the database, one per finished request.
     :returns: the points where a request was killed.
     """
-    client = client_of(target)
+    client, call, key, body = start(target, method, path, json, headers)
     app = client.application
-    call = Call(method, path, json, None, headers or {})
-
-    key, body = uuid.uuid4(), call.body()
     calls, done = outside(), effect() if effect else 0
     watcher = Killer(None)
     with hooked(app, watcher):
