@@ -68,7 +68,6 @@ class ConnectionSource(Protocol):
 
         The caller opens its own with ``conn.transaction()`` when it needs one.
         """
-        ...
 
     def transaction(self, *, batched: bool = False) -> AbstractContextManager[psycopg.Connection[TupleRow]]:
         """A connection inside a new transaction, committed when the block ends and rolled back when it
@@ -78,15 +77,12 @@ class ConnectionSource(Protocol):
         the transaction's first statement and ``COMMIT`` together with the statements deferred to it
         (:func:`batched`); others ignore it.
         """
-        ...
 
     def close(self) -> None:
         """Let go of this process's connections; a later use opens new ones."""
-        ...
 
     def connection_lost(self, conn: psycopg.Connection[Any]) -> None:
         """Note that ``conn`` was found closed by the server (a restart): replace the others of its age."""
-        ...
 
 
 logger = logging.getLogger("flask_idem")

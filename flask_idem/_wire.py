@@ -244,7 +244,7 @@ def run(
             raise psycopg.ProgrammingError("A batch cannot be sent inside a psycopg pipeline.")
         # Parameters are adapted before anything is sent: a value that cannot be leaves nothing half sent.
         messages = [_adapt(item, transformer, prepared) for item in items]
-        answers = sum(3 if message.prepare else 1 for message in messages)
+        answers = sum(message.answers for message in messages)
         pgconn.enter_pipeline_mode()
         try:
             for message in messages:
@@ -275,6 +275,11 @@ class _Message:
     #: each answering with a result of its own).
     name: bytes | None = None
     prepare: bool = False
+
+    @property
+    def answers(self) -> int:
+        """How many results it answers with: the Close and the Parse of a statement it prepares answer too."""
+        return 3 if self.prepare else 1
 
     def send(self, pgconn: pq.abc.PGconn) -> None:
         if self.name is None:
@@ -344,12 +349,8 @@ def _results(
     results: list[Result] = []
     position = 0
     for message in messages:
-        if message.prepare:  # the Close and the Parse answer too
-            parts = answers[position : position + 3]
-            position += 3
-        else:
-            parts = answers[position : position + 1]
-            position += 1
+        parts = answers[position : position + message.answers]
+        position += message.answers
         for part in parts:
             status = part.status
             if status == _TUPLES_OK or status == _COMMAND_OK:

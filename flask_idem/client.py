@@ -216,17 +216,8 @@ class RetriesExhausted(CallFailed):
     The other parameters are those of :class:`CallFailed`.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        reason: StopReason,
-        key: str,
-        attempts: int,
-        response: ResponseLike | None,
-        error: BaseException | None,
-    ) -> None:
-        super().__init__(message, key=key, attempts=attempts, response=response, error=error)
+    def __init__(self, message: str, *, reason: StopReason, **failed: Any) -> None:
+        super().__init__(message, **failed)
         self.reason = reason
 
 

@@ -4,7 +4,8 @@ Providers deliver each event at least once. A view decorated with :meth:`Idempot
 <flask_idem.Idempotency.webhook>` handles each event once, in the transaction of its own writes. A
 :class:`Source` says how to verify a delivery and which id it carries: the presets :func:`stripe`,
 :func:`github`, :func:`shopify` and :func:`standard` (Standard Webhooks), or :func:`generic` with
-callables of your own. See :doc:`/webhooks`.
+callables of your own. See :doc:`/webhooks`. Every preset also takes ``name`` (:attr:`Source.name`) and
+``window`` (:attr:`Source.window`), and accepts a delivery signed with any one of its secrets.
 """
 
 from __future__ import annotations
@@ -141,10 +142,7 @@ def github(
     GitHub signs no timestamp, so a captured delivery verifies whenever it is replayed: the event id,
     kept for ``window``, is what turns a replay away.
 
-    :param secret: the webhook's secret, or a sequence of secrets while one is being changed (a delivery
-        signed with any one of them is accepted).
-    :param name: the source's name (:attr:`Source.name`).
-    :param window: how long event ids are kept (:attr:`Source.window`).
+    :param secret: the webhook's secret, or a sequence of them while one is rotated.
     """
     keys = tuple(key.encode() for key in _secrets(secret, "github"))
 
@@ -174,10 +172,7 @@ def shopify(
     Shopify signs no timestamp, so a captured delivery verifies whenever it is replayed: the event id,
     kept for ``window``, is what turns a replay away.
 
-    :param secret: the app's client secret, or a sequence of secrets while one is being rotated (a
-        delivery signed with any one of them is accepted).
-    :param name: the source's name (:attr:`Source.name`).
-    :param window: how long event ids are kept (:attr:`Source.window`).
+    :param secret: the app's client secret, or a sequence of them while one is rotated.
     """
     keys = tuple(key.encode() for key in _secrets(secret, "shopify"))
 
@@ -204,12 +199,9 @@ def stripe(
     A delivery whose timestamp is more than ``tolerance`` seconds old (a captured delivery replayed) or
     ahead of the clock is rejected with ``check="timestamp"``.
 
-    :param secret: the endpoint's signing secret, or a sequence of secrets while one is being rolled (a
-        delivery signed with any one of them is accepted).
-    :param name: the source's name (:attr:`Source.name`).
+    :param secret: the endpoint's signing secret, or a sequence of them while one is rotated.
     :param tolerance: seconds a delivery's timestamp may be from the clock, either way (Stripe's default
         is five minutes).
-    :param window: how long event ids are kept (:attr:`Source.window`).
     :raises ConfigurationError: the ``stripe`` library is not installed.
     """
     verify = _stripe_verify(_secrets(secret, "stripe"), parse_seconds("tolerance", tolerance))
@@ -262,12 +254,9 @@ def standard(
     A delivery whose ``webhook-timestamp`` is more than ``tolerance`` seconds from the clock, either way,
     is rejected with ``check="timestamp"``.
 
-    :param secret: the endpoint's secret, or a sequence of secrets while one is being rotated (a delivery
-        signed with any one of them is accepted).
-    :param name: the source's name (:attr:`Source.name`).
+    :param secret: the endpoint's secret, or a sequence of them while one is rotated.
     :param tolerance: seconds a delivery's timestamp may be from the clock, at most 300: the library
         refuses a timestamp five minutes away itself, so a tolerance can narrow that, not widen it.
-    :param window: how long event ids are kept (:attr:`Source.window`).
     :raises ConfigurationError: the ``standardwebhooks`` library is not installed, a secret is not a
         Standard Webhooks secret, or ``tolerance`` is over 300.
     """

@@ -112,12 +112,8 @@ def check_replay(
     headers: Mapping[str, str] | None = None,
     key: uuid.UUID | None = None,
 ) -> tuple[TestResponse, TestResponse]:
-    """A retry gets the first answer again and the view's effect happens once, even after a crash.
-
-    Three attempts with one key: the first is killed inside its transaction, right after the view
-    returned (nothing it wrote may remain: a view writing on a connection of its own fails here); the
-    second does the work (``effect`` grows by one for a 2xx); the third is answered from storage: the same
-    body, 201 given as 200, ``Idempotent-Replayed: true``, and ``effect`` unchanged.
+    """A retry gets the first answer again and the view's effect happens once, even after a crash: three
+    attempts with one key, the first killed inside its transaction (:doc:`/testing-routes`).
 
     :param effect: counts what the view does, e.g. ``Rows(idem_db, "orders")``.
     :returns: the first answer and the replay.
