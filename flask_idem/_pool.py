@@ -346,10 +346,8 @@ class ForkSafeConnectionPool:
                     with Batched(conn, prepare=self._prepare):
                         yield conn
                 except psycopg.OperationalError as e:
-                    cut = _deadline_error(conn, e)
-                    if cut is None:
-                        raise
-                    raise cut from e
+                    _raise_if_cut(conn, e)
+                    raise
             return
         with ExitStack() as stack:
             yield self._begin(stack)
@@ -387,16 +385,12 @@ def _deadline_errors(conn: PooledConnection) -> Iterator[None]:
     try:
         yield
     except psycopg.OperationalError as e:
-        cut = _deadline_error(conn, e)
-        if cut is None:
-            raise
-        raise cut from e
+        _raise_if_cut(conn, e)
+        raise
 
 
-def _deadline_error(conn: PooledConnection, error: psycopg.OperationalError) -> DeadlineExceeded | None:
-    """The :class:`DeadlineExceeded` that ``error`` on ``conn`` stands for when the watchdog cut the
-    connection; ``None`` otherwise."""
+def _raise_if_cut(conn: PooledConnection, error: psycopg.OperationalError) -> None:
+    """Raise the :class:`DeadlineExceeded` that ``error`` on ``conn`` stands for when the watchdog cut it."""
     armed = conn._idem_armed
     if armed is not None and armed.cut and not isinstance(error, DeadlineExceeded):
-        return armed.error()
-    return None
+        raise armed.error() from error

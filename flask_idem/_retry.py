@@ -228,13 +228,7 @@ class Attempts:
 
     The caller makes an attempt after each :meth:`start`, and after a failure that may be retried asks
     :meth:`backoff` for the wait and passes it to :meth:`wait`. Creating one fixes the deadline and
-    counts the operation in *budget*.
-
-    :param policy: the attempts, deadline, waits and attempt timeout.
-    :param budget: a budget shared with other operations, or ``None``.
-    :param rng: the source of the jitter.
-    :param clock: a monotonic clock in seconds, for the deadline.
-    :param sleep: the function that waits.
+    counts the operation in *budget*; *rng*, *clock* and *sleep* are the client's (:mod:`.client`).
     """
 
     def __init__(

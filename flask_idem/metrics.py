@@ -81,18 +81,15 @@ class Metrics:
             ["endpoint", "outcome"],
             registry=self.registry,
         )
-        #: ``flask_idem_task_outcomes_total{task, outcome}``: the outcome signals of background tasks
-        #: (:mod:`flask_idem.jobs`), by task: the same outcomes as a request's, and ``job_deferred``.
+        #: ``flask_idem_task_outcomes_total{task, outcome}``: background tasks' outcomes, job_deferred too.
         self.task_outcomes = Counter(
             "flask_idem_task_outcomes",
             "Idempotency outcomes of background tasks (flask_idem.jobs), by task and outcome.",
             ["task", "outcome"],
             registry=self.registry,
         )
-        #: ``flask_idem_webhook_deliveries_total{source, outcome, check}``: webhook deliveries
-        #: (:mod:`flask_idem.webhooks`) by source and outcome (``webhook_verified``,
-        #: ``webhook_rejected``, ``webhook_duplicate``, ``webhook_handled``); ``check`` is the failed
-        #: check of a rejected one (``signature``, ``timestamp``...), empty otherwise.
+        #: ``flask_idem_webhook_deliveries_total{source, outcome, check}``: webhook deliveries; ``check`` is
+        #: the failed check of a rejected one (``signature``, ``timestamp``...), empty otherwise.
         self.webhooks = Counter(
             "flask_idem_webhook_deliveries",
             "Webhook deliveries (flask_idem.webhooks), by source, outcome and a rejected one's failed check.",
