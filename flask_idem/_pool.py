@@ -34,7 +34,7 @@ from psycopg_pool import ConnectionPool
 from . import _deadline, _wire
 from ._connection import OWNER, Batched, PooledConnection, batched
 from ._deadline import DeadlineExceeded
-from ._probe import Prober
+from ._probe import Prober, ignore_cut
 from ._timeouts import DEFAULT_CONNECT_OPTIONS, server_timeouts, with_connect_options
 
 __all__ = [
@@ -293,7 +293,7 @@ class ForkSafeConnectionPool:
         conn._idem_opened_at = time.monotonic()
         self.answered()
         seconds = self.deadline or math.inf
-        armed = _deadline.arm(conn, seconds, started=conn._idem_opened_at, on_cut=_nothing)
+        armed = _deadline.arm(conn, seconds, started=conn._idem_opened_at, on_cut=ignore_cut)
         try:
             self._batches = _wire.usable(conn)  # a trial batch, on the first connection of the process
             if self.deadline is not None:
@@ -368,10 +368,6 @@ class ForkSafeConnectionPool:
             stack.enter_context(_deadline_errors(conn))
             stack.enter_context(conn.transaction())
         return conn
-
-
-def _nothing(conn: object) -> None:
-    """A connection cut while being configured needs nothing more: psycopg_pool discards it."""
 
 
 def _cut(conn: PooledConnection) -> bool:

@@ -28,7 +28,7 @@ from . import _deadline
 from ._connection import PooledConnection
 from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
 
-__all__ = ["PROBE_AFTER", "PROBE_INTERVAL", "Prober"]
+__all__ = ["PROBE_AFTER", "PROBE_INTERVAL", "Prober", "ignore_cut"]
 
 logger = logging.getLogger("flask_idem")
 
@@ -141,7 +141,7 @@ class Prober:
         of :data:`_PROBE_TIMEOUT` for its answers: the path to the server may be hung for new connections
         too."""
         with psycopg.connect(self._conninfo, autocommit=True) as conn:
-            armed = _deadline.arm(conn, _PROBE_TIMEOUT, started=time.monotonic(), on_cut=_nothing)
+            armed = _deadline.arm(conn, _PROBE_TIMEOUT, started=time.monotonic(), on_cut=ignore_cut)
             try:
                 yield conn
             finally:
@@ -157,8 +157,9 @@ def _terminate(conn: psycopg.Connection[Any], pids: list[int]) -> None:
         logger.info("Could not end the server processes of cut connections: not allowed to.")
 
 
-def _nothing(conn: object) -> None:
-    """A cut probe connection needs nothing more: the ``with`` block closes it."""
+def ignore_cut(conn: object) -> None:
+    """Nothing more for a cut connection whose owner lets go of it anyway: a probe's (its ``with`` block
+    closes it), or one the pool is configuring (psycopg_pool discards it)."""
 
 
 def _waiting(conn: psycopg.Connection[object]) -> bool:

@@ -13,14 +13,14 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from blinker import NamedSignal
 from flask import Flask, Response
 
 from . import _delivery, _partitions, signals
-from ._state import get_state
+from ._state import IdemState, get_state
 from .errors import ConfigurationError
 
 try:
@@ -36,6 +36,8 @@ __all__ = ["EXTENSION_NAME", "KeyTableCollector", "Metrics", "multiprocess_dir"]
 EXTENSION_NAME = "idem_metrics"
 
 logger = logging.getLogger("flask_idem")
+
+T = TypeVar("T")
 
 #: Buckets of the key table's operations, in seconds: most take well under a millisecond's worth of
 #: round trips, and anything over a second is an incident.
@@ -220,46 +222,47 @@ class KeyTableCollector(Collector):
                 continue
             state = get_state(app)
             where = (state.settings.database_url, state.settings.table)
-            if where in seen:
-                continue
-            seen.add(where)
-            label = [state.settings.table]
-            try:
-                found = state.store.state()
-            except psycopg.Error as e:
-                logger.warning(
-                    "Could not read the key table for metrics: %s (SQLSTATE %s).",
-                    type(e).__name__,
-                    e.sqlstate or "none",
-                )
-                families["up"].add_metric(label, 0)
-                continue
-            families["up"].add_metric(label, 1)
-            families["processing"].add_metric(label, found.processing)
-            families["stranded"].add_metric(label, found.stranded)
-            families["flagged"].add_metric(label, found.flagged)
-            families["oldest"].add_metric(label, found.oldest_processing_seconds)
-            parts: _partitions.Overview | None
-            try:
-                with state.source.connection() as conn:
-                    parts = _partitions.overview(conn, state.settings.table)
-            except psycopg.Error as e:
-                logger.warning("Could not read the key table's partitions for metrics: %s.", type(e).__name__)
-                parts = None
-            if parts is not None:
-                _add_partitions(
-                    families, label, parts, horizon=state.horizon(), ahead=state.settings.partition_ahead
-                )
-            jobs: _delivery.JobsState | None = app.extensions.get(_delivery.EXTENSION_NAME)
-            if jobs is not None:
-                try:
-                    outbox = jobs.outbox.state()
-                except psycopg.Error as e:
-                    logger.warning("Could not read the outbox for metrics: %s.", type(e).__name__)
-                    continue
-                families["unsent"].add_metric(label, outbox.unsent)
-                families["unsent_age"].add_metric(label, outbox.oldest_unsent_seconds)
+            if where not in seen:
+                seen.add(where)
+                _collect(families, app, state)
         return list(families.values())
+
+
+def _collect(families: dict[str, GaugeMetricFamily], app: Flask, state: IdemState) -> None:
+    """The gauges of ``app``'s key table, its partitions and its outbox."""
+    label = [state.settings.table]
+    found = _read("the key table", state.store.state)
+    families["up"].add_metric(label, int(found is not None))
+    if found is None:
+        return
+    families["processing"].add_metric(label, found.processing)
+    families["stranded"].add_metric(label, found.stranded)
+    families["flagged"].add_metric(label, found.flagged)
+    families["oldest"].add_metric(label, found.oldest_processing_seconds)
+
+    def overview() -> _partitions.Overview:
+        with state.source.connection() as conn:
+            return _partitions.overview(conn, state.settings.table)
+
+    parts = _read("the key table's partitions", overview)
+    if parts is not None:
+        _add_partitions(families, label, parts, horizon=state.horizon(), ahead=state.settings.partition_ahead)
+    jobs: _delivery.JobsState | None = app.extensions.get(_delivery.EXTENSION_NAME)
+    outbox = None if jobs is None else _read("the outbox", jobs.outbox.state)
+    if outbox is not None:
+        families["unsent"].add_metric(label, outbox.unsent)
+        families["unsent_age"].add_metric(label, outbox.oldest_unsent_seconds)
+
+
+def _read(what: str, read: Callable[[], T]) -> T | None:
+    """``read()``, or ``None`` and a warning when the database could not be read."""
+    try:
+        return read()
+    except psycopg.Error as e:
+        logger.warning(
+            "Could not read %s for metrics: %s (SQLSTATE %s).", what, type(e).__name__, e.sqlstate or "none"
+        )
+        return None
 
 
 _KIND = ["table", "kind"]
