@@ -1,9 +1,7 @@
 """Checks of one route: replay, mismatch, a duplicate in flight, two organisations, many at once.
 
-Each check sends real requests through a Flask test client to the application, which talks to a real
-PostgreSQL, and counts the view's effect with a function the test passes (:class:`~._core.Rows` counts
-rows). A check returns the responses it got, for further asserts, or raises :class:`~._core.NotRetrySafe`
-saying what went wrong in plain words.
+Each returns the responses it got, for further asserts, or raises :class:`~._core.NotRetrySafe` saying what
+went wrong in plain words.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What every check shares: the failure type, the request to send, the effect counters, the test hook.
 
-The kit reaches inside a request through the extension's test hooks (:meth:`.IdemState.fire`): a hook is
-called after the view ran, inside its transaction, and after each step of a multi-step request, before
-that step's result is recorded. Raising :class:`WorkerKilled` there ends the request as a crash would;
+The kit reaches inside a request through the extension's test hooks (:meth:`.IdemState.fire`), after the
+view ran and after each step: raising :class:`WorkerKilled` there ends the request as a crash would;
 waiting there holds the request inside its transaction.
 """
 
