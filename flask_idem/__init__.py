@@ -2,7 +2,6 @@
 
 import importlib.metadata
 import typing as t
-import warnings
 
 from ._deadline import DeadlineExceeded as DeadlineExceeded
 from ._extension import Idempotency as Idempotency
@@ -74,20 +73,11 @@ __all__ = [
 
 if t.TYPE_CHECKING:
     __version__: str  # see __getattr__
-    ProcessPool = ForkSafeConnectionPool  # deprecated; see __getattr__
 
 
 def __getattr__(name: str) -> t.Any:
     """``__version__``, the installed distribution's version (from git when it was built, as in
-    ``0.1.0.dev420+g1a2b3c4``), read when asked for; and the deprecated names, which still work and warn."""
+    ``0.1.0.dev420+g1a2b3c4``), read when asked for."""
     if name == "__version__":
         return importlib.metadata.version("flask-idem")
-    if name == "ProcessPool":
-        warnings.warn(
-            "flask_idem.ProcessPool is renamed flask_idem.ForkSafeConnectionPool; the old name will be"
-            " removed in flask-idem 0.2.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return ForkSafeConnectionPool
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

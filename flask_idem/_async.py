@@ -1,23 +1,10 @@
 """``async def`` views and flow steps: run to completion through Flask's :meth:`~flask.Flask.ensure_sync`.
 
-Flask runs a coroutine function with asgiref's ``async_to_sync``: in a WSGI worker thread it starts an
-event loop of its own, on a new thread, runs the coroutine there to the end and returns its result,
-while the request's thread waits. So everything the extension does around the view stays where it was:
-the key is reserved before the coroutine starts and the transaction commits after it returned, on the
-request's thread; the coroutine, and every awaitable in it, runs in between, inside that transaction.
-
-What that means for the coroutine, which runs on another thread:
-
-- ``flask.g``, ``flask.request`` and ``idem.connection`` work: asgiref runs it in a copy of the request
-  thread's context, and Flask's contexts and the extension's state live in context variables.
-- ``idem.connection`` is a synchronous psycopg connection. psycopg connections are thread-safe, and only
-  one thread uses it at a time: the request's thread is waiting. A call on it blocks the coroutine's
-  event loop while it runs, which under WSGI is a loop of this request alone.
-- An object bound to an event loop (an ``httpx.AsyncClient``, an asyncpg pool) must be created inside the
-  coroutine: each request, and each async flow step, gets a new loop.
-
-A thread whose own event loop is running cannot wait for a coroutine through asgiref; there (a test
-process holding a loop open) the view is run from a new thread, in a copy of the context, the same way.
+Flask runs a coroutine function with asgiref's ``async_to_sync``, on an event loop of its own while the
+request's thread waits, so the key is reserved before the coroutine starts and the transaction commits
+after it returned; ``docs/async.rst`` says what that means for the coroutine. A thread whose own event
+loop is running cannot wait through asgiref; there the view is run from a new thread, in a copy of the
+context, the same way.
 """
 
 from __future__ import annotations

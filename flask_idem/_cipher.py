@@ -1,10 +1,7 @@
 """Stored response bodies encrypted at rest, for routes with ``store_response="encrypted"``.
 
-The keys come from ``IDEM_RESPONSE_KEYS``: Fernet keys (``cryptography``'s authenticated encryption,
-AES-128-CBC with HMAC-SHA256), the first one encrypting, every one tried in turn to decrypt, which is how a
-key is rotated: put the new key first, and drop the old one once every response it encrypted has expired,
-after the longest retention of any route that uses it (``IDEM_KEY_TTL`` or the route's ``ttl=``).
-``cryptography`` is an optional dependency: ``flask-idem[encryption]``.
+The keys come from ``IDEM_RESPONSE_KEYS``: Fernet keys, the first one encrypting, every one tried in turn
+to decrypt (rotation: ``docs/responses.rst``). ``cryptography`` is optional: ``flask-idem[encryption]``.
 """
 
 from __future__ import annotations

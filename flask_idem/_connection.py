@@ -1,11 +1,8 @@
 """The extension's psycopg connections, and the transaction that sends BEGIN and COMMIT with statements.
 
-:class:`PooledConnection` is what :class:`._pool.ForkSafeConnectionPool` opens: a psycopg connection that
-keeps one cursor for the key store, knows when it was opened and under which deadline it is lent, refuses
-``commit()`` and ``rollback()`` inside the extension's transaction, and tells its pool whether connecting
-worked. The attributes it adds to psycopg's class start with ``_idem_``, so that they cannot meet psycopg's
-own; the one psycopg hook it overrides, ``_deallocate``, is named with the other internals in :mod:`._wire`.
-:class:`Batched` is that transaction for the atomic path (see its docstring and :mod:`._wire`).
+The attributes :class:`PooledConnection` adds to psycopg's class start with ``_idem_``, so that they cannot
+meet psycopg's own; the one psycopg hook it overrides, ``_deallocate``, is named with the other internals
+in :mod:`._wire`.
 """
 
 from __future__ import annotations
@@ -34,11 +31,9 @@ class _Owner(Protocol):
 
 class PooledConnection(psycopg.Connection[TupleRow]):
     """The connections of a :class:`._pool.ForkSafeConnectionPool`: psycopg connections with one cursor
-    for the store.
-
-    psycopg gives every new cursor an empty cache of parameter adapters, so the first statement on a new
-    cursor looks up how to send each parameter again. The store's statements run on every write request,
-    so they share one cursor per connection, which keeps that cache warm.
+    for the store (a new cursor's cache of parameter adapters starts empty; one cursor keeps it warm),
+    that refuse ``commit()`` and ``rollback()`` inside the extension's transaction and tell their pool
+    whether connecting worked.
     """
 
     _idem_store_cursor: psycopg.Cursor[DictRow] | None = None
@@ -105,18 +100,10 @@ def batched(conn: psycopg.Connection[Any]) -> Batched | None:
 class Batched:
     """A transaction whose ``BEGIN`` travels with its first statement, and its ``COMMIT`` with its last.
 
-    A fresh key's transaction is the reservation, the view's statements and the completion. Sent as
-    psycopg sends them, ``BEGIN`` and ``COMMIT`` each cost a round trip of their own; here the store sends
-    ``BEGIN`` together with the reservation (:meth:`begin`), and defers the completion to ``COMMIT``
-    (:meth:`defer`), in batches of the extended protocol (:mod:`flask_idem._wire`): the view's own
-    round trips and two more, as without the extension.
-
-    Until :meth:`begin`, the connection is out of autocommit: should any statement run first through
-    psycopg, psycopg opens the transaction itself, so nothing ever runs outside it. While the transaction
-    is open, ``commit()`` and ``rollback()`` on the connection are refused as inside psycopg's own
-    ``transaction()`` block; savepoints (nested ``conn.transaction()`` blocks) work as there. A
-    rollback goes through psycopg, which then forgets (and deallocates) its prepared statements; the
-    batches' names are forgotten with them.
+    The store sends ``BEGIN`` with the reservation (:meth:`begin`) and defers the completion to ``COMMIT``
+    (:meth:`defer`), in batches (:mod:`flask_idem._wire`); ``docs/transactions.rst`` ("Round trips") says
+    what that keeps. Until :meth:`begin` the connection is out of autocommit, so that a statement sent
+    first through psycopg opens the transaction itself and nothing runs outside it.
     """
 
     def __init__(self, conn: PooledConnection, *, prepare: bool) -> None:

@@ -1,12 +1,8 @@
 """The request fingerprint: a SHA-256 over the method, the path, the query and a canonical body.
 
-A retry must repeat its request exactly, but "exactly" is about meaning, not bytes: a client library may
-serialise the same JSON object with its keys in another order or with other whitespace on the second
-attempt. So JSON bodies are parsed and written again in one canonical form before hashing, and so are
-form bodies and query strings (pairs sorted). Other bodies are hashed as they are.
-
-Nothing here knows about Flask or the database; the functions take plain values so they can be tested and
-reused on their own.
+The same JSON object serialised with other key order or whitespace is the same request: JSON bodies,
+form bodies and query strings (pairs sorted) are written again in one canonical form before hashing;
+other bodies are hashed as they are. Pure functions of plain values: no Flask, no database.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """What counts as the same request on one route: :class:`Fingerprint`, the route's fingerprint policy.
 
-The default policy is the whole request (:func:`._fingerprint.fingerprint`: method, path, query, media type
-and the whole canonical body), hashed exactly as it always was, so keys stored before a route had a policy
-keep matching. A policy narrows or widens that: parts of a JSON (or form) body chosen by JSON Pointer
-(RFC 6901), named headers, and the value of a function of the request.
-
-A policy's fingerprint is a SHA-256 over the policy's own identity and each of its parts, length-prefixed,
-so a digest made under one policy can only ever equal a digest made under that same policy. When a route
-changes its policy, a retry of a key stored under the old one is compared under the old one, if the route
-still names it in ``previous=``; otherwise it cannot be compared and is refused (422, saying so).
-
-A policy also keeps a short digest of each part, stored with the response (never the values), so that the
-422 for a changed request can say which part changed: "header X-Currency", "body /amount".
-
-Nothing here reads Flask's request: :meth:`Fingerprint.compute` takes plain values, like
-:mod:`._fingerprint`.
+The default policy is the whole request (:func:`._fingerprint.fingerprint`), hashed exactly as it always
+was. A policy narrows or widens that: parts of a JSON (or form) body chosen by JSON Pointer (RFC 6901),
+named headers, and the value of a function of the request. Its digest is a SHA-256 over the policy's own
+identity and each of its parts, length-prefixed, so it can only equal a digest made under that same policy
+(``previous=`` keeps older ones comparable); a short digest of each part, stored with the response, lets
+the 422 name the part that changed. :meth:`Fingerprint.compute` takes plain values, not Flask's request.
 """
 
 from __future__ import annotations
@@ -160,23 +151,13 @@ def _strings(value: Any, option: str) -> tuple[Any, ...]:
 
 
 class Fingerprint:
-    """What counts as the same request on a route: pass one to ``@idem.idempotent(fingerprint=...)``.
+    """What counts as the same request on a route: pass one to ``@idem.idempotent(fingerprint=...)``
+    (:doc:`/fingerprints` explains each part, with examples).
 
-    The method, the path, the query and the body's media type always count. Of the body, by default all of
-    it counts; ``exclude`` leaves parts out (a client timestamp, a trace id, a nonce), ``include`` counts
-    only the parts it names. Parts are JSON Pointers (RFC 6901) into a JSON body, or into a form body read
-    as ``{"field": ["value", ...]}``; any other body counts whole. ``headers`` adds named request headers,
-    and ``custom`` anything else::
-
-        @app.post("/orders")
-        @idem.idempotent(fingerprint=Fingerprint(exclude=["/client_ts"], headers=["X-Currency"]))
-        def create_order(): ...
-
-    A part the request does not have counts as absent, which differs from every value (``null``
-    included): adding it is a change. Member order, whitespace and the spelling of numbers (``1``,
-    ``1.0``, ``10e-1``) never count.
-
-    ``Fingerprint()`` with no argument is the default policy, hashed as it always was.
+    The method, the path, the query and the body's media type always count. Parts of the body are JSON
+    Pointers (RFC 6901) into a JSON body, or into a form body read as ``{"field": ["value", ...]}``; any
+    other body counts whole. A part the request does not have counts as absent, which differs from every
+    value (``null`` included). ``Fingerprint()`` with no argument is the default policy.
 
     :param include: only these parts of the body count (``[]``: none of it). Default: all of it.
     :param exclude: these parts of the body do not count. With ``include``, each must lie inside one of

@@ -1,27 +1,16 @@
 """Where the extension's connections and transactions come from, and the per-process pool that gives them.
 
-:class:`ConnectionSource` is what the rest of the extension asks for a connection or a transaction. The
-default source is :class:`ForkSafeConnectionPool`: one psycopg pool in each process, opened on first use,
-shared by the key store and by an application's own database work (:attr:`.Idempotency.pool`); the shop's
-payment gateway simulator uses it too. An application built on SQLAlchemy uses :class:`.sqla.SessionSource`
-instead, so that the key and the view's ORM work share the session's transaction.
+:class:`ConnectionSource` is what the rest of the extension asks for a connection or a transaction: by
+default a :class:`ForkSafeConnectionPool`, shared by the key store and the application's own work
+(:attr:`.Idempotency.pool`); with SQLAlchemy a :class:`.sqla.SessionSource`, so that the key and the
+view's ORM work share the session's transaction.
 
-A database restart (or a failover, or a PgBouncer restart) leaves every idle pooled connection dead. The
-pool notices that without a round trip: an idle connection has nothing to read, so a socket that is
-readable when the connection is handed out means the server closed it or is closing it
-(:func:`_usable`, one ``poll()`` system call). Such a connection is replaced before anyone uses it, and
-the first one found makes the pool drop its other idle connections of that age at once
-(:meth:`ForkSafeConnectionPool.connection_lost`).
-
-A database can also go silent without closing anything (a dead host, a hung server or pooler). Every
-connection is opened with a connect timeout, TCP keepalives and a TCP user timeout
-(:data:`DEFAULT_CONNECT_OPTIONS`, where the URL does not set its own), so that the kernel notices a peer
-that stopped acknowledging within seconds; every connection lent out is under a deadline kept by the
-client's own clock (:mod:`._deadline`), which notices a peer that acknowledges and never answers; and on a
-direct connection the server gets the same deadline as its ``statement_timeout`` and
-``idle_in_transaction_session_timeout``, so that it ends the transaction of a client that vanished and
-releases its locks (and its key). While new connections fail, a request waits for one only briefly, so
-that threads are not all tied up waiting for a database that is not there.
+A restart (of the database, a failover, PgBouncer) leaves every idle pooled connection dead: the pool
+notices without a round trip, since an idle connection has nothing to read (:func:`_usable`, one
+``poll()``), replaces it, and drops the other idle connections of that age at once
+(:meth:`ForkSafeConnectionPool.connection_lost`). How a database that goes silent is noticed (connect
+options, the deadline of a lent connection, the server's own timeouts, a brief wait while connecting
+fails) is ``docs/timeouts.rst``'s subject.
 """
 
 from __future__ import annotations
@@ -45,7 +34,7 @@ from psycopg_pool import ConnectionPool
 from . import _deadline, _wire
 from ._connection import OWNER, Batched, PooledConnection, batched
 from ._deadline import DeadlineExceeded
-from ._probe import Prober
+from ._probe import Prober, ignore_cut
 from ._timeouts import DEFAULT_CONNECT_OPTIONS, server_timeouts, with_connect_options
 
 __all__ = [
@@ -79,7 +68,6 @@ class ConnectionSource(Protocol):
 
         The caller opens its own with ``conn.transaction()`` when it needs one.
         """
-        ...
 
     def transaction(self, *, batched: bool = False) -> AbstractContextManager[psycopg.Connection[TupleRow]]:
         """A connection inside a new transaction, committed when the block ends and rolled back when it
@@ -89,15 +77,12 @@ class ConnectionSource(Protocol):
         the transaction's first statement and ``COMMIT`` together with the statements deferred to it
         (:func:`batched`); others ignore it.
         """
-        ...
 
     def close(self) -> None:
         """Let go of this process's connections; a later use opens new ones."""
-        ...
 
     def connection_lost(self, conn: psycopg.Connection[Any]) -> None:
         """Note that ``conn`` was found closed by the server (a restart): replace the others of its age."""
-        ...
 
 
 logger = logging.getLogger("flask_idem")
@@ -308,7 +293,7 @@ class ForkSafeConnectionPool:
         conn._idem_opened_at = time.monotonic()
         self.answered()
         seconds = self.deadline or math.inf
-        armed = _deadline.arm(conn, seconds, started=conn._idem_opened_at, on_cut=_nothing)
+        armed = _deadline.arm(conn, seconds, started=conn._idem_opened_at, on_cut=ignore_cut)
         try:
             self._batches = _wire.usable(conn)  # a trial batch, on the first connection of the process
             if self.deadline is not None:
@@ -327,11 +312,9 @@ class ForkSafeConnectionPool:
     def connection_lost(self, conn: psycopg.Connection[Any]) -> None:
         """Note that ``conn`` was found dead or cut: the first time, drop the pool's other idle connections.
 
-        A restart kills every connection opened before it, and a database that went silent silences
-        them all, so once one of them is found dead the others are closed and replaced together, instead
-        of one failure (or one deadline) per pooled connection. Connections that are out of the pool are
-        replaced when they come back. A connection opened after the last drain starts no new one, so
-        many threads finding dead connections at once drain the pool once.
+        A restart kills (and a silent database silences) every connection opened before it, so they are
+        replaced together rather than one failure each; those out of the pool are replaced when they come
+        back. A connection opened after the last drain starts no new one: many threads drain once.
         """
         opened_at = getattr(conn, "_idem_opened_at", 0.0)
         with self._lock:
@@ -363,10 +346,8 @@ class ForkSafeConnectionPool:
                     with Batched(conn, prepare=self._prepare):
                         yield conn
                 except psycopg.OperationalError as e:
-                    cut = _deadline_error(conn, e)
-                    if cut is None:
-                        raise
-                    raise cut from e
+                    _raise_if_cut(conn, e)
+                    raise
             return
         with ExitStack() as stack:
             yield self._begin(stack)
@@ -389,10 +370,6 @@ class ForkSafeConnectionPool:
         return conn
 
 
-def _nothing(conn: object) -> None:
-    """A connection cut while being configured needs nothing more: psycopg_pool discards it."""
-
-
 def _cut(conn: PooledConnection) -> bool:
     armed = conn._idem_armed
     return armed is not None and armed.cut
@@ -404,16 +381,12 @@ def _deadline_errors(conn: PooledConnection) -> Iterator[None]:
     try:
         yield
     except psycopg.OperationalError as e:
-        cut = _deadline_error(conn, e)
-        if cut is None:
-            raise
-        raise cut from e
+        _raise_if_cut(conn, e)
+        raise
 
 
-def _deadline_error(conn: PooledConnection, error: psycopg.OperationalError) -> DeadlineExceeded | None:
-    """The :class:`DeadlineExceeded` that ``error`` on ``conn`` stands for when the watchdog cut the
-    connection; ``None`` otherwise."""
+def _raise_if_cut(conn: PooledConnection, error: psycopg.OperationalError) -> None:
+    """Raise the :class:`DeadlineExceeded` that ``error`` on ``conn`` stands for when the watchdog cut it."""
     armed = conn._idem_armed
     if armed is not None and armed.cut and not isinstance(error, DeadlineExceeded):
-        return armed.error()
-    return None
+        raise armed.error() from error

@@ -1,27 +1,13 @@
 """Asking the server whether a connection that waits for an answer will ever get one.
 
-From the client's side, a slow statement and a silent connection look the same: a question sent, no
-answer yet. The deadline (:mod:`._deadline`) ends both, in the end. The server can tell them apart much
-sooner: in ``pg_stat_activity``, the process serving a connection is ``active`` while it works on a
-statement, and ``idle`` (or ``idle in transaction``) while it waits for the client. A client waiting for
-an answer from a server process that waits for the client will never get one: its statement, or the
-answer, was lost on the way (a hung pooler or proxy, a dead host, a connection a NAT forgot).
-
-A :class:`Prober` watches the connections its pool has lent out. Once a connection has been lent for
-:data:`PROBE_AFTER` seconds and is waiting for an answer (libpq says a command is in progress, and
-nothing has arrived on its socket), the prober opens a connection of its own and asks the server about
-that connection's process. When the server says, in two rounds :data:`PROBE_INTERVAL` apart, that it is
-not working for it (or no such process exists), the connection is cut at once, as its deadline would
-have cut it later, and its server process is terminated: it may still hold the vanished client's
-transaction, with its locks and its idempotency key, which a retry is waiting for. The pool then
-replaces its idle connections of that age (a silent path usually silences them all). When the prober
-cannot connect at all, the pool learns that the database is unreachable, and stops making requests wait
-long for a connection.
-
-Only connections that reach the server directly are probed: behind a pooler (PgBouncer), the process id the
-client knows is the pooler's, not the server's (:class:`._pool.ForkSafeConnectionPool` finds out when it opens
-a connection). The probes cost nothing while no connection waits long: the prober thread wakes once per
-:data:`PROBE_INTERVAL` and looks at the pool's lent connections; a round opens one short connection.
+To the client a slow statement and a silent connection look the same; the server tells them apart: in
+``pg_stat_activity`` a process is ``active`` while it works on a statement, ``idle`` (in transaction or
+not) while it waits for the client. A :class:`Prober` asks, with a connection of its own, about each lent
+connection that has waited :data:`PROBE_AFTER` seconds; said twice, :data:`PROBE_INTERVAL` apart, that
+nobody works for it, the connection is cut as its deadline would have cut it later, and its server
+process terminated (it may hold the vanished client's transaction and key). A prober that cannot connect
+tells the pool the database is unreachable. Only direct connections are probed: behind PgBouncer the
+process id the client knows is the pooler's. ``docs/timeouts.rst`` tells the whole story.
 """
 
 from __future__ import annotations
@@ -42,7 +28,7 @@ from . import _deadline
 from ._connection import PooledConnection
 from ._timeouts import DEFAULT_CONNECT_OPTIONS, with_connect_options
 
-__all__ = ["PROBE_AFTER", "PROBE_INTERVAL", "Prober"]
+__all__ = ["PROBE_AFTER", "PROBE_INTERVAL", "Prober", "ignore_cut"]
 
 logger = logging.getLogger("flask_idem")
 
@@ -51,9 +37,8 @@ PROBE_AFTER = 2.0
 #: Seconds between two rounds of questions.
 PROBE_INTERVAL = 1.0
 #: Seconds the prober's own connection may take to answer, and to open unless the URL or
-#: ``IDEM_CONNECT_OPTIONS`` set a ``connect_timeout``: shorter than the pool's default (5 s), so that a
-#: database that cannot be reached is known as such sooner, but never shorter than what the user asked
-#: for, since a connection that takes longer to open would then make the pool believe the database gone.
+#: ``IDEM_CONNECT_OPTIONS`` set a ``connect_timeout`` (never shorter than what the user asked for: a
+#: connection slower to open would make the pool believe the database gone).
 _PROBE_TIMEOUT = 2
 
 _STATES = "SELECT pid, state FROM pg_stat_activity WHERE pid = ANY(%s)"
@@ -156,7 +141,7 @@ class Prober:
         of :data:`_PROBE_TIMEOUT` for its answers: the path to the server may be hung for new connections
         too."""
         with psycopg.connect(self._conninfo, autocommit=True) as conn:
-            armed = _deadline.arm(conn, _PROBE_TIMEOUT, started=time.monotonic(), on_cut=_nothing)
+            armed = _deadline.arm(conn, _PROBE_TIMEOUT, started=time.monotonic(), on_cut=ignore_cut)
             try:
                 yield conn
             finally:
@@ -164,8 +149,7 @@ class Prober:
 
 
 def _terminate(conn: psycopg.Connection[Any], pids: list[int]) -> None:
-    """End these server processes: they may still hold a vanished client's transaction, its locks and its
-    idempotency key, which a retry is waiting for. Otherwise that lasts until the server's
+    """End these server processes, which may hold a vanished client's transaction, locks and key until
     ``idle_in_transaction_session_timeout``. A role may end its own processes only."""
     try:
         conn.execute(_TERMINATE, (pids,))
@@ -173,8 +157,9 @@ def _terminate(conn: psycopg.Connection[Any], pids: list[int]) -> None:
         logger.info("Could not end the server processes of cut connections: not allowed to.")
 
 
-def _nothing(conn: object) -> None:
-    """A cut probe connection needs nothing more: the ``with`` block closes it."""
+def ignore_cut(conn: object) -> None:
+    """Nothing more for a cut connection whose owner lets go of it anyway: a probe's (its ``with`` block
+    closes it), or one the pool is configuring (psycopg_pool discards it)."""
 
 
 def _waiting(conn: psycopg.Connection[object]) -> bool:

@@ -2,15 +2,9 @@
 
 :func:`backoff` is the one jittered, capped exponential wait of the package: the client's retries, the
 recovery job, background jobs, the outbox relay and a migration's lock retries all draw from it.
-:class:`Attempts` runs one operation's schedule under a :class:`RetryPolicy`: capped exponential
-backoff with full jitter drawn from a generator the caller may seed, a server's ``Retry-After`` within
-the cap, a total deadline that no attempt starts after and no wait ends after, a per-attempt timeout
-lowered to the time left, and a :class:`RetryBudget` shared by the clients of a process. The process-wide
-test switch (:func:`set_testing`) makes every wait 0.
-
-It knows HTTP only as far as a policy speaks of it (which statuses are worth a retry, what
-``Retry-After`` asks for); keys, transports and answers are :mod:`flask_idem.client`'s. The public
-names are re-exported there, which is where users import them from.
+:class:`Attempts` runs one operation's schedule under a :class:`RetryPolicy` and a shared
+:class:`RetryBudget`; :func:`set_testing` makes every wait 0. Keys, transports and answers are
+:mod:`flask_idem.client`'s, which re-exports the public names.
 
 Why not stamina: its backoff adds a bounded jitter to a fixed schedule instead of drawing the whole
 wait (full jitter), it draws from the module-level :mod:`random`, a backoff returned for
@@ -29,9 +23,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Literal
 
 #: Answers worth another attempt with the same key: 409 (the first attempt is still in flight), 429,
@@ -101,9 +94,7 @@ class RetryPolicy:
     retry_statuses: frozenset[int] = DEFAULT_RETRY_STATUSES
 
     def __post_init__(self) -> None:
-        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int):
-            raise ValueError(f"attempts must be a positive integer, not {self.attempts!r}.")
-        if self.attempts < 1:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
             raise ValueError(f"attempts must be a positive integer, not {self.attempts!r}.")
         for name in ("deadline", "base", "cap", "attempt_timeout"):
             value = getattr(self, name)
@@ -180,23 +171,7 @@ class RetryBudget:
 _testing = False
 
 
-class _RestoreTesting:
-    def __init__(self, previous: bool) -> None:
-        self._previous = previous
-
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        set_testing(self._previous)
-
-
-def set_testing(testing: bool) -> AbstractContextManager[None]:
+def set_testing(testing: bool) -> AbstractContextManager[object]:
     """Turn test mode on or off for the whole process.
 
     In test mode every wait is 0 and nothing sleeps; attempts, deadline and budget still apply. Call
@@ -207,7 +182,9 @@ def set_testing(testing: bool) -> AbstractContextManager[None]:
     """
     global _testing
     previous, _testing = _testing, bool(testing)
-    return _RestoreTesting(previous)
+    restore = ExitStack()
+    restore.callback(set_testing, previous)
+    return restore
 
 
 def is_testing() -> bool:
@@ -251,13 +228,7 @@ class Attempts:
 
     The caller makes an attempt after each :meth:`start`, and after a failure that may be retried asks
     :meth:`backoff` for the wait and passes it to :meth:`wait`. Creating one fixes the deadline and
-    counts the operation in *budget*.
-
-    :param policy: the attempts, deadline, waits and attempt timeout.
-    :param budget: a budget shared with other operations, or ``None``.
-    :param rng: the source of the jitter.
-    :param clock: a monotonic clock in seconds, for the deadline.
-    :param sleep: the function that waits.
+    counts the operation in *budget*; *rng*, *clock* and *sleep* are the client's (:mod:`.client`).
     """
 
     def __init__(

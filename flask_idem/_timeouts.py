@@ -1,12 +1,5 @@
-"""The timeouts every connection of the extension gets: TCP's at connect, the server's once connected.
-
-A peer that stops acknowledging (a dead host, an address that moved in a failover) is noticed by the
-kernel within seconds when the connection has a TCP user timeout and keepalives
-(:data:`DEFAULT_CONNECT_OPTIONS`, added where the URL has none: :func:`with_connect_options`). A client
-that vanished leaves its server process in the middle of a transaction, holding its locks and its
-idempotency key, until the server ends it: on a direct connection the server gets the request deadline as
-its ``statement_timeout`` and ``idle_in_transaction_session_timeout`` (:func:`server_timeouts`).
-"""
+"""The timeouts every connection of the extension gets: TCP's at connect (:func:`with_connect_options`),
+the server's once connected (:func:`server_timeouts`); ``docs/timeouts.rst`` says why."""
 
 from __future__ import annotations
 

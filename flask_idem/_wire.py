@@ -1,33 +1,21 @@
 """Statements sent together: several in one round trip, their parameters apart from their text.
 
-psycopg gives every statement a turn of the conversation of its own: ``BEGIN``, each statement, and
-``COMMIT`` each wait for the server's answer before the next is sent. A fresh key adds two statements to
-the view's transaction (the reservation before it, the completion after it), so on its own it would cost
-two waits more than the route without the extension. A *batch* sends a few statements in libpq's pipeline
-mode, each as Parse (unless prepared), Bind and Execute, followed by a single Sync: the server answers them
-all in one turn. :class:`~flask_idem._pool.Batched` uses it to send ``BEGIN`` with the reservation and the
-completion with ``COMMIT``.
+A *batch* sends a few statements in libpq's pipeline mode, each as Parse (unless prepared), Bind and
+Execute, followed by a single Sync: the server answers them all in one turn (``docs/transactions.rst``,
+"Round trips", says what that buys and what it keeps). :class:`~flask_idem._pool.Batched` uses it to send
+``BEGIN`` with the reservation and the completion with ``COMMIT``.
 
-What a batch keeps, and why it is safe:
+- **One Sync per batch**: to PgBouncer in transaction mode a batch is one ordinary exchange that ends
+  with one ReadyForQuery, inside a transaction or outside one.
+- **Prepared statements only when asked, and never assumed**: a statement is prepared under a name
+  derived from its text and its parameter types (a Close first, so preparing again is never an error);
+  anything that may deallocate them (a rollback through psycopg, ``DISCARD ALL``, another server behind
+  a pooler) is answered by clearing the caller's set of names, or by SQLSTATE 26000 when it went unseen.
+- **psycopg finds the connection as it left it**: a batch holds the connection's lock, reads every result
+  up to the Sync, and leaves pipeline mode before it returns. Errors are psycopg's own exception classes.
 
-- **Parameters stay out of the statement text.** Values travel in Bind messages, never spliced into the
-  SQL. A failing statement is logged by PostgreSQL (``log_min_error_statement``) with its ``$1``
-  placeholders; the values are only logged where the server is set to log them
-  (``log_parameter_max_length_on_error``, 0 by default). A stored response can carry personal data.
-- **One Sync per batch.** To a pooler such as PgBouncer in transaction mode, a batch is one ordinary
-  exchange that ends with one ReadyForQuery, inside a transaction or outside one.
-- **Prepared statements only when asked, and never assumed.** With ``prepared`` a statement is prepared
-  under a name derived from its text and its parameter types (a Close first, so preparing again is never
-  an error), and the caller's set of names is kept in step with what the server was told. Anything that
-  may deallocate them (a rollback through psycopg, ``DISCARD ALL``, another server behind a pooler) is
-  answered by clearing the set, or by SQLSTATE 26000 when it went unseen.
-- **psycopg finds the connection as it left it.** A batch holds the connection's lock, reads every result
-  up to the Sync, and leaves pipeline mode before it returns, so psycopg sees an idle connection (in a
-  transaction or not) with nothing pending. Errors are psycopg's own exception classes.
-
-**psycopg's internals, behind a fence.** Sending and reading goes through libpq's wrapper,
-:mod:`psycopg.pq`, which psycopg documents. Doing it as psycopg does needs pieces of psycopg that carry
-no compatibility promise, and this module is the one place that uses them:
+**psycopg's internals, behind a fence.** Sending and reading goes through the documented :mod:`psycopg.pq`;
+doing it as psycopg does needs pieces with no compatibility promise, used only here:
 
 - ``psycopg.generators.send`` and ``fetch_many``, and ``Connection.wait``: to flush the batch and read
   its results the way psycopg waits for its own (interruptible, the connection's own wait policy);
@@ -38,11 +26,9 @@ no compatibility promise, and this module is the one place that uses them:
 - and, in :mod:`._connection`, the ``Connection._deallocate`` hook, to learn when psycopg deallocates
   every prepared statement (without it, batches do not prepare their statements).
 
-They are imported on first use, never with ``flask_idem``, and checked once per process
-(:func:`usable`): that each is there, and that a trial batch on the first connection answers as
-expected. When one is missing or behaves otherwise, the extension logs once what it fell back from and
-sends every statement on a round trip of its own through psycopg's public API (two more round trips
-for a fresh key), which keeps the same contract.
+They are imported on first use and checked once per process (:func:`usable`): each is there, and a
+trial batch answers as expected. Otherwise the extension logs once what it fell back from and sends every
+statement on a round trip of its own through psycopg's public API, which keeps the same contract.
 """
 
 from __future__ import annotations
@@ -258,7 +244,7 @@ def run(
             raise psycopg.ProgrammingError("A batch cannot be sent inside a psycopg pipeline.")
         # Parameters are adapted before anything is sent: a value that cannot be leaves nothing half sent.
         messages = [_adapt(item, transformer, prepared) for item in items]
-        answers = sum(3 if message.prepare else 1 for message in messages)
+        answers = sum(message.answers for message in messages)
         pgconn.enter_pipeline_mode()
         try:
             for message in messages:
@@ -289,6 +275,11 @@ class _Message:
     #: each answering with a result of its own).
     name: bytes | None = None
     prepare: bool = False
+
+    @property
+    def answers(self) -> int:
+        """How many results it answers with: the Close and the Parse of a statement it prepares answer too."""
+        return 3 if self.prepare else 1
 
     def send(self, pgconn: pq.abc.PGconn) -> None:
         if self.name is None:
@@ -358,12 +349,8 @@ def _results(
     results: list[Result] = []
     position = 0
     for message in messages:
-        if message.prepare:  # the Close and the Parse answer too
-            parts = answers[position : position + 3]
-            position += 3
-        else:
-            parts = answers[position : position + 1]
-            position += 1
+        parts = answers[position : position + message.answers]
+        position += message.answers
         for part in parts:
             status = part.status
             if status == _TUPLES_OK or status == _COMMAND_OK:

@@ -1,33 +1,12 @@
 """Idempotent Celery tasks, and the outbox that sends them exactly when a request commits.
 
-Optional (``pip install "flask-idem[celery]"``)::
+Optional (``pip install "flask-idem[celery]"``): ``jobs = CeleryJobs(idem)``, ``@jobs.task(name=...)``,
+``jobs.init_app(app, celery_app)``, and ``jobs.enqueue(task, ...)`` in a view; ``flask idem relay
+--loop`` publishes what views enqueued. See :doc:`/jobs`.
 
-    from celery import Celery
-    from flask_idem.celery import CeleryJobs
-
-    idem = Idempotency(scope=current_org_id)
-    jobs = CeleryJobs(idem)
-
-    @jobs.task(name="shop.fulfil")
-    def fulfil(job, order_id):
-        job.connection.execute(
-            "INSERT INTO shipments (org_id, order_id) VALUES (%s, %s)", (job.org_id, order_id)
-        )
-        return {"order_id": order_id}
-
-    def create_app():
-        app = Flask(__name__)
-        idem.init_app(app)
-        celery_app = Celery(app.name, broker="amqp://guest:guest@127.0.0.1//")
-        jobs.init_app(app, celery_app)
-        return app
-
-and in a view, in the key's transaction: ``jobs.enqueue(fulfil, order_id)``. ``flask idem relay --loop``
-publishes what views enqueued; workers run ``celery -A yourapp.worker worker``. See :doc:`/jobs`.
-
-Each task is a Celery task with late acknowledgement and ``reject_on_worker_lost``: a worker killed in
-the middle leaves the message to the broker, which delivers it again. The key table makes that
-redelivery (and the relay's own duplicates) harmless: see :mod:`flask_idem.jobs`.
+Each task has late acknowledgement and ``reject_on_worker_lost``: a worker killed in the middle leaves
+the message to the broker, which delivers it again; the key table makes that redelivery (and the relay's
+own duplicates) harmless: see :mod:`flask_idem.jobs`.
 """
 
 from __future__ import annotations
@@ -41,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from flask import Flask, current_app, has_app_context
 
 from .errors import ConfigurationError
-from .flow import Flow
 from .jobs import Done, Dropped, Envelope, JobPolicy, Jobs, Message, TaskSpec
 
 try:
@@ -141,15 +119,7 @@ class CeleryJobs(Jobs):
         self._apps[celery_app] = app
         self._last = weakref.ref(app)
 
-    def task(
-        self,
-        *,
-        name: str | None = None,
-        flow: Flow | None = None,
-        ttl: float | None = None,
-        policy: JobPolicy | None = None,
-        **options: Any,
-    ) -> Callable[[Callable[..., Any]], Any]:
+    def task(self, **options: Any) -> Callable[[Callable[..., Any]], Any]:
         """Decorate a function to make it an idempotent Celery task (a ``shared_task``).
 
         As :meth:`Jobs.task <flask_idem.jobs.Jobs.task>`::
@@ -157,8 +127,9 @@ class CeleryJobs(Jobs):
             @jobs.task(name="shop.fulfil")
             def fulfil(job, order_id): ...
 
-        :param options: more options of Celery's ``shared_task`` (``queue``, ``time_limit``...), except
-            those of :data:`TASK_OPTIONS`.
+        :param options: the parameters of :meth:`Jobs.task <flask_idem.jobs.Jobs.task>` (``name``,
+            ``flow``, ``ttl``, ``policy``), and more options of Celery's ``shared_task`` (``queue``,
+            ``time_limit``...), except those of :data:`TASK_OPTIONS`.
         :raises ConfigurationError: for a bad option, or a name taken by another task.
         """
         forbidden = set(options) & set(TASK_OPTIONS)
@@ -167,7 +138,7 @@ class CeleryJobs(Jobs):
                 f"Idempotent tasks set {', '.join(sorted(forbidden))} themselves (late acknowledgement,"
                 " redelivery of a killed task, retries by the policy); leave them out."
             )
-        return super().task(name=name, flow=flow, ttl=ttl, policy=policy, **options)
+        return super().task(**options)
 
     def make_task(self, spec: TaskSpec, **options: Any) -> Any:
         """The Celery task of ``spec``: a ``shared_task`` with :data:`TASK_OPTIONS` and ``options``."""

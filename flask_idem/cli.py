@@ -241,15 +241,33 @@ def purge() -> None:
     )
 
 
+def _pass_options(what: str, loop: str, *, interval: tuple[float, float, str]) -> Callable[[F], F]:
+    """``--limit``, ``--loop`` and ``--interval`` (default, least, help): a command that works in passes."""
+    default, least, between = interval
+
+    def decorate(command: F) -> F:
+        for option in (
+            click.option(
+                "--interval",
+                default=default,
+                show_default=True,
+                type=click.FloatRange(min=least),
+                help=between,
+            ),
+            click.option("--loop", is_flag=True, help=loop),
+            click.option("--limit", default=100, show_default=True, type=click.IntRange(min=1), help=what),
+        ):
+            command = option(command)
+        return command
+
+    return decorate
+
+
 @idem_cli.command("recover")
-@click.option("--limit", default=100, show_default=True, type=click.IntRange(min=1), help="Rows per pass.")
-@click.option("--loop", is_flag=True, help="Keep running, one pass every --interval seconds, until stopped.")
-@click.option(
-    "--interval",
-    default=5.0,
-    show_default=True,
-    type=click.FloatRange(min=0.1),
-    help="Seconds between passes.",
+@_pass_options(
+    "Rows per pass.",
+    "Keep running, one pass every --interval seconds, until stopped.",
+    interval=(5.0, 0.1, "Seconds between passes."),
 )
 @_database_errors
 def recover_command(limit: int, loop: bool, interval: float) -> None:
@@ -287,21 +305,11 @@ def _print_report(report: RecoveryReport) -> None:
 
 
 @idem_cli.command("relay")
-@click.option(
-    "--limit", default=100, show_default=True, type=click.IntRange(min=1), help="Messages per pass."
-)
-@click.option(
-    "--loop",
-    is_flag=True,
-    help="Keep running until stopped: a pass every --interval seconds. A failed publish is logged and"
-    " tried again by a later pass; the command exits with status 0 when stopped.",
-)
-@click.option(
-    "--interval",
-    default=1.0,
-    show_default=True,
-    type=click.FloatRange(min=0.05),
-    help="Seconds between passes that found nothing to publish.",
+@_pass_options(
+    "Messages per pass.",
+    "Keep running until stopped: a pass every --interval seconds. A failed publish is logged and tried"
+    " again by a later pass; the command exits with status 0 when stopped.",
+    interval=(1.0, 0.05, "Seconds between passes that found nothing to publish."),
 )
 @_database_errors
 def relay_command(limit: int, loop: bool, interval: float) -> None:

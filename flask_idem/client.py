@@ -1,27 +1,18 @@
 """The calling side: send an operation with one ``Idempotency-Key`` until it succeeds or time is up.
 
-The server can answer a retry with the first result only if every attempt of an operation carries
-the same key. :class:`IdempotentClient` creates that key (a random UUID), sends it on every attempt,
-waits between attempts with capped exponential backoff and full jitter, honours ``Retry-After``, and
-gives up at the first of a number of attempts and a total deadline. Whether an answer is worth another
-attempt is what its ``application/problem+json`` body says in its ``retryable`` member, which flask-idem
-sends; for an answer without one, its status decides (``RetryPolicy.retry_statuses``)::
-
-    import requests
-    from flask_idem.client import IdempotentClient, RequestsTransport, RetryPolicy
+:class:`IdempotentClient` creates the key (a random UUID), sends it on every attempt, waits between
+attempts with capped exponential backoff and full jitter, honours ``Retry-After``, and gives up at the
+first of a number of attempts and a total deadline. An answer is worth another attempt when its
+``application/problem+json`` body says ``"retryable": true``; for an answer that does not say, its status
+decides (``RetryPolicy.retry_statuses``)::
 
     with requests.Session() as session:
         shop = IdempotentClient(RequestsTransport(session), policy=RetryPolicy(deadline=20.0))
         order = shop.post("https://shop.example/orders", json={"amount": 1200, "currency": "EUR"})
 
-Importing this module needs neither ``requests`` nor Flask's test client; each has a small adapter,
-and any callable shaped like a :class:`Transport` works. :class:`RequestsTransport` needs ``requests``,
-which flask-idem does not install by itself: install ``flask-idem[client]`` (or ``requests``).
-
-This module is the idempotency client: the key, the transports, which outcomes are worth a retry,
-and the errors it ends with. The retry policy it runs (:class:`RetryPolicy`, :class:`RetryBudget`,
-:func:`set_testing`, :func:`parse_retry_after`) is a separate concept in the private module
-``flask_idem._retry`` and is imported from here.
+Importing this module needs neither ``requests`` nor Flask; :class:`RequestsTransport` needs ``requests``
+(``flask-idem[client]``). The retry policy (:class:`RetryPolicy`, :class:`RetryBudget`,
+:func:`set_testing`, :func:`parse_retry_after`) lives in ``flask_idem._retry`` and is imported from here.
 """
 
 from __future__ import annotations
@@ -225,17 +216,8 @@ class RetriesExhausted(CallFailed):
     The other parameters are those of :class:`CallFailed`.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        reason: StopReason,
-        key: str,
-        attempts: int,
-        response: ResponseLike | None,
-        error: BaseException | None,
-    ) -> None:
-        super().__init__(message, key=key, attempts=attempts, response=response, error=error)
+    def __init__(self, message: str, *, reason: StopReason, **failed: Any) -> None:
+        super().__init__(message, **failed)
         self.reason = reason
 
 

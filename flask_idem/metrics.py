@@ -1,28 +1,10 @@
 """Prometheus metrics from flask-idem's signals, and the key table's state read at scrape time.
 
-Optional (``pip install "flask-idem[metrics]"``, on prometheus-client)::
-
-    from flask_idem.metrics import Metrics
-
-    idem = Idempotency(scope=current_org_id)
-    metrics = Metrics()
-
-    def create_app():
-        app = Flask(__name__)
-        idem.init_app(app)
-        metrics.init_app(app)
-        app.add_url_rule("/metrics", "metrics", metrics.response)
-        return app
-
-Counters and histograms are updated by receivers of :mod:`flask_idem.signals`: nothing is read from
-the database per request. The gauges of the key table's state come from :class:`KeyTableCollector`,
-which runs one statement over two small partial indexes when Prometheus scrapes, never per request, and
-reads the key table's partitions from the catalog.
-
-Under a pre-fork server (gunicorn), set ``PROMETHEUS_MULTIPROC_DIR`` before the server starts:
-prometheus-client then writes each worker's counters to files there, and :meth:`Metrics.response`
-answers with the sum over all workers plus the key table's state, read once by the worker that
-answers the scrape. See :doc:`/observing`.
+Optional (``pip install "flask-idem[metrics]"``): ``metrics = Metrics(); metrics.init_app(app)``, and
+:meth:`Metrics.response` as the ``/metrics`` view. Counters and histograms are updated by receivers of
+:mod:`flask_idem.signals`, never from the database per request; the key table's gauges come from
+:class:`KeyTableCollector` at scrape time (one statement over two small partial indexes, and the
+catalog). Under a pre-fork server, set ``PROMETHEUS_MULTIPROC_DIR``; see :doc:`/observing`.
 """
 
 from __future__ import annotations
@@ -30,15 +12,15 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import psycopg
 from blinker import NamedSignal
 from flask import Flask, Response
 
 from . import _jobs_state, _partitions, signals
-from ._state import get_state
+from ._state import IdemState, get_state
 from .errors import ConfigurationError
 
 try:
@@ -54,6 +36,8 @@ __all__ = ["EXTENSION_NAME", "KeyTableCollector", "Metrics", "multiprocess_dir"]
 EXTENSION_NAME = "idem_metrics"
 
 logger = logging.getLogger("flask_idem")
+
+T = TypeVar("T")
 
 #: Buckets of the key table's operations, in seconds: most take well under a millisecond's worth of
 #: round trips, and anything over a second is an incident.
@@ -99,18 +83,15 @@ class Metrics:
             ["endpoint", "outcome"],
             registry=self.registry,
         )
-        #: ``flask_idem_task_outcomes_total{task, outcome}``: the outcome signals of background tasks
-        #: (:mod:`flask_idem.jobs`), by task: the same outcomes as a request's, and ``job_deferred``.
+        #: ``flask_idem_task_outcomes_total{task, outcome}``: background tasks' outcomes, job_deferred too.
         self.task_outcomes = Counter(
             "flask_idem_task_outcomes",
             "Idempotency outcomes of background tasks (flask_idem.jobs), by task and outcome.",
             ["task", "outcome"],
             registry=self.registry,
         )
-        #: ``flask_idem_webhook_deliveries_total{source, outcome, check}``: webhook deliveries
-        #: (:mod:`flask_idem.webhooks`) by source and outcome (``webhook_verified``,
-        #: ``webhook_rejected``, ``webhook_duplicate``, ``webhook_handled``); ``check`` is the failed
-        #: check of a rejected one (``signature``, ``timestamp``...), empty otherwise.
+        #: ``flask_idem_webhook_deliveries_total{source, outcome, check}``: webhook deliveries; ``check`` is
+        #: the failed check of a rejected one (``signature``, ``timestamp``...), empty otherwise.
         self.webhooks = Counter(
             "flask_idem_webhook_deliveries",
             "Webhook deliveries (flask_idem.webhooks), by source, outcome and a rejected one's failed check.",
@@ -211,27 +192,10 @@ class Metrics:
 
 class KeyTableCollector(Collector):
     """Gauges of the key table's state, read with :meth:`Store.state <flask_idem._store.Store.state>`
-    (one statement per key table) each time a registry collects it, labelled with the table's name:
-
-    - ``flask_idem_keys_processing``: multi-step requests not finished;
-    - ``flask_idem_keys_stranded``: of those, the ones whose lease expired (a worker died or gave the
-      request up; a retry or the recovery job will resume them);
-    - ``flask_idem_keys_flagged``: requests given up and flagged for a person;
-    - ``flask_idem_oldest_processing_age_seconds``: age of the oldest processing request (0: none);
-    - ``flask_idem_key_table_up``: 1 when the statement succeeded, 0 when the database could not be
-      read (the other gauges are then left out of the scrape);
-    - for an application with background jobs (:mod:`flask_idem.jobs`), ``flask_idem_outbox_unsent``
-      and ``flask_idem_outbox_oldest_unsent_age_seconds``: messages the relay has not published yet,
-      and the oldest one's age (a relay that stopped shows as a growing age);
-    - of the key table's partitions, from the catalog only (no row is read), labelled with
-      ``kind`` too (``keys``: the key table's; ``tombstones``: its compact tombstones'):
-      ``flask_idem_partitions`` (how many), ``flask_idem_partitions_bytes`` (on disk, indexes
-      included) and ``flask_idem_partitions_oldest_passed_seconds`` (how long ago the oldest
-      partition's range ended, 0 while it has not: a partition waiting for ``flask idem purge``); and
-      for the key table ``flask_idem_partitions_newest_end_seconds`` (seconds until the newest
-      partition's range ends: no key can expire later) and ``flask_idem_partitions_running_out`` (1
-      when it ends less than half of ``IDEM_PARTITION_AHEAD`` past the longest retention, the warning
-      of ``flask idem stats``).
+    (one statement per key table) each time a registry collects it, labelled with the table's name: the
+    processing, stranded and flagged requests, the oldest one's age, whether the table could be read
+    (``flask_idem_key_table_up``), the outbox's unsent messages, and the partitions, from the catalog
+    only. The table of :doc:`/observing` says what each gauge means.
 
     Applications sharing one database and table are read once, through the one added last. The
     collector does not keep an application alive.
@@ -246,11 +210,11 @@ class KeyTableCollector(Collector):
 
     def describe(self) -> Iterable[Metric]:
         """The gauges' names, without reading anything (a registry calls this when it is registered)."""
-        return list(self._families())
+        return list(_families().values())
 
     def collect(self) -> Iterable[Metric]:
         """Read each key table once and return the gauges."""
-        families = dict(zip(_FAMILIES, self._families(), strict=True))
+        families = _families()
         seen: set[tuple[str, str]] = set()
         for ref in reversed(self._apps):
             app = ref()
@@ -258,110 +222,115 @@ class KeyTableCollector(Collector):
                 continue
             state = get_state(app)
             where = (state.settings.database_url, state.settings.table)
-            if where in seen:
-                continue
-            seen.add(where)
-            label = [state.settings.table]
-            try:
-                found = state.store.state()
-            except psycopg.Error as e:
-                logger.warning(
-                    "Could not read the key table for metrics: %s (SQLSTATE %s).",
-                    type(e).__name__,
-                    e.sqlstate or "none",
-                )
-                families["up"].add_metric(label, 0)
-                continue
-            families["up"].add_metric(label, 1)
-            families["processing"].add_metric(label, found.processing)
-            families["stranded"].add_metric(label, found.stranded)
-            families["flagged"].add_metric(label, found.flagged)
-            families["oldest"].add_metric(label, found.oldest_processing_seconds)
-            parts: _partitions.Overview | None
-            try:
-                with state.source.connection() as conn:
-                    parts = _partitions.overview(conn, state.settings.table)
-            except psycopg.Error as e:
-                logger.warning("Could not read the key table's partitions for metrics: %s.", type(e).__name__)
-                parts = None
-            if parts is not None:
-                _add_partitions(
-                    families, label, parts, horizon=state.horizon(), ahead=state.settings.partition_ahead
-                )
-            jobs: _jobs_state.JobsState | None = app.extensions.get(_jobs_state.EXTENSION_NAME)
-            if jobs is not None:
-                try:
-                    outbox = jobs.outbox.state()
-                except psycopg.Error as e:
-                    logger.warning("Could not read the outbox for metrics: %s.", type(e).__name__)
-                    continue
-                families["unsent"].add_metric(label, outbox.unsent)
-                families["unsent_age"].add_metric(label, outbox.oldest_unsent_seconds)
+            if where not in seen:
+                seen.add(where)
+                _collect(families, app, state)
         return list(families.values())
 
-    @staticmethod
-    def _families() -> Iterator[GaugeMetricFamily]:
-        for name, text, labels in _PARTITION_GAUGES:
-            yield GaugeMetricFamily(name, text, labels=labels)
-        for name, text in (
-            ("flask_idem_keys_processing", "Multi-step requests not finished yet."),
-            ("flask_idem_keys_stranded", "Processing requests whose lease expired, waiting to be resumed."),
-            ("flask_idem_keys_flagged", "Requests given up and flagged for a person (flask idem stuck)."),
-            ("flask_idem_oldest_processing_age_seconds", "Age of the oldest processing request; 0 if none."),
-            ("flask_idem_key_table_up", "1 if the key table could be read for this scrape, else 0."),
-            ("flask_idem_outbox_unsent", "Outbox messages the relay has not published yet."),
-            (
-                "flask_idem_outbox_oldest_unsent_age_seconds",
-                "Age of the oldest unsent outbox message; 0 if none.",
-            ),
-        ):
-            yield GaugeMetricFamily(name, text, labels=["table"])
+
+def _collect(families: dict[str, GaugeMetricFamily], app: Flask, state: IdemState) -> None:
+    """The gauges of ``app``'s key table, its partitions and its outbox."""
+    label = [state.settings.table]
+    found = _read("the key table", state.store.state)
+    families["up"].add_metric(label, int(found is not None))
+    if found is None:
+        return
+    families["processing"].add_metric(label, found.processing)
+    families["stranded"].add_metric(label, found.stranded)
+    families["flagged"].add_metric(label, found.flagged)
+    families["oldest"].add_metric(label, found.oldest_processing_seconds)
+
+    def overview() -> _partitions.Overview:
+        with state.source.connection() as conn:
+            return _partitions.overview(conn, state.settings.table)
+
+    parts = _read("the key table's partitions", overview)
+    if parts is not None:
+        _add_partitions(families, label, parts, horizon=state.horizon(), ahead=state.settings.partition_ahead)
+    jobs: _jobs_state.JobsState | None = app.extensions.get(_jobs_state.EXTENSION_NAME)
+    outbox = None if jobs is None else _read("the outbox", jobs.outbox.state)
+    if outbox is not None:
+        families["unsent"].add_metric(label, outbox.unsent)
+        families["unsent_age"].add_metric(label, outbox.oldest_unsent_seconds)
 
 
-#: The gauges of the partitions of the key table and of its tombstones.
-_PARTITION_GAUGES = (
+def _read(what: str, read: Callable[[], T]) -> T | None:
+    """``read()``, or ``None`` and a warning when the database could not be read."""
+    try:
+        return read()
+    except psycopg.Error as e:
+        logger.warning(
+            "Could not read %s for metrics: %s (SQLSTATE %s).", what, type(e).__name__, e.sqlstate or "none"
+        )
+        return None
+
+
+_KIND = ["table", "kind"]
+
+#: The collector's gauges: the key :meth:`KeyTableCollector.collect` knows each by, its name, help, labels.
+_GAUGES = (
     (
+        "partitions",
         "flask_idem_partitions",
         "Partitions of the key table (kind=keys) or of its tombstones.",
-        ["table", "kind"],
+        _KIND,
     ),
     (
+        "partition_bytes",
         "flask_idem_partitions_bytes",
         "Bytes on disk of those partitions, indexes included.",
-        ["table", "kind"],
+        _KIND,
     ),
     (
+        "partition_passed",
         "flask_idem_partitions_oldest_passed_seconds",
         "Seconds since the oldest partition's range ended (waiting for flask idem purge); 0 if it has not.",
-        ["table", "kind"],
+        _KIND,
     ),
     (
+        "partition_end",
         "flask_idem_partitions_newest_end_seconds",
         "Seconds until the newest partition of the key table ends: no key can expire later.",
         ["table"],
     ),
     (
+        "partition_short",
         "flask_idem_partitions_running_out",
         "1 when the newest partition ends less than half of IDEM_PARTITION_AHEAD past the longest retention.",
         ["table"],
     ),
+    ("processing", "flask_idem_keys_processing", "Multi-step requests not finished yet.", ["table"]),
+    (
+        "stranded",
+        "flask_idem_keys_stranded",
+        "Processing requests whose lease expired, waiting to be resumed.",
+        ["table"],
+    ),
+    (
+        "flagged",
+        "flask_idem_keys_flagged",
+        "Requests given up and flagged for a person (flask idem stuck).",
+        ["table"],
+    ),
+    (
+        "oldest",
+        "flask_idem_oldest_processing_age_seconds",
+        "Age of the oldest processing request; 0 if none.",
+        ["table"],
+    ),
+    ("up", "flask_idem_key_table_up", "1 if the key table could be read for this scrape, else 0.", ["table"]),
+    ("unsent", "flask_idem_outbox_unsent", "Outbox messages the relay has not published yet.", ["table"]),
+    (
+        "unsent_age",
+        "flask_idem_outbox_oldest_unsent_age_seconds",
+        "Age of the oldest unsent outbox message; 0 if none.",
+        ["table"],
+    ),
 )
 
-#: The collector's gauges, in the order of :meth:`KeyTableCollector._families`.
-_FAMILIES = (
-    "partitions",
-    "partition_bytes",
-    "partition_passed",
-    "partition_end",
-    "partition_short",
-    "processing",
-    "stranded",
-    "flagged",
-    "oldest",
-    "up",
-    "unsent",
-    "unsent_age",
-)
+
+def _families() -> dict[str, GaugeMetricFamily]:
+    return {key: GaugeMetricFamily(name, text, labels=labels) for key, name, text, labels in _GAUGES}
 
 
 def _add_partitions(

@@ -1,23 +1,11 @@
 """The idempotency contract in an OpenAPI 3 document: an `apispec`_ plugin.
 
 The IETF draft "The Idempotency-Key HTTP Header Field" asks a resource to publish its idempotency
-behaviour. :class:`IdempotencyPlugin` does it from the routes themselves: every write operation (``post``,
-``put``, ``patch``, ``delete``) of a view decorated with :meth:`.Idempotency.idempotent` gets
-
-- the ``Idempotency-Key`` header parameter, required or not as the route is configured (a multi-step
-  route always requires it), with the key's retention period in its description;
-- the ``Idempotent-Replayed`` header on its success responses, and a ``200`` replay of a ``201``;
-- the ``400``, ``409``, ``422`` and ``503`` problem responses (``application/problem+json``, a shared
-  ``Problem`` schema whose ``retryable`` member tells a client whether to retry), the ``409`` and ``503``
-  with their ``Retry-After`` header; while expired keys are
-  remembered (``IDEM_TOMBSTONE_TTL``), the ``410`` of a late retry, and its ``303`` when the success
-  response has a ``Location``;
-- an ``x-idempotency`` object with the same facts for machines, with the route's fingerprint policy
-  (``fingerprint``: what counts; ``fingerprintPolicy``: its pointers, headers and id), the problem types
-  of those responses with their status and ``retryable`` (``problemTypes``) and, when it is not
-  ``"full"``, what a stored answer keeps (``storeResponse``);
-- for a route that keeps only the ``Location`` of its answers (``store_response="location"``), the
-  ``303`` a retry gets instead of the ``200`` replay.
+behaviour. :class:`IdempotencyPlugin` does it from the routes themselves: every write operation of a
+decorated view gets the ``Idempotency-Key`` parameter, the ``Idempotent-Replayed`` header and the replay
+of a ``201``, the problem responses the extension may answer (``400``, ``409``, ``410``, ``422``,
+``503``, and the ``303`` of a late retry or of a route that keeps only the ``Location``) and an
+``x-idempotency`` object with the same facts for machines; ``docs/openapi.rst`` shows a whole operation.
 
 apispec is an optional dependency: install ``flask-idem[openapi]``.
 
@@ -118,25 +106,13 @@ _UNAVAILABLE = (
 
 
 class IdempotencyPlugin(BasePlugin):
-    """Add flask-idem's contract to the operations of decorated views.
-
-    With flask-smorest, one argument of :class:`flask_smorest.Api`::
-
-        api = Api(app, spec_kwargs={"extra_plugins": [IdempotencyPlugin(app)]})
-
-    With apispec and apispec-webframeworks' ``FlaskPlugin``, one more plugin; then pass each view (and
-    the application, unless you are in an application context) to :meth:`apispec.APISpec.path`::
-
-        spec = APISpec("Shop", "1.0", "3.0.3", plugins=[FlaskPlugin(), IdempotencyPlugin(app)])
-        spec.path(view=create_order, operations={"post": {...}})
+    """Add flask-idem's contract to the operations of decorated views: an ``extra_plugins`` entry of
+    flask-smorest's :class:`~flask_smorest.Api`, or a plugin of an :class:`~apispec.APISpec` beside
+    apispec-webframeworks' ``FlaskPlugin`` (the sections above show both).
 
     A view is found from the ``view`` argument of :meth:`~apispec.APISpec.path`, or from its ``rule``
-    (what flask-smorest passes). A route whose key comes from elsewhere (``key_from=``) gets no header
-    parameter and ``"header": null`` in ``x-idempotency``; say where its key goes in its own
-    documentation. Operations are described only if they are in the document already:
-    the plugin completes them, it does not invent them. What the document already says wins: an
-    existing ``400``, ``409``, ``422`` or ``503`` response is kept (a ``409`` or ``503`` gains the
-    ``Retry-After`` header), and an existing ``Idempotency-Key`` parameter is left alone.
+    (what flask-smorest passes). Operations are described only if they are in the document already: the
+    plugin completes them, it does not invent them, and what the document already says wins.
 
     :param app: the application whose configuration (``IDEM_REQUIRE_KEY``, ``IDEM_KEY_TTL``,
         ``IDEM_ON_MISMATCH``) and routes are read; else the ``app`` passed to ``spec.path``, else the

@@ -1,24 +1,11 @@
 """SQLAlchemy sessions as the source of the extension's transactions (``Idempotency(sqlalchemy=db)``).
 
-An application built on Flask-SQLAlchemy (or on a plain SQLAlchemy ``scoped_session``) writes through
-``db.session``. For those writes to commit together with the idempotency key, the key store's statements
-run on the session's own connection, inside the session's transaction: :class:`SessionSource` opens (or
-joins) the session's transaction, hands the key store the psycopg connection underneath it, and ends the
-transaction with ``session.commit()`` or ``session.rollback()`` when the view (or the flow step) is done.
-The engine must use the psycopg 3 driver (``postgresql+psycopg://``); the key store then uses the engine's
-pool, and the extension opens no pool of its own.
-
-Inside such a transaction the session belongs to the extension: ``db.session.commit()`` is refused with
-:class:`SessionCommitRefused` (the commit is the extension's, when the view returns), and
-``db.session.rollback()``, which would undo the key reservation too, fails the request the same way. See
-the SQLAlchemy page of the documentation for why.
-
-The engine's connections are the application's, so flask-idem does not set their connection options;
-it puts the session's connection under the request's deadline while its transaction is open, as it does
-its own pool's (:mod:`._deadline`), and warns once when the engine's connections lack a connect timeout
-and the TCP timeouts that notice a silent database (``connect_args`` in the SQLAlchemy page).
-
-SQLAlchemy is imported only when this module is, so the extension does not depend on it otherwise.
+:class:`SessionSource` runs the key store's statements on the session's own connection, inside the
+session's transaction, so that ``db.session``'s writes commit with the key; the engine must use psycopg 3
+(``postgresql+psycopg://``), and its pool is the key store's. Inside that transaction
+``db.session.commit()`` is refused with :class:`SessionCommitRefused` and ``rollback()`` fails the request
+the same way; the session's connection is under the request's deadline, and a warning says once when the
+engine's connections lack the timeouts that notice a silent database. :doc:`/sqlalchemy` says why.
 """
 
 from __future__ import annotations
@@ -229,6 +216,8 @@ def _driver_errors() -> Iterator[None]:
         yield
     except DBAPIError as e:
         if isinstance(e.orig, psycopg.Error):
+            # SQLAlchemy raised ``e`` from ``e.orig``: cut that link, or the chain of causes is a cycle.
+            e.__cause__ = None
             raise e.orig from e
         raise
 

@@ -1,24 +1,10 @@
 """OpenTelemetry: the idempotency outcome on the request's span, and a child span per outside call.
 
-Optional (``pip install "flask-idem[otel]"``), and off until an application turns it on::
-
-    from flask_idem.tracing import Tracing
-
-    Tracing(app)  # or tracing = Tracing(); tracing.init_app(app) in a factory
-
-Then, for that application:
-
-- every outcome signal (:mod:`flask_idem.signals`) sets ``flask_idem.outcome``, ``flask_idem.org_id``,
-  ``flask_idem.key`` (and the flow, step and status when it has them) on the current span, normally the
-  request's span of ``opentelemetry-instrumentation-flask``, and adds a span event named after the
-  outcome with the same attributes: a trace shows a replay, a 409 or a taken-over request for what it is;
-- each :meth:`~flask_idem.Flow.call` step runs in a child span ``flask_idem call <flow>.<step>``, whose
-  status is an error when the outcome is unknown;
-- each request the recovery job works on runs in a span ``flask_idem recover <flow>``, the parent of its
-  call spans.
-
-OpenTelemetry is imported by :meth:`Tracing.init_app` only; without it installed, nothing of it is
-imported and nothing here costs anything.
+Optional (``pip install "flask-idem[otel]"``), and off until an application calls ``Tracing(app)`` (or
+``init_app``): then every outcome signal sets ``flask_idem.*`` attributes and an event on the current span,
+each :meth:`~flask_idem.Flow.call` step runs in a child span ``flask_idem call <flow>.<step>``, and each
+request the recovery job works on in a span ``flask_idem recover <flow>`` (:doc:`/observing`). OpenTelemetry
+is imported by :meth:`Tracing.init_app` only.
 """
 
 from __future__ import annotations
@@ -96,33 +82,24 @@ def _annotator(signal: NamedSignal, current_span: Callable[[], Span]) -> Callabl
     return annotate
 
 
-def _tracer() -> Tracer | None:
-    tracer: Tracer | None = current_app.extensions.get(EXTENSION_NAME)
-    return tracer
-
-
 def call_span(run: Any, step: str) -> AbstractContextManager[Any]:
     """A child span around a call step of ``run`` (a :class:`~flask_idem.Run`), when tracing is on."""
-    tracer = _tracer()
-    if tracer is None:
-        return nullcontext()
     name = f"flask_idem call {run.flow}.{step}"
-    return _span(
-        tracer, name, _attributes({"flow": run.flow, "step": step, "org_id": run.org_id, "key": run.key})
-    )
+    return _span(name, flow=run.flow, step=step, org_id=run.org_id, key=run.key)
 
 
 def recovery_span(flow: str, org_id: int, key: uuid.UUID, attempts: int) -> AbstractContextManager[Any]:
     """A span around the recovery job's work on one request, when tracing is on."""
-    tracer = _tracer()
-    if tracer is None:
-        return nullcontext()
-    attributes = _attributes({"flow": flow, "org_id": org_id, "key": key, "attempts": attempts})
-    return _span(tracer, f"flask_idem recover {flow}", attributes)
+    return _span(f"flask_idem recover {flow}", flow=flow, org_id=org_id, key=key, attempts=attempts)
+
+
+def _span(name: str, **data: Any) -> AbstractContextManager[Any]:
+    tracer: Tracer | None = current_app.extensions.get(EXTENSION_NAME)
+    return nullcontext() if tracer is None else _traced(tracer, name, _attributes(data))
 
 
 @contextmanager
-def _span(tracer: Tracer, name: str, attributes: dict[str, Any]) -> Iterator[Any]:
+def _traced(tracer: Tracer, name: str, attributes: dict[str, Any]) -> Iterator[Any]:
     from opentelemetry.trace import Status, StatusCode
 
     with tracer.start_as_current_span(

@@ -1,23 +1,11 @@
 """Inbound webhooks: a redelivered event is not a new event.
 
-Providers deliver each event **at least once**: they retry on any answer but a 2xx and on timeouts, and
-sometimes deliver one event twice at once. A view decorated with :meth:`Idempotency.webhook
-<flask_idem.Idempotency.webhook>` handles each event once, in the transaction of its own writes::
-
-    from flask_idem import webhooks
-
-    gateway = webhooks.standard(os.environ["GATEWAY_WEBHOOK_SECRET"], name="gateway")
-
-    @app.post("/webhooks/gateway")
-    @idem.webhook(gateway)
-    def gateway_event():
-        event = idem.event.json()
-        idem.connection.execute("UPDATE orders SET paid = true WHERE id = %s", (event["order"],))
-        return "", 204
-
-A :class:`Source` says how to verify a delivery and which id it carries: the presets :func:`stripe`,
+Providers deliver each event at least once. A view decorated with :meth:`Idempotency.webhook
+<flask_idem.Idempotency.webhook>` handles each event once, in the transaction of its own writes. A
+:class:`Source` says how to verify a delivery and which id it carries: the presets :func:`stripe`,
 :func:`github`, :func:`shopify` and :func:`standard` (Standard Webhooks), or :func:`generic` with
-callables of your own. See :doc:`/webhooks`.
+callables of your own. See :doc:`/webhooks`. Every preset also takes ``name`` (:attr:`Source.name`) and
+``window`` (:attr:`Source.window`), and accepts a delivery signed with any one of its secrets.
 """
 
 from __future__ import annotations
@@ -77,10 +65,7 @@ class Event:
 
         :raises WebhookRejected: the body is not JSON.
         """
-        try:
-            return json.loads(self.body)
-        except ValueError:
-            raise WebhookRejected("The delivery's body is not JSON.", check="body") from None
+        return _json(self.body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,10 +142,7 @@ def github(
     GitHub signs no timestamp, so a captured delivery verifies whenever it is replayed: the event id,
     kept for ``window``, is what turns a replay away.
 
-    :param secret: the webhook's secret, or a sequence of secrets while one is being changed (a delivery
-        signed with any one of them is accepted).
-    :param name: the source's name (:attr:`Source.name`).
-    :param window: how long event ids are kept (:attr:`Source.window`).
+    :param secret: the webhook's secret, or a sequence of them while one is rotated.
     """
     keys = tuple(key.encode() for key in _secrets(secret, "github"))
 
@@ -190,10 +172,7 @@ def shopify(
     Shopify signs no timestamp, so a captured delivery verifies whenever it is replayed: the event id,
     kept for ``window``, is what turns a replay away.
 
-    :param secret: the app's client secret, or a sequence of secrets while one is being rotated (a
-        delivery signed with any one of them is accepted).
-    :param name: the source's name (:attr:`Source.name`).
-    :param window: how long event ids are kept (:attr:`Source.window`).
+    :param secret: the app's client secret, or a sequence of them while one is rotated.
     """
     keys = tuple(key.encode() for key in _secrets(secret, "shopify"))
 
@@ -220,12 +199,9 @@ def stripe(
     A delivery whose timestamp is more than ``tolerance`` seconds old (a captured delivery replayed) or
     ahead of the clock is rejected with ``check="timestamp"``.
 
-    :param secret: the endpoint's signing secret, or a sequence of secrets while one is being rolled (a
-        delivery signed with any one of them is accepted).
-    :param name: the source's name (:attr:`Source.name`).
+    :param secret: the endpoint's signing secret, or a sequence of them while one is rotated.
     :param tolerance: seconds a delivery's timestamp may be from the clock, either way (Stripe's default
         is five minutes).
-    :param window: how long event ids are kept (:attr:`Source.window`).
     :raises ConfigurationError: the ``stripe`` library is not installed.
     """
     verify = _stripe_verify(_secrets(secret, "stripe"), parse_seconds("tolerance", tolerance))
@@ -278,12 +254,9 @@ def standard(
     A delivery whose ``webhook-timestamp`` is more than ``tolerance`` seconds from the clock, either way,
     is rejected with ``check="timestamp"``.
 
-    :param secret: the endpoint's secret, or a sequence of secrets while one is being rotated (a delivery
-        signed with any one of them is accepted).
-    :param name: the source's name (:attr:`Source.name`).
+    :param secret: the endpoint's secret, or a sequence of them while one is rotated.
     :param tolerance: seconds a delivery's timestamp may be from the clock, at most 300: the library
         refuses a timestamp five minutes away itself, so a tolerance can narrow that, not widen it.
-    :param window: how long event ids are kept (:attr:`Source.window`).
     :raises ConfigurationError: the ``standardwebhooks`` library is not installed, a secret is not a
         Standard Webhooks secret, or ``tolerance`` is over 300.
     """
@@ -327,7 +300,7 @@ def _standard_verify(secrets: tuple[str, ...], tolerance: float) -> Callable[[He
             try:
                 verifier.verify(payload, wanted)
             except json.JSONDecodeError:
-                raise WebhookRejected("The delivery's body is not JSON.", check="body") from None
+                raise WebhookRejected(_NOT_JSON, check="body") from None
             except WebhookVerificationError as exc:
                 if "timestamp" in str(exc).lower():  # the library's own check, at the edge of ours
                     raise WebhookRejected(_STALE, check="timestamp") from None
@@ -342,6 +315,7 @@ def _standard_verify(secrets: tuple[str, ...], tolerance: float) -> Callable[[He
 
 # The details of a rejection name the check and the header, never a secret or the signature expected.
 _NO_MATCH = "The {header} header holds no signature of this body under the source's secret."
+_NOT_JSON = "The delivery's body is not JSON."
 _STALE = "The delivery's timestamp is outside the source's tolerance (a replayed or delayed delivery)."
 
 
@@ -390,11 +364,11 @@ def _text(body: bytes) -> str:
         raise WebhookRejected("The delivery's body is not UTF-8 text.", check="body") from None
 
 
-def _json(payload: str) -> Any:
+def _json(payload: str | bytes) -> Any:
     try:
         return json.loads(payload)
     except ValueError:
-        raise WebhookRejected("The delivery's body is not JSON.", check="body") from None
+        raise WebhookRejected(_NOT_JSON, check="body") from None
 
 
 def _check_timestamp(value: str | None, tolerance: float) -> None:

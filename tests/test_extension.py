@@ -180,14 +180,10 @@ def test_flow_lease_timeout_takes_a_timedelta() -> None:
         Flow("b", lease_timeout=timedelta(0))
 
 
-def test_process_pool_is_the_deprecated_name_of_the_pool() -> None:
-    """``flask_idem.ProcessPool`` is still the pool under its new name, and warns that it was renamed;
-    ``from flask_idem import *`` does not bring it (nor its warning)."""
+def test_a_name_the_package_lacks_is_an_attribute_error() -> None:
+    """The package's ``__getattr__`` (which reads ``__version__``) answers any other name with
+    :exc:`AttributeError`: the pool's name before the first release included."""
     import flask_idem
 
-    with pytest.deprecated_call(match="renamed flask_idem.ForkSafeConnectionPool"):
-        old = flask_idem.ProcessPool
-    assert old is flask_idem.ForkSafeConnectionPool
-    assert "ProcessPool" not in flask_idem.__all__
-    with pytest.raises(AttributeError, match="no attribute 'ProcesPool'"):
-        flask_idem.ProcesPool  # noqa: B018 (a misspelt name is still an AttributeError)
+    with pytest.raises(AttributeError, match="no attribute 'ProcessPool'"):
+        flask_idem.ProcessPool  # noqa: B018

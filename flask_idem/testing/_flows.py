@@ -13,7 +13,7 @@ from werkzeug.test import TestResponse
 
 from .._state import get_state
 from ..recovery import recover
-from ._core import Call, Effect, Killer, client_of, describe, fail, hooked, replayed, send_and_kill, show
+from ._core import Call, Effect, Killer, describe, fail, hooked, replayed, send_and_kill, show, start
 
 __all__ = ["crash_between_steps"]
 
@@ -30,28 +30,20 @@ def crash_between_steps(
 ) -> list[str]:
     """Kill a multi-step request after each of its steps in turn; each must still end with one outside call.
 
-    A first request runs without a crash: the kit notes the points it passes (the view, each step by
-    name, ``"finish"``) and how many calls the outside party saw (``outside``). Then, for each point, a
-    request with a new key is killed there (:class:`~._core.WorkerKilled`, before that step's result is
-    recorded), as if its worker died. A request killed in the view was rolled back whole, so the client
-    retries it; any other is left to :func:`flask_idem.recovery.recover`, as stranded (its lease expired),
-    and the client's retry then gets the stored answer. Each must end with as many outside calls as the run
-    without a crash and, when ``effect`` is given, with the effect done once.
-
-    The kill is an exception (:class:`~._core.WorkerKilled`) raised in the worker's thread, so the
-    extension's own clean-up runs (the transaction is rolled back, the lease given up); a process killed
-    outright leaves its lease to expire instead, which the recovery job then takes over the same way.
+    A first request runs without a crash, to note the points it passes (the view, each step by name,
+    ``"finish"``) and the outside calls it makes. Then a request with a new key is killed at each point
+    (:class:`~._core.WorkerKilled`, raised in its thread before that step's result is recorded) and
+    finished by the client's retry (killed in the view, it was rolled back whole) or by
+    :func:`flask_idem.recovery.recover`; each must end with as many outside calls as the run without a
+    crash, the stored answer, and the effect done once.
 
     :param outside: counts the calls the outside party saw, e.g. charges at the payment provider.
     :param json: the JSON body, or a function returning a body for each new key (an order to pay).
     :param effect: counts what the request does in the database, one per finished request.
     :returns: the points where a request was killed.
     """
-    client = client_of(target)
+    client, call, key, body = start(target, method, path, json, headers)
     app = client.application
-    call = Call(method, path, json, None, headers or {})
-
-    key, body = uuid.uuid4(), call.body()
     calls, done = outside(), effect() if effect else 0
     watcher = Killer(None)
     with hooked(app, watcher):

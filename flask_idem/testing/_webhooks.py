@@ -31,11 +31,8 @@ def check_webhook_redelivery(
 ) -> list[TestResponse]:
     """A provider's redeliveries of one event, one after another or all at once, run its handler once.
 
-    First one event is delivered ``times`` times in a row: the first answer is a 2xx, ``effect`` grows by
-    one, and every redelivery is answered 2xx without a second effect. Then ``threads`` threads deliver
-    one event at the same moment: ``effect`` grows by one, and every answer is a 2xx or ``409`` (which
-    every provider retries later). Deliveries are ``POST`` requests of ``body`` with the headers
-    ``sign(body)`` returns.
+    One event is delivered ``times`` times in a row, then another from ``threads`` threads at once; each
+    delivery is a ``POST`` of ``body`` with the headers ``sign(body)`` returns.
 
     :param sign: the headers that make a delivery of a body pass the route's source: its signature
         (and timestamp, event id header...) made with the test secret.
