@@ -298,7 +298,7 @@ class _Runner:
             return True
 
         self.echo(f"Layout {revision.layout}: {revision.summary}.")
-        if not self.transaction(ddl):
+        if not self.keeping_grants(revision, ddl):
             self.echo(f"Layout {revision.layout} was applied already.")
             return False
         if not revision.indexes and not revision.after:
@@ -307,7 +307,7 @@ class _Runner:
             self._build(index)
         for step in revision.after[:-1]:
             statement = sql.SQL(step).format(**self.names)
-            self.transaction(lambda conn, statement=statement: conn.execute(statement))  # type: ignore[misc]
+            self.keeping_grants(revision, lambda conn, statement=statement: conn.execute(statement))  # type: ignore[misc]
 
         def record(conn: psycopg.Connection[Any]) -> bool:
             for index in revision.indexes:
@@ -320,7 +320,21 @@ class _Runner:
             self._record(conn, revision)
             return True
 
-        return self.transaction(record)
+        return self.keeping_grants(revision, record)
+
+    def keeping_grants(self, revision: Revision, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """:meth:`transaction` for a transaction of ``revision``: the roles that could read and write the
+        key table at its start get, at its end, the grants of every revision up to it
+        (:func:`_layout.kept_grants`), on whatever ``work`` created or replaced."""
+        remember, restore = _layout.kept_grants(self.table, revision.layout)
+
+        def run(conn: psycopg.Connection[Any]) -> T:
+            conn.execute(remember)
+            done = work(conn)
+            conn.execute(restore)
+            return done
+
+        return self.transaction(run)
 
     def _build(self, index: Index) -> None:
         """Build ``index`` with ``CREATE INDEX CONCURRENTLY``, unless it exists (valid, or being built by
