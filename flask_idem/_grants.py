@@ -129,9 +129,11 @@ def _denial(error: psycopg.Error) -> psycopg.Error:
     """``error``, or the missing privilege it was raised from: a statement sent with COMMIT (a batched
     transaction) fails at COMMIT, and is raised as a COMMIT whose outcome is unknown, from it."""
     seen: BaseException | None = error
-    while seen is not None:
+    chain: set[int] = set()
+    while seen is not None and id(seen) not in chain:  # a cause may be raised from itself
         if isinstance(seen, psycopg.errors.InsufficientPrivilege):
             return seen
+        chain.add(id(seen))
         seen = seen.__cause__
     return error
 

@@ -414,11 +414,20 @@ def problem(found: Found, table: str) -> str | None:
         )
     if found.layout < newest:
         # Online when every revision to apply lets the code of the table's layout go on serving.
-        online = all(r.compatible_from <= found.layout for r in revisions() if r.layout > found.layout)
-        meanwhile = f" (online: the code of layout {found.layout} serves meanwhile)" if online else ""
+        changing = [
+            r.layout for r in revisions() if r.layout > found.layout and r.compatible_from > found.layout
+        ]
+        head = f"The key table {table} has layout {found.layout}; this flask-idem runs on layout {newest}."
+        if not changing:
+            return (
+                f"{head} Upgrade it with {upgrade_command(found)} (online: the code of layout"
+                f" {found.layout} serves meanwhile), then deploy this code."
+            )
+        # Code first: a process of the older code checks the layout once, and would go on running its
+        # statements on a layout that changes what they must do.
         return (
-            f"The key table {table} has layout {found.layout}; this flask-idem runs on layout {newest}."
-            f" Upgrade it with {upgrade_command(found)}{meanwhile}, then deploy this code."
+            f"{head} Upgrade it with {upgrade_command(found)} once no process of the code of layout"
+            f" {found.layout} runs any more: layout {changing[0]} changes what the statements must do."
         )
     if found.layout > newest and found.compatible_from > newest:
         return (

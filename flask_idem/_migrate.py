@@ -190,6 +190,12 @@ def upgrade(
         for revision in todo:
             if to is not None and revision.layout > to:
                 break
+            if found.layout is not None and revision.compatible_from > found.layout:
+                echo(
+                    f"Layout {revision.layout} changes what the statements must do: no process of the"
+                    f" code of layout {found.layout} may serve on it (the code of layout"
+                    f" {revision.compatible_from} or later is deployed first, then the tables)."
+                )
             if runner.apply(revision):
                 report.applied.append(revision.layout)
             report.after = revision.layout

@@ -147,9 +147,14 @@ class Load:
             thread.start()
         try:
             wait_for(lambda: self.done >= REQUESTS, timeout=120)
+            before = self.done
             migration()
             after = self.done
             wait_for(lambda: self.done >= after + REQUESTS, timeout=120)
+            print(
+                f"\n{before} requests before the migration, {after - before} while it ran,"
+                f" {self.done - after} after; {self.replays} replays, {len(self.first)} keys"
+            )
         finally:
             self.stop.set()
             for thread in threads:
@@ -265,6 +270,11 @@ def test_layout_2_applied_under_load_by_the_newer_release(
         load.during(migration)
         assert layout_of(db, TABLE) == _layout.latest() + 1 == 2
         check_keys(load, db)
+        if citus.ENABLED:
+            distributed = db.execute(
+                "SELECT count(*) FROM pg_dist_partition WHERE logicalrelid = %s::regclass", (NEW_TABLE,)
+            ).fetchone()
+            assert distributed == (1,)
 
         purged = owner.test_cli_runner().invoke(args=["idem", "purge"])  # partitions made ahead, after
         assert purged.exit_code == 0, purged.output
