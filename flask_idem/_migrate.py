@@ -14,6 +14,10 @@ That connection has no ``statement_timeout`` (building an index takes as long as
    cannot run inside a transaction block: each is its own statement, between two transactions;
 3. one transaction that checks those indexes are valid and records the layout in the key table's comment.
 
+Every one of those transactions keeps the application's privileges: it starts by reading the roles that
+may read and write the key table and ends by giving them the grants of every revision up to it
+(:func:`._layout.kept_grants`), so that what it created or replaced commits with its grants.
+
 A revision is thus "in a transaction" where PostgreSQL allows one: its DDL commits at once or not at
 all, and its layout is recorded only once everything it built is in place. Interrupted between those
 steps, it leaves objects of the new layout that the old code ignores, under the old layout's comment;

@@ -340,7 +340,8 @@ def run_upgrade(revision: Revision) -> None:
     not held through the revisions that follow. Online, a statement whose lock was not had in time (or
     that a deadlock broke) is rolled back to a savepoint and tried again after a pause, as ``flask idem
     migrate`` tries its transactions again; every statement is safe to run twice, so an upgrade that
-    still fails may simply be run again.
+    still fails may simply be run again. Each of those transactions keeps the application's grants
+    (:func:`flask_idem._layout.kept_grants`), in the printed SQL too.
     """
     from alembic import context, op
 
