@@ -10,7 +10,14 @@ finishes each revision: ``flask-idem key table, layout 2 (code of layout 1 and l
 The second number says which code may use the table: a revision that only adds (an index, a nullable
 column) lets the code of earlier layouts go on serving while it is applied and after, which is what an
 upgrade under traffic needs. This code runs on its own layout (:func:`latest`) and on a newer one that
-says so: the tables are upgraded first, then the code that needs them is deployed.
+says so: the tables are upgraded first, then the code that needs them is deployed. A revision that changes
+what the statements must do says ``compatible_from`` = its own number: the code that knows it is deployed
+first (it answers 503 until the tables are upgraded), since a running process checks the layout once.
+
+Whatever a revision creates or replaces keeps the application's privileges: every transaction of a
+revision gives the roles that could read and write the key table before it the grants of every revision
+up to it (:func:`kept_grants`), and :func:`revisions` refuses a revision whose new tables its grants do
+not name.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg import sql
 
+from ._sqlfile import blocks
 from .errors import ConfigurationError
 
 __all__ = [
@@ -34,7 +42,9 @@ __all__ = [
     "Found",
     "Index",
     "Revision",
+    "add",
     "comment",
+    "kept_grants",
     "latest",
     "lock_key",
     "names",
@@ -164,9 +174,31 @@ def comment(layout: int, compatible_from: int) -> str:
     return _COMMENT.format(layout=layout, compatible_from=compatible_from)
 
 
+#: Revisions from outside :mod:`flask_idem.migrations`, taken by :func:`add`, with their Alembic ids.
+_ADDED: list[tuple[Revision, str, str | None]] = []
+
+#: A table made by a revision's DDL (its name's key), unless it is a partition.
+_CREATE_TABLE_RE = re.compile(r"CREATE TABLE (?:IF NOT EXISTS )?\{(\w+?)(?:_qualified)?\}(?! PARTITION OF)")
+
+
+def add(revision: Revision, ident: str, down: str | None) -> None:
+    """Take ``revision``, a revision file's ``REVISION`` with its Alembic ``revision`` (``ident``) and
+    ``down_revision``, as a layout after those of :mod:`flask_idem.migrations`, once per layout.
+
+    For the test suite, which proves the machinery for future layouts on a layout of its own that no
+    release has and no wheel ships (``tests/support/second_layout/``); a released flask-idem calls it
+    nowhere. The file adds itself when it is imported: by Alembic from ``version_locations``, or by an
+    application that stands for the newer release. Checked with the others by :func:`revisions`.
+    """
+    if all(added.layout != revision.layout for added, _, _ in _ADDED):
+        _ADDED.append((revision, ident, down))
+        revisions.cache_clear()
+
+
 @functools.cache
 def revisions() -> tuple[Revision, ...]:
-    """Every revision of :mod:`flask_idem.migrations`, in order; checked to be numbered 1, 2, 3...
+    """Every revision of :mod:`flask_idem.migrations` (and those of :func:`add`), in order; checked to
+    be numbered 1, 2, 3... and each to grant what it makes (:func:`_check`).
 
     :raises RuntimeError: when a revision file is malformed (a packaging mistake, not a user's).
     """
@@ -179,6 +211,7 @@ def revisions() -> tuple[Revision, ...]:
         if not isinstance(revision, Revision):
             raise RuntimeError(f"flask_idem.migrations.{info.name} has no REVISION.")
         found.append((revision, module.revision, module.down_revision))
+    found += _ADDED
     found.sort(key=lambda entry: entry[0].layout)
     for number, (revision, ident, down) in enumerate(found, start=1):
         expected_down = None if number == 1 else alembic_id(number - 1)
@@ -188,7 +221,28 @@ def revisions() -> tuple[Revision, ...]:
             )
         if not 1 <= revision.compatible_from <= number:
             raise RuntimeError(f"flask_idem.migrations: layout {number} has a wrong compatible_from.")
+        _check(revision)
     return tuple(revision for revision, _, _ in found)
+
+
+def _check(revision: Revision) -> None:
+    """Refuse a revision that could leave the application's role without its privileges: a table its
+    DDL makes that is not among its :attr:`~Revision.tables`, a table of those its
+    :attr:`~Revision.grants` do not name, or a function dropped (``CREATE OR REPLACE`` keeps a function's
+    privileges; a function made anew is executable by ``PUBLIC`` only).
+
+    :raises RuntimeError: naming the revision and what it lacks.
+    """
+    ddl = " ".join((revision.sql, *revision.after, revision.distributed_sql))
+    made = {key for key in _CREATE_TABLE_RE.findall(ddl) if key != "table"}
+    lacking = sorted(made - set(revision.tables)) + [
+        key for key in revision.tables if "{" + key + "_qualified}" not in revision.grants
+    ]
+    if lacking or "DROP FUNCTION" in ddl.upper():
+        raise RuntimeError(
+            f"Layout {revision.layout}: every table it makes must be in its tables and its grants"
+            f" ({', '.join(lacking) or 'a function dropped'}); replace functions with CREATE OR REPLACE."
+        )
 
 
 def alembic_id(layout: int) -> str:
@@ -229,6 +283,26 @@ def tables(table: str) -> list[tuple[str | None, str]]:
     for revision in revisions():
         found += [(schema, parts[-1] + revision.names[key]) for key in revision.tables]
     return found
+
+
+def kept_grants(table: str, layout: int) -> tuple[sql.Composed, sql.Composed]:
+    """The first and the last statement of every transaction of revision ``layout`` (``_layout.sql``):
+    the first remembers the roles that may read and write the key table ``table`` as it is; the last
+    gives each of them the grants of every revision up to ``layout``, on what the transaction made.
+
+    The grants rule of the upgrades page: the machinery keeps the application's privileges on every
+    table a revision creates or replaces, so that no revision can forget them.
+    """
+    known = names(table)
+    grants = " ".join(
+        sql.SQL(revision.grants).format(**known, role=sql.SQL("{role}")).as_string(None)
+        for revision in revisions()[:layout]
+        if revision.grants
+    )
+    statements = blocks("_layout.sql", distributed=False)[1]
+    remember = sql.SQL(statements["remember"]).format(**known)
+    restore = sql.SQL(statements["restore"]).format(grants=sql.Literal(grants))
+    return remember, restore
 
 
 def lock_key(table: str) -> int:
@@ -340,11 +414,20 @@ def problem(found: Found, table: str) -> str | None:
         )
     if found.layout < newest:
         # Online when every revision to apply lets the code of the table's layout go on serving.
-        online = all(r.compatible_from <= found.layout for r in revisions() if r.layout > found.layout)
-        meanwhile = f" (online: the code of layout {found.layout} serves meanwhile)" if online else ""
+        changing = [
+            r.layout for r in revisions() if r.layout > found.layout and r.compatible_from > found.layout
+        ]
+        head = f"The key table {table} has layout {found.layout}; this flask-idem runs on layout {newest}."
+        if not changing:
+            return (
+                f"{head} Upgrade it with {upgrade_command(found)} (online: the code of layout"
+                f" {found.layout} serves meanwhile), then deploy this code."
+            )
+        # Code first: a process of the older code checks the layout once, and would go on running its
+        # statements on a layout that changes what they must do.
         return (
-            f"The key table {table} has layout {found.layout}; this flask-idem runs on layout {newest}."
-            f" Upgrade it with {upgrade_command(found)}{meanwhile}, then deploy this code."
+            f"{head} Upgrade it with {upgrade_command(found)} once no process of the code of layout"
+            f" {found.layout} runs any more: layout {changing[0]} changes what the statements must do."
         )
     if found.layout > newest and found.compatible_from > newest:
         return (

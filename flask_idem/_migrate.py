@@ -14,6 +14,10 @@ That connection has no ``statement_timeout`` (building an index takes as long as
    cannot run inside a transaction block: each is its own statement, between two transactions;
 3. one transaction that checks those indexes are valid and records the layout in the key table's comment.
 
+Every one of those transactions keeps the application's privileges: it starts by reading the roles that
+may read and write the key table and ends by giving them the grants of every revision up to it
+(:func:`._layout.kept_grants`), so that what it created or replaced commits with its grants.
+
 A revision is thus "in a transaction" where PostgreSQL allows one: its DDL commits at once or not at
 all, and its layout is recorded only once everything it built is in place. Interrupted between those
 steps, it leaves objects of the new layout that the old code ignores, under the old layout's comment;
@@ -190,6 +194,12 @@ def upgrade(
         for revision in todo:
             if to is not None and revision.layout > to:
                 break
+            if found.layout is not None and revision.compatible_from > found.layout:
+                echo(
+                    f"Layout {revision.layout} changes what the statements must do: no process of the"
+                    f" code of layout {found.layout} may serve on it (the code of layout"
+                    f" {revision.compatible_from} or later is deployed first, then the tables)."
+                )
             if runner.apply(revision):
                 report.applied.append(revision.layout)
             report.after = revision.layout
@@ -298,7 +308,7 @@ class _Runner:
             return True
 
         self.echo(f"Layout {revision.layout}: {revision.summary}.")
-        if not self.transaction(ddl):
+        if not self.keeping_grants(revision, ddl):
             self.echo(f"Layout {revision.layout} was applied already.")
             return False
         if not revision.indexes and not revision.after:
@@ -307,7 +317,7 @@ class _Runner:
             self._build(index)
         for step in revision.after[:-1]:
             statement = sql.SQL(step).format(**self.names)
-            self.transaction(lambda conn, statement=statement: conn.execute(statement))  # type: ignore[misc]
+            self.keeping_grants(revision, lambda conn, statement=statement: conn.execute(statement))  # type: ignore[misc]
 
         def record(conn: psycopg.Connection[Any]) -> bool:
             for index in revision.indexes:
@@ -320,7 +330,21 @@ class _Runner:
             self._record(conn, revision)
             return True
 
-        return self.transaction(record)
+        return self.keeping_grants(revision, record)
+
+    def keeping_grants(self, revision: Revision, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """:meth:`transaction` for a transaction of ``revision``: the roles that could read and write the
+        key table at its start get, at its end, the grants of every revision up to it
+        (:func:`_layout.kept_grants`), on whatever ``work`` created or replaced."""
+        remember, restore = _layout.kept_grants(self.table, revision.layout)
+
+        def run(conn: psycopg.Connection[Any]) -> T:
+            conn.execute(remember)
+            done = work(conn)
+            conn.execute(restore)
+            return done
+
+        return self.transaction(run)
 
     def _build(self, index: Index) -> None:
         """Build ``index`` with ``CREATE INDEX CONCURRENTLY``, unless it exists (valid, or being built by

@@ -340,19 +340,27 @@ def run_upgrade(revision: Revision) -> None:
     not held through the revisions that follow. Online, a statement whose lock was not had in time (or
     that a deadlock broke) is rolled back to a savepoint and tried again after a pause, as ``flask idem
     migrate`` tries its transactions again; every statement is safe to run twice, so an upgrade that
-    still fails may simply be run again.
+    still fails may simply be run again. Each of those transactions keeps the application's grants
+    (:func:`flask_idem._layout.kept_grants`), in the printed SQL too.
     """
     from alembic import context, op
 
     table, distributed, lock_timeout, horizon = _target()
     names = {**_layout.names(table), "horizon": sql.Literal(horizon)}
+    # Every transaction of the revision keeps the application's grants, as migrate's do.
+    remember, restore = _layout.kept_grants(table, revision.layout)
+
+    def begin() -> None:
+        _begin(lock_timeout, table)
+        _execute(remember)
 
     def commit() -> None:
+        _execute(restore)
         with op.get_context().autocommit_block():  # commits Alembic's transaction and begins one after
             pass
-        _begin(lock_timeout, table)
+        begin()
 
-    _begin(lock_timeout, table)
+    begin()
     # A layout recorded already (by flask idem migrate, or a newer flask-idem) has this revision's
     # tables and statements: they are not run again, as migrate runs them only for a layout it lacks.
     # Run again they could change what a later layout made (an index it dropped, built anew; on Citus,
@@ -361,6 +369,8 @@ def run_upgrade(revision: Revision) -> None:
     recorded = not context.is_offline_mode() and _recorded(table) >= revision.layout
     if revision.sql and not recorded:
         _retried(sql.SQL(revision.sql).format(**names))
+    if revision.indexes:
+        _execute(restore)  # the first index's autocommit_block() commits the revision's DDL
     for index in revision.indexes:
         name = names[f"{index.name}_qualified"].as_string(None)
         if not context.is_offline_mode():
@@ -384,7 +394,7 @@ def run_upgrade(revision: Revision) -> None:
             create = sql.SQL(index.create() + " {} ").format(names[index.name])
             _execute(create + sql.SQL(index.definition).format(**names))
     if revision.indexes:
-        _begin(lock_timeout, table)
+        begin()
     for number, step in enumerate(revision.after, start=1):
         if not recorded:
             _retried(sql.SQL(step).format(**names))
@@ -397,8 +407,11 @@ def run_upgrade(revision: Revision) -> None:
         **names, layout=sql.Literal(revision.layout), comment=sql.Literal(revision.comment())
     )
     _execute(record)
+    _execute(restore)
     if revision.after:
-        commit()
+        with op.get_context().autocommit_block():
+            pass
+        _begin(lock_timeout, table)
 
 
 def _recorded(table: str) -> int:

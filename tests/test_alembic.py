@@ -161,6 +161,8 @@ def test_new_project(projects: Any, scratch: str) -> None:
     assert 'CREATE TABLE IF NOT EXISTS "idempotency_keys"' in offline.output
     assert 'CREATE INDEX IF NOT EXISTS "idempotency_keys_due_idx"' in offline.output
     assert 'PARTITION OF "idempotency_keys"' in offline.output  # the first partition
+    # The grants kept, in the printed SQL too: the roles remembered, then granted again.
+    assert offline.output.index("set_config('flask_idem.roles'") < offline.output.index("DO $grants$")
     assert "%%" not in offline.output  # nothing doubled by the pyformat escaping of Flask-Migrate's env.py
     with psycopg.connect(scratch) as conn:
         assert layout_of(conn, "idempotency_keys") is None

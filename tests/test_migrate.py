@@ -694,3 +694,106 @@ def test_upgrade_stops_at_the_layout_asked(
     then = _migrate.upgrade(direct_database_url, table=fresh, distributed=citus.ENABLED, to=second.layout)
     assert (then.applied, then.after, layout_of(db, fresh)) == ([second.layout], second.layout, second.layout)
     assert "test_note" in [column[0] for column in catalog(db, fresh)["columns"]]
+
+
+# -- the application's privileges, kept by every revision ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("revision", "lacks"),
+    [
+        ({"sql": "CREATE TABLE IF NOT EXISTS {extra_qualified} (id int)", "names": {"extra": "_x"}}, "extra"),
+        (
+            {
+                "sql": "CREATE TABLE {extra_qualified} (id int)",
+                "names": {"extra": "_x"},
+                "tables": ("extra",),
+                "grants": "GRANT SELECT ON {table} TO {role}",
+            },
+            "extra",
+        ),
+        ({"sql": "DROP FUNCTION IF EXISTS {reserve_qualified}(bigint)"}, "a function dropped"),
+    ],
+    ids=["table-not-in-tables", "table-not-granted", "function-dropped"],
+)
+def test_a_revision_that_could_lose_a_grant_is_refused(revision: dict[str, Any], lacks: str) -> None:
+    """A revision whose new table is not among its tables, or not named by its grants, or that drops a
+    function (which loses its privileges) is refused when the revisions are loaded; a partition it
+    makes needs no grant of its own."""
+    with pytest.raises(RuntimeError, match=f"must be in its tables and its grants \\({lacks}\\)"):
+        _layout._check(_layout.Revision(layout=2, compatible_from=1, summary="s", **revision))
+    partition = "CREATE TABLE IF NOT EXISTS {first_qualified} PARTITION OF {table} DEFAULT"
+    _layout._check(_layout.Revision(layout=2, compatible_from=1, summary="s", sql=partition))
+
+
+def test_add_takes_a_revision_from_outside_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_layout.add` makes a revision of the test suite's the next layout, once; one out of order is
+    refused when the revisions are read."""
+    monkeypatch.setattr(_layout, "_ADDED", [])
+    second = _layout.Revision(layout=2, compatible_from=1, summary="added")
+    try:
+        _layout.add(second, "flask_idem_0002", "flask_idem_0001")
+        _layout.add(second, "flask_idem_0002", "flask_idem_0001")
+        assert _layout.revisions()[1:] == (second,)
+        assert _layout.latest() == 2
+        _layout.add(_layout.Revision(layout=4, compatible_from=1, summary="gap"), "flask_idem_0004", "x")
+        with pytest.raises(RuntimeError, match="revision of layout 4 is out of order"):
+            _layout.revisions()
+    finally:
+        monkeypatch.undo()
+        _layout.revisions.cache_clear()
+    assert _layout.latest() == 1
+
+
+@pytest.mark.skipif(citus.ENABLED, reason="a table made anew on Citus is distributed again by its revision")
+def test_a_table_a_revision_replaces_keeps_the_application_roles_grants(
+    fresh: str, direct_database_url: str, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second layout that makes the outbox anew (a table with no privileges at all) leaves the role
+    `migrate --grant` was given for with its privileges on it, in the transaction that made it; a role
+    that may only read the key table (a reporting role) is not given any."""
+    _migrate.upgrade(direct_database_url, table=fresh)
+    app_role, reader = (f"idem_{kind}_{uuid.uuid4().hex[:8]}" for kind in ("app", "reader"))
+    for role in (app_role, reader):
+        db.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(role)))
+    try:
+        _migrate.grant(direct_database_url, table=fresh, role=app_role)
+        db.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(sql.Identifier(fresh), sql.Identifier(reader)))
+        second_layout(
+            monkeypatch,
+            sql=(
+                "ALTER TABLE {outbox_qualified} RENAME TO fresh_keys_outbox_old;"
+                " CREATE TABLE {outbox_qualified} (LIKE fresh_keys_outbox_old INCLUDING ALL);"
+                " DROP TABLE fresh_keys_outbox_old"
+            ),
+        )
+        outbox = fresh + "_outbox"
+        before = db.execute("SELECT oid FROM pg_class WHERE relname = %s", (outbox,)).fetchone()
+        _migrate.upgrade(direct_database_url, table=fresh)
+        assert db.execute("SELECT oid FROM pg_class WHERE relname = %s", (outbox,)).fetchone() != before
+
+        def held(role: str) -> list[str]:
+            return [
+                privilege
+                for privilege in ("SELECT", "INSERT", "UPDATE", "DELETE")
+                if db.execute("SELECT has_table_privilege(%s, %s, %s)", (role, outbox, privilege)).fetchone()
+                == (True,)
+            ]
+
+        assert held(app_role) == ["SELECT", "INSERT", "UPDATE", "DELETE"]
+        assert held(reader) == []
+    finally:
+        for role in (app_role, reader):
+            db.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_an_older_layout_whose_upgrade_changes_the_statements_says_code_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layout that is not compatible with the code of the table's layout is not called online: the
+    message says to upgrade once no process of that code runs."""
+    second_layout(monkeypatch, compatible_from=2)
+    message = _layout.problem(_layout.Found(1), "idempotency_keys") or ""
+    assert "online" not in message
+    assert "once no process of the code of layout 1 runs any more: layout 2 changes what the" in message
