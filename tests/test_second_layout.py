@@ -15,9 +15,7 @@ every client in as the server's superuser, so the role's application connects di
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -34,7 +32,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from flask_idem import _layout, _migrate, _partitions
 
 from .support import citus
-from .support.alembic_project import PLAIN_ALEMBIC, alembic, plain_project
+from .support.alembic_project import PLAIN_ALEMBIC, alembic, deployed, plain_project
 from .support.helpers import app_factory, wait_for
 from .support.layouts import drop, layout_of
 from .support.notes_app import ORG, build_app
@@ -163,18 +161,9 @@ class Load:
 
 def newer_migrate(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``flask idem migrate ARGS`` of the release that knows layout 2, in a process of its own."""
-    env = {**os.environ, "FLASK_IDEM_DATABASE_URL": url, "FLASK_IDEM_TABLE": TABLE}
-    if citus.ENABLED:
-        env["FLASK_IDEM_DISTRIBUTED"] = "true"
-    command = ["-m", "flask", "--app", "tests.support.newer_release:create_app", "idem", "migrate", *args]
-    return subprocess.run(
-        [sys.executable, *command],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    app = "tests.support.newer_release:create_app"
+    return deployed(
+        ROOT, url, "flask", "--app", app, "idem", "migrate", *args, env={"FLASK_IDEM_TABLE": TABLE}
     )
 
 

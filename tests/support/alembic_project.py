@@ -66,12 +66,21 @@ def alembic(
 ) -> subprocess.CompletedProcess[str]:
     """``alembic ARGS`` run in ``project``, the application pointed at ``conninfo`` as a deployment
     would (``FLASK_IDEM_DATABASE_URL``), with more ``FLASK_IDEM_*`` settings in ``env``."""
+    return deployed(project, conninfo, "alembic", *args, env=env)
+
+
+def deployed(
+    cwd: Path, conninfo: str, module: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGS`` in a process of its own, in ``cwd``, pointed at ``conninfo`` as a
+    deployment would (``FLASK_IDEM_DATABASE_URL``, and ``FLASK_IDEM_DISTRIBUTED`` on Citus), with more
+    ``FLASK_IDEM_*`` settings in ``env``."""
     environment = {**os.environ, "FLASK_IDEM_DATABASE_URL": conninfo, **(env or {})}
     if citus.ENABLED:
         environment["FLASK_IDEM_DISTRIBUTED"] = "true"
     return subprocess.run(
-        [sys.executable, "-m", "alembic", *args],
-        cwd=project,
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
         env=environment,
         capture_output=True,
         text=True,
